@@ -1,0 +1,25 @@
+"""A developer's machine and the quick start: SQLite, the embedded broker, mail on
+the console. Everything can still be overridden by the environment."""
+
+import secrets
+
+from portal import env
+from portal.settings.base import *  # noqa: F403
+from portal.settings.base import VAR_DIR
+
+DEBUG = env.boolean("DEBUG", True)
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _local_secret_key() -> str:
+    """A random key made once per checkout and kept in var/, so sessions survive
+    restarts without anyone committing a key."""
+    path = VAR_DIR / "secret_key"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+SECRET_KEY = env.secret("SECRET_KEY", "") or _local_secret_key()
+PORTAL_REQUIRE_ADMIN_MFA = env.boolean("PORTAL_REQUIRE_ADMIN_MFA", False)

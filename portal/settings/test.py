@@ -1,0 +1,59 @@
+"""The test suite. ``PORTAL_TEST_BACKEND`` picks the pair of real services a run uses:
+``embedded`` (SQLite + the SQLite broker + a file cache) or ``services``
+(PostgreSQL + Redis for broker and cache). ``bin/test`` runs both."""
+
+import os
+import tempfile
+from pathlib import Path
+
+from portal import env
+from portal.settings.base import *  # noqa: F403
+
+DEBUG = False
+SECRET_KEY = "test-only-key-not-secret-" + "x" * 40
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+PORTAL_REQUIRE_ADMIN_MFA = False
+ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
+
+# Each xdist worker gets its own cache namespace and scratch directory.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+VAR_DIR = Path(tempfile.gettempdir()) / f"tpu-portal-test-{os.getpid()}-{_WORKER}"
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+TEST_BACKEND = env.string("PORTAL_TEST_BACKEND", "embedded")
+if TEST_BACKEND == "services":
+    DATABASES = {
+        "default": env.database(
+            env.string("TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/tpu_portal")
+        )
+    }
+    _REDIS = env.string("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": _REDIS,
+            "KEY_PREFIX": f"tpu-portal-test-{_WORKER}",
+        }
+    }
+    CELERY_BROKER_URL = _REDIS
+elif TEST_BACKEND == "embedded":
+    DATABASES = {"default": env.database(f"sqlite:///{VAR_DIR / 'db.sqlite3'}")}
+    # A file, not memory: end-to-end tests share it with a real Celery worker process.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-db.sqlite3")}
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "LOCATION": str(VAR_DIR / "cache"),
+        }
+    }
+    CELERY_BROKER_URL = f"sqla+sqlite:///{VAR_DIR / 'celery-broker.sqlite3'}"
+else:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("PORTAL_TEST_BACKEND must be 'embedded' or 'services'.")
+
+# Unit tests run tasks inline; end-to-end tests start a real worker on the broker.
+CELERY_TASK_ALWAYS_EAGER = env.boolean("CELERY_TASK_ALWAYS_EAGER", True)
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class TpusConfig(AppConfig):
+    name = "tpus"
+    verbose_name = "Labs and TPU VMs"
