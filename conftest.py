@@ -1,9 +1,10 @@
-"""Fixtures every app's tests share. App-specific fixtures live in the app's own
-conftest.py."""
+"""Fixtures every app's tests share: users, labs, and a cast of people in each role.
+App-specific fixtures live in the app's own conftest.py."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import pytest
 from django.core.cache import cache
@@ -68,3 +69,47 @@ def add_member(db):
         )
 
     return add
+
+
+@dataclass
+class Cast:
+    lab: object
+    other_lab: object
+    admin: object
+    member: object
+    pending: object
+    outsider: object  # a member of another lab only
+    site_admin: object
+    pending_membership: object
+    member_membership: object
+    other_membership: object  # a request in the other lab
+
+
+@pytest.fixture
+def cast(make_user, make_lab, add_member) -> Cast:
+    lab = make_lab("Vision Lab", slug="vision", discoverable=False)
+    other = make_lab("Other Lab", slug="other", discoverable=False)
+    admin, member, pending, outsider = (
+        make_user("admin@vision.example"),
+        make_user("milo@vision.example"),
+        make_user("pat@vision.example"),
+        make_user("eve@other.example"),
+    )
+    site_admin = make_user("root@portal.example", is_superuser=True, is_staff=True)
+    add_member(lab, admin, role="admin")
+    member_membership = add_member(lab, member)
+    pending_membership = add_member(lab, pending, state="requested")
+    add_member(other, outsider, role="admin")
+    other_membership = add_member(other, make_user("someone@other.example"), state="requested")
+    return Cast(
+        lab=lab,
+        other_lab=other,
+        admin=admin,
+        member=member,
+        pending=pending,
+        outsider=outsider,
+        site_admin=site_admin,
+        pending_membership=pending_membership,
+        member_membership=member_membership,
+        other_membership=other_membership,
+    )

@@ -1,8 +1,42 @@
 from django.urls import path
 
-from tpus import views
+from tpus.views import labs
 
 urlpatterns = [
-    path("", views.dashboard, name="dashboard"),
-    path("labs/", views.lab_list, name="lab_list"),
+    path("", labs.dashboard, name="dashboard"),
+    path("labs/", labs.lab_list, name="lab_list"),
+    path("labs/new/", labs.lab_create, name="lab_create"),
+    path("labs/<slug:slug>/", labs.lab_detail, name="lab_detail"),
+    path("labs/<slug:slug>/join/", labs.lab_join, name="lab_join"),
+    path("labs/<slug:slug>/policy/accept/", labs.policy_accept, name="policy_accept"),
+    path("labs/<slug:slug>/admin/", labs.lab_admin, name="lab_admin"),
+    path("labs/<slug:slug>/settings/", labs.lab_settings, name="lab_settings"),
+    path("labs/<slug:slug>/audit/", labs.lab_audit, name="lab_audit"),
+    path(
+        "labs/<slug:slug>/memberships/<int:membership_id>/approve/",
+        labs.membership_approve,
+        name="membership_approve",
+    ),
+    path(
+        "labs/<slug:slug>/memberships/<int:membership_id>/reject/",
+        labs.membership_reject,
+        name="membership_reject",
+    ),
+    path(
+        "labs/<slug:slug>/memberships/<int:membership_id>/role/",
+        labs.membership_role,
+        name="membership_role",
+    ),
+    path(
+        "labs/<slug:slug>/memberships/<int:membership_id>/remove/",
+        labs.membership_remove,
+        name="membership_remove",
+    ),
+    path("labs/<slug:slug>/invites/", labs.invite_create, name="invite_create"),
+    path(
+        "labs/<slug:slug>/invites/<int:invite_id>/revoke/",
+        labs.invite_revoke,
+        name="invite_revoke",
+    ),
+    path("invites/<str:token>/", labs.invite, name="invite"),
 ]

@@ -1,0 +1,28 @@
+"""Which emails go out when something happens in a lab. Each function enqueues a
+task after the transaction commits, so no email describes a change that rolled back."""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+
+def _later(task, *args) -> None:
+    transaction.on_commit(lambda: task.delay(*args))
+
+
+def membership_requested(membership) -> None:
+    from tpus.tasks import send_membership_email
+
+    _later(send_membership_email, membership.pk, "requested")
+
+
+def membership_decided(membership) -> None:
+    from tpus.tasks import send_membership_email
+
+    _later(send_membership_email, membership.pk, "decided")
+
+
+def invite_created(invite, raw_token: str) -> None:
+    from tpus.tasks import send_invite_email
+
+    _later(send_invite_email, invite.pk, raw_token)

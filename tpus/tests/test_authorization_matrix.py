@@ -1,0 +1,173 @@
+"""Every lab URL against every kind of visitor. Another lab's object is a 404, never a
+403 that would confirm it exists; a member of the lab who is not an admin gets a 403
+on admin pages (they know the lab exists)."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+
+ROLES = ["anonymous", "outsider", "pending", "member", "admin", "site_admin"]
+
+# (name, method, url builder, expected status per role). 302 for anonymous means "sent
+# to sign in".
+OK, REDIRECT, FORBIDDEN, MISSING = 200, 302, 403, 404
+
+
+def _urls(cast):
+    lab, pm = cast.lab.slug, cast.pending_membership.pk
+    return [
+        ("dashboard", "get", reverse("dashboard"), [REDIRECT, OK, OK, OK, OK, OK]),
+        ("lab_list", "get", reverse("lab_list"), [REDIRECT, OK, OK, OK, OK, OK]),
+        (
+            "lab_create",
+            "get",
+            reverse("lab_create"),
+            [REDIRECT, FORBIDDEN, FORBIDDEN, FORBIDDEN, FORBIDDEN, OK],
+        ),
+        (
+            "lab_detail",
+            "get",
+            reverse("lab_detail", args=[lab]),
+            [REDIRECT, MISSING, OK, OK, OK, OK],
+        ),
+        ("lab_join", "get", reverse("lab_join", args=[lab]), [REDIRECT, MISSING, OK, OK, OK, OK]),
+        (
+            "lab_admin",
+            "get",
+            reverse("lab_admin", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "lab_settings",
+            "get",
+            reverse("lab_settings", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "lab_audit",
+            "get",
+            reverse("lab_audit", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "membership_approve",
+            "post",
+            reverse("membership_approve", args=[lab, pm]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "membership_reject",
+            "post",
+            reverse("membership_reject", args=[lab, pm]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "membership_role",
+            "post",
+            reverse("membership_role", args=[lab, cast.member_membership.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "membership_remove",
+            "post",
+            reverse("membership_remove", args=[lab, cast.member_membership.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "invite_create",
+            "post",
+            reverse("invite_create", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "policy_accept",
+            "post",
+            reverse("policy_accept", args=[lab]),
+            [REDIRECT, MISSING, MISSING, REDIRECT, REDIRECT, REDIRECT],
+        ),
+        ("token_list", "get", reverse("token_list"), [REDIRECT, OK, OK, OK, OK, OK]),
+        ("api_me", "get", "/api/v1/me", [401, OK, OK, OK, OK, OK]),
+        ("api_labs", "get", "/api/v1/labs", [401, OK, OK, OK, OK, OK]),
+        (
+            "api_lab",
+            "get",
+            f"/api/v1/labs/{lab}",
+            [401, MISSING, OK, OK, OK, OK],
+        ),
+        (
+            "api_lab_memberships",
+            "get",
+            f"/api/v1/labs/{lab}/memberships",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_approve",
+            "post",
+            f"/api/v1/labs/{lab}/memberships/{pm}/approve",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+    ]
+
+
+def _user(cast, role):
+    return None if role == "anonymous" else getattr(cast, role)
+
+
+@pytest.mark.parametrize("role_index", range(len(ROLES)), ids=ROLES)
+def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_index):
+    role = ROLES[role_index]
+    user = _user(cast, role)
+    failures = []
+    for name, method, url, expected in _urls(cast):
+        if user is not None:
+            client.force_login(user)
+        else:
+            client.logout()
+        response = getattr(client, method)(url)
+        if response.status_code != expected[role_index]:
+            failures.append(
+                f"{name} {url}: {response.status_code}, expected {expected[role_index]}"
+            )
+        # Each state-changing request runs against a fresh cast: undo by reloading below.
+        cast.pending_membership.refresh_from_db()
+    assert not failures, f"{role}:\n" + "\n".join(failures)
+
+
+def test_another_labs_membership_is_a_404_even_for_an_admin(client, cast):
+    client.force_login(cast.admin)
+    url = reverse("membership_approve", args=[cast.lab.slug, cast.other_membership.pk])
+    assert client.post(url).status_code == 404
+    cast.other_membership.refresh_from_db()
+    assert cast.other_membership.state == "requested"
+
+
+def test_an_admin_of_another_lab_cannot_reach_this_lab_by_its_slug(client, cast):
+    client.force_login(cast.outsider)
+    for url in (
+        reverse("lab_admin", args=[cast.lab.slug]),
+        reverse("membership_approve", args=[cast.lab.slug, cast.pending_membership.pk]),
+        f"/api/v1/labs/{cast.lab.slug}/memberships",
+    ):
+        response = client.post(url) if "approve" in url else client.get(url)
+        assert response.status_code == 404, url
+    cast.pending_membership.refresh_from_db()
+    assert cast.pending_membership.state == "requested"
+
+
+def test_a_missing_lab_and_a_hidden_lab_look_the_same(client, cast):
+    client.force_login(cast.outsider)
+    hidden = client.get(reverse("lab_detail", args=[cast.lab.slug]))
+    missing = client.get(reverse("lab_detail", args=["no-such-lab"]))
+    assert hidden.status_code == missing.status_code == 404
+    assert hidden.content == missing.content
+
+
+def test_someone_elses_api_token_is_a_404(client, cast):
+    from accounts.services import create_token
+
+    token, _ = create_token(cast.member, "laptop")
+    client.force_login(cast.outsider)
+    assert client.post(reverse("token_revoke", args=[token.pk])).status_code == 404
+    token.refresh_from_db()
+    assert token.revoked_at is None

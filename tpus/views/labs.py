@@ -1,0 +1,292 @@
+"""Pages about labs and memberships. Each view: one scoped lookup, a form, one
+service call, then a redirect or a page."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db.models import Count, Q
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from portal.htmx import is_htmx
+from tpus import access
+from tpus.forms import (
+    AcceptInviteForm,
+    InviteForm,
+    JoinForm,
+    LabCreateForm,
+    LabSettingsForm,
+    RejectForm,
+    RoleForm,
+)
+from tpus.models import AuditEvent
+from tpus.models.labs import MembershipState
+from tpus.services import labs as lab_services
+from tpus.services.labs import LabError
+
+
+@login_required
+def dashboard(request):
+    user = request.user
+    memberships = user.memberships.select_related("lab").order_by("lab__name")
+    admin_labs = access.admin_labs(user).annotate(
+        pending=Count("memberships", filter=Q(memberships__state=MembershipState.REQUESTED))
+    )
+    return render(
+        request,
+        "tpus/dashboard.html",
+        {
+            "memberships": memberships,
+            "admin_labs": admin_labs,
+            "tokens": user.api_tokens.filter(revoked_at=None).count(),
+        },
+    )
+
+
+@login_required
+def lab_list(request):
+    labs = access.visible_labs(request.user)
+    mine = {m.lab_id: m for m in request.user.memberships.all()}
+    rows = [(lab, mine.get(lab.pk)) for lab in labs]
+    return render(request, "tpus/lab_list.html", {"rows": rows})
+
+
+@login_required
+def lab_create(request):
+    if not request.user.is_site_admin:
+        raise PermissionDenied("Only site admins can create labs.")
+    form = LabCreateForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        data = dict(form.cleaned_data)
+        emails = data.pop("admin_emails")
+        try:
+            lab = lab_services.create_lab(
+                request.user, admin_emails=emails, request=request, **data
+            )
+        except LabError as exc:
+            form.add_error("admin_emails", str(exc))
+        else:
+            messages.success(request, f"{lab.name} is open.")
+            return redirect("lab_admin", lab.slug)
+    return render(request, "tpus/lab_form.html", {"form": form, "creating": True})
+
+
+@login_required
+def lab_detail(request, slug):
+    lab = access.get_visible_lab(request.user, slug)
+    membership = request.user.memberships.filter(lab=lab).first()
+    is_member = access.member_labs(request.user).filter(pk=lab.pk).exists()
+    context = {
+        "lab": lab,
+        "membership": membership,
+        "is_member": is_member,
+        "is_admin": is_member and access.is_lab_admin(request.user, lab),
+        "join_form": JoinForm(),
+    }
+    if is_member:
+        context["members"] = lab.memberships.filter(state=MembershipState.APPROVED).select_related(
+            "user"
+        )
+    return render(request, "tpus/lab_detail.html", context)
+
+
+@login_required
+def lab_join(request, slug):
+    lab = access.get_visible_lab(request.user, slug)
+    form = JoinForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        try:
+            lab_services.request_membership(
+                request.user,
+                lab,
+                purpose=form.cleaned_data["purpose"],
+                accept_policy=form.cleaned_data["accept_policy"],
+                request=request,
+            )
+        except LabError as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"Your request to join {lab.name} was sent to its admins.")
+            return redirect("lab_detail", lab.slug)
+    membership = request.user.memberships.filter(lab=lab).first()
+    return render(
+        request, "tpus/lab_join.html", {"lab": lab, "form": form, "membership": membership}
+    )
+
+
+@login_required
+@require_POST
+def policy_accept(request, slug):
+    lab = access.get_member_lab(request.user, slug)
+    membership = request.user.memberships.filter(lab=lab).first()
+    if membership is not None:
+        lab_services.accept_policy(request.user, membership, request=request)
+        messages.success(request, "Thank you: you accepted the current policy.")
+    return redirect("lab_detail", lab.slug)
+
+
+@login_required
+def lab_admin(request, slug):
+    lab = access.get_admin_lab(request.user, slug)
+    memberships = lab.memberships.select_related("user", "decided_by")
+    return render(
+        request,
+        "tpus/lab_admin.html",
+        {
+            "lab": lab,
+            "pending": memberships.filter(state=MembershipState.REQUESTED),
+            "members": memberships.filter(state=MembershipState.APPROVED).order_by(
+                "role", "user__email"
+            ),
+            "invites": lab.invites.filter(used_at=None, revoked_at=None),
+            "invite_form": InviteForm(),
+            "reject_form": RejectForm(),
+        },
+    )
+
+
+def _membership_row(request, lab, membership, error: str = ""):
+    """After an approve/reject: the table row for htmx, or back to the admin page."""
+    if is_htmx(request):
+        return render(
+            request,
+            "tpus/_membership_row.html",
+            {"lab": lab, "m": membership, "error": error, "reject_form": RejectForm()},
+        )
+    if error:
+        messages.error(request, error)
+    return redirect("lab_admin", lab.slug)
+
+
+@login_required
+@require_POST
+def membership_approve(request, slug, membership_id):
+    lab = access.get_admin_lab(request.user, slug)
+    membership = access.get_membership_for_admin(request.user, lab, membership_id)
+    try:
+        lab_services.approve_membership(request.user, membership, request=request)
+    except LabError as exc:
+        return _membership_row(request, lab, membership, str(exc))
+    if not is_htmx(request):
+        messages.success(request, f"{membership.user.email} is now a member.")
+    return _membership_row(request, lab, membership)
+
+
+@login_required
+@require_POST
+def membership_reject(request, slug, membership_id):
+    lab = access.get_admin_lab(request.user, slug)
+    membership = access.get_membership_for_admin(request.user, lab, membership_id)
+    form = RejectForm(request.POST)
+    if not form.is_valid():
+        return _membership_row(request, lab, membership, " ".join(form.errors["note"]))
+    try:
+        lab_services.reject_membership(
+            request.user, membership, note=form.cleaned_data["note"], request=request
+        )
+    except LabError as exc:
+        return _membership_row(request, lab, membership, str(exc))
+    return _membership_row(request, lab, membership)
+
+
+@login_required
+@require_POST
+def membership_role(request, slug, membership_id):
+    lab = access.get_admin_lab(request.user, slug)
+    membership = access.get_membership_for_admin(request.user, lab, membership_id)
+    form = RoleForm(request.POST)
+    try:
+        if not form.is_valid():
+            raise LabError("Choose member or lab admin.")
+        lab_services.set_role(request.user, membership, form.cleaned_data["role"], request=request)
+    except LabError as exc:
+        messages.error(request, str(exc))
+    return redirect("lab_admin", lab.slug)
+
+
+@login_required
+@require_POST
+def membership_remove(request, slug, membership_id):
+    lab = access.get_admin_lab(request.user, slug)
+    membership = access.get_membership_for_admin(request.user, lab, membership_id)
+    try:
+        lab_services.remove_member(request.user, membership, request=request)
+    except LabError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"{membership.user.email} was removed from {lab.name}.")
+    return redirect("lab_admin", lab.slug)
+
+
+@login_required
+def lab_settings(request, slug):
+    lab = access.get_admin_lab(request.user, slug)
+    form = LabSettingsForm(request.POST or None, instance=lab)
+    if request.method == "POST" and form.is_valid():
+        # The form validated a copy of the lab; the service applies and records it.
+        lab_services.update_lab(request.user, lab, form.cleaned_data, request=request)
+        messages.success(request, "Saved.")
+        return redirect("lab_admin", lab.slug)
+    return render(request, "tpus/lab_form.html", {"form": form, "lab": lab})
+
+
+@login_required
+def lab_audit(request, slug):
+    lab = access.get_admin_lab(request.user, slug)
+    events = AuditEvent.objects.filter(lab=lab).select_related("actor", "target_user")
+    page = Paginator(events, 50).get_page(request.GET.get("page"))
+    return render(request, "tpus/lab_audit.html", {"lab": lab, "page": page})
+
+
+@login_required
+@require_POST
+def invite_create(request, slug):
+    lab = access.get_admin_lab(request.user, slug)
+    form = InviteForm(request.POST)
+    if form.is_valid():
+        try:
+            invite, raw = lab_services.create_invite(
+                request.user, lab, request=request, **form.cleaned_data
+            )
+        except LabError as exc:
+            messages.error(request, str(exc))
+        else:
+            link = request.build_absolute_uri(reverse("invite", args=[raw]))
+            return render(
+                request, "tpus/invite_created.html", {"lab": lab, "invite": invite, "link": link}
+            )
+    else:
+        messages.error(request, " ".join(e for errs in form.errors.values() for e in errs))
+    return redirect("lab_admin", lab.slug)
+
+
+@login_required
+@require_POST
+def invite_revoke(request, slug, invite_id):
+    lab = access.get_admin_lab(request.user, slug)
+    invite = access.get_invite_for_admin(request.user, lab, invite_id)
+    lab_services.revoke_invite(request.user, invite, request=request)
+    messages.success(request, "The invite link no longer works.")
+    return redirect("lab_admin", lab.slug)
+
+
+@login_required
+def invite(request, token):
+    found = lab_services.find_invite(token)
+    form = AcceptInviteForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        try:
+            membership = lab_services.accept_invite(
+                request.user, token, accept_policy=True, request=request
+            )
+        except LabError as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"Welcome to {membership.lab.name}.")
+            return redirect("lab_detail", membership.lab.slug)
+    status = 200 if found is not None else 404
+    return render(request, "tpus/invite.html", {"invite": found, "form": form}, status=status)
