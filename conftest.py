@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import pytest
 from django.core.cache import cache
 
+pytest_plugins = ["tests.e2e"]
+
 _counter = itertools.count(1)
 
 

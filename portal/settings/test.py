@@ -12,7 +12,6 @@ from portal.settings.base import *  # noqa: F403
 DEBUG = False
 SECRET_KEY = "test-only-key-not-secret-" + "x" * 40
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
 PORTAL_REQUIRE_ADMIN_MFA = False
 ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
 
@@ -52,6 +51,15 @@ else:
     from django.core.exceptions import ImproperlyConfigured
 
     raise ImproperlyConfigured("PORTAL_TEST_BACKEND must be 'embedded' or 'services'.")
+
+# A Celery worker started by an end-to-end test uses the test database and broker of
+# the pytest process that started it.
+if _name := env.string("PORTAL_TEST_DATABASE_NAME", ""):
+    DATABASES["default"]["NAME"] = _name
+CELERY_BROKER_URL = env.string("PORTAL_TEST_BROKER_URL", CELERY_BROKER_URL)
+# Parallel test processes share Redis; each has its own queue.
+CELERY_TASK_DEFAULT_QUEUE = f"portal-test-{_WORKER}"
+globals().update(env.email(env.string("PORTAL_TEST_EMAIL_URL", "locmem:")))
 
 # Unit tests run tasks inline; end-to-end tests start a real worker on the broker.
 CELERY_TASK_ALWAYS_EAGER = env.boolean("CELERY_TASK_ALWAYS_EAGER", True)

@@ -1,0 +1,190 @@
+"""Fixtures for end-to-end tests: a real SMTP sink, a real Celery worker on the
+configured broker, and headless Chromium driven by Playwright."""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.requirements import need
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = os.environ.get("PORTAL_TEST_CHROMIUM", "/usr/bin/chromium")
+# Flags for a sandboxed, offline machine: no background traffic, no sandbox as root.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Mailbox:
+    """Messages an SMTP sink received, parsed; waits for mail that has not come yet."""
+
+    def __init__(self):
+        self.messages: list[email.message.EmailMessage] = []
+        self._arrived = threading.Condition()
+
+    def add(self, raw: bytes) -> None:
+        with self._arrived:
+            self.messages.append(email.message_from_bytes(raw, policy=email.policy.default))
+            self._arrived.notify_all()
+
+    def wait_for(self, to: str, subject_contains: str = "", timeout: float = 20.0):
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while True:
+                for message in self.messages:
+                    if to in message["To"] and subject_contains in message["Subject"]:
+                        return message
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    seen = [(m["To"], m["Subject"]) for m in self.messages]
+                    raise AssertionError(f"no mail to {to} about {subject_contains!r}; got {seen}")
+                self._arrived.wait(left)
+
+    @staticmethod
+    def body(message) -> str:
+        return message.get_body(preferencelist=("plain",)).get_content()
+
+    @classmethod
+    def link(cls, message, pattern: str = r"https?://\S+") -> str:
+        return re.search(pattern, cls.body(message)).group(0)
+
+
+@pytest.fixture
+def smtp_sink():
+    """A real SMTP server on 127.0.0.1 (aiosmtpd) and the mailbox it fills."""
+    from aiosmtpd.controller import Controller
+
+    mailbox = Mailbox()
+
+    class Handler:
+        async def handle_DATA(self, server, session, envelope):
+            mailbox.add(envelope.original_content or envelope.content)
+            return "250 OK"
+
+    port = free_port()
+    controller = Controller(Handler(), hostname="127.0.0.1", port=port)
+    controller.start()
+    mailbox.port = port
+    mailbox.url = f"smtp://127.0.0.1:{port}"
+    yield mailbox
+    controller.stop()
+
+
+@pytest.fixture
+def smtp_settings(settings, smtp_sink):
+    """Point this process's mail at the sink."""
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    settings.EMAIL_HOST = "127.0.0.1"
+    settings.EMAIL_PORT = smtp_sink.port
+    settings.EMAIL_USE_TLS = settings.EMAIL_USE_SSL = False
+    settings.EMAIL_HOST_USER = settings.EMAIL_HOST_PASSWORD = ""
+    return smtp_sink
+
+
+def _test_database_name() -> str:
+    from django.db import connection
+
+    return connection.settings_dict["NAME"]
+
+
+@pytest.fixture
+def celery_worker_process(transactional_db, smtp_settings, settings):
+    """A real `celery worker` subprocess on the test's broker and database; tasks this
+    process enqueues go through the broker instead of running inline."""
+    from portal.celery import app
+
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "portal.settings.test",
+        "PORTAL_TEST_DATABASE_NAME": _test_database_name(),
+        "PORTAL_TEST_BROKER_URL": settings.CELERY_BROKER_URL,
+        "CELERY_TASK_ALWAYS_EAGER": "false",
+        "PORTAL_TEST_EMAIL_URL": smtp_settings.url,
+    }
+    log = open(Path(settings.VAR_DIR) / "celery-worker.log", "w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "portal",
+            "worker",
+            "--pool=solo",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-Q",
+            settings.CELERY_TASK_DEFAULT_QUEUE,
+            "--loglevel=INFO",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    previous = app.conf.task_always_eager
+    app.conf.task_always_eager = False
+    try:
+        yield proc
+    finally:
+        app.conf.task_always_eager = previous
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Debian Chromium, driven by Playwright (no browser download)."""
+    need(shutil.which(CHROMIUM) is not None, f"{CHROMIUM} is not installed (apt install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API runs an event loop in this thread; Django's ORM calls in
+    # the test body are still synchronous and safe.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, live_server, tmp_path):
+    """A fresh browser context (no cookies) with a page; screenshots on failure go to
+    the test's tmp_path."""
+    context = browser.new_context(base_url=live_server.url)
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    yield page
+    context.close()
