@@ -4,6 +4,8 @@ on admin pages (they know the lab exists)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.urls import reverse
 
@@ -15,7 +17,18 @@ OK, REDIRECT, FORBIDDEN, MISSING = 200, 302, 403, 404
 
 
 def _urls(cast):
+    from accounts.services import create_token
+    from tpus.services.labs import create_invite
+
+    from accounts.models import User
+    from tpus.models import Membership
+
     lab, pm = cast.lab.slug, cast.pending_membership.pk
+    second = Membership.objects.create(
+        lab=cast.lab, user=User.objects.create_user("second@vision.example"), state="requested"
+    )
+    invite, _ = create_invite(cast.admin, cast.lab)
+    token, _ = create_token(cast.admin, "admin's token")
     return [
         ("dashboard", "get", reverse("dashboard"), [REDIRECT, OK, OK, OK, OK, OK]),
         ("lab_list", "get", reverse("lab_list"), [REDIRECT, OK, OK, OK, OK, OK]),
@@ -86,7 +99,25 @@ def _urls(cast):
             reverse("policy_accept", args=[lab]),
             [REDIRECT, MISSING, MISSING, REDIRECT, REDIRECT, REDIRECT],
         ),
+        (
+            "invite_revoke",
+            "post",
+            reverse("invite_revoke", args=[lab, invite.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "invite",
+            "get",
+            reverse("invite", args=["made-up-token"]),
+            [REDIRECT, MISSING, MISSING, MISSING, MISSING, MISSING],
+        ),
         ("token_list", "get", reverse("token_list"), [REDIRECT, OK, OK, OK, OK, OK]),
+        (
+            "token_revoke",
+            "post",
+            reverse("token_revoke", args=[token.pk]),
+            [REDIRECT, MISSING, MISSING, MISSING, REDIRECT, MISSING],
+        ),
         ("api_me", "get", "/api/v1/me", [401, OK, OK, OK, OK, OK]),
         ("api_labs", "get", "/api/v1/labs", [401, OK, OK, OK, OK, OK]),
         (
@@ -107,6 +138,27 @@ def _urls(cast):
             f"/api/v1/labs/{lab}/memberships/{pm}/approve",
             [401, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
+        (
+            "api_reject",
+            "post",
+            f"/api/v1/labs/{lab}/memberships/{second.pk}/reject",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        ("api_memberships", "get", "/api/v1/memberships", [401, OK, OK, OK, OK, OK]),
+        ("api_tokens", "get", "/api/v1/tokens", [401, OK, OK, OK, OK, OK]),
+        ("api_token_create", "post", "/api/v1/tokens", [401, 201, 201, 201, 201, 201]),
+        (
+            "api_token_revoke",
+            "delete",
+            f"/api/v1/tokens/{token.pk}",
+            [401, MISSING, MISSING, MISSING, 204, MISSING],
+        ),
+        (
+            "api_join",
+            "post",
+            f"/api/v1/labs/{lab}/join",
+            [401, MISSING, 201, 201, 201, 201],
+        ),
     ]
 
 
@@ -124,7 +176,14 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
             client.force_login(user)
         else:
             client.logout()
-        response = getattr(client, method)(url)
+        if url.startswith("/api/") and method == "post":
+            body = {
+                "api_join": {"purpose": "Research.", "accept_policy": True},
+                "api_token_create": {"name": "matrix"},
+            }.get(name, {})
+            response = client.post(url, body, content_type="application/json")
+        else:
+            response = getattr(client, method)(url)
         if response.status_code != expected[role_index]:
             failures.append(
                 f"{name} {url}: {response.status_code}, expected {expected[role_index]}"
@@ -171,3 +230,28 @@ def test_someone_elses_api_token_is_a_404(client, cast):
     assert client.post(reverse("token_revoke", args=[token.pk])).status_code == 404
     token.refresh_from_db()
     assert token.revoked_at is None
+
+
+def test_the_matrix_covers_every_page_of_the_portal(cast):
+    """A new URL must be added to the matrix above before it can ship."""
+    from django.urls import get_resolver
+
+    from portal.api import api
+
+    rows = _urls(cast)
+    covered = {name for name, *_ in rows}
+    names = set()
+    for pattern in get_resolver().url_patterns:
+        module = getattr(pattern, "urlconf_module", None)
+        if getattr(module, "__name__", "") in {"tpus.urls", "accounts.urls"}:
+            names |= {p.name for p in module.urlpatterns}
+    missing = names - covered
+    assert not missing, f"pages missing from the authorization matrix: {sorted(missing)}"
+    covered_api = [(method, url) for name, method, url, _ in rows if name.startswith("api_")]
+    uncovered = []
+    for template, operations in api.get_openapi_schema()["paths"].items():
+        pattern = re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)) + "$")
+        for method in operations:
+            if not any(m == method and pattern.match(url) for m, url in covered_api):
+                uncovered.append(f"{method.upper()} {template}")
+    assert not uncovered, f"API operations missing from the matrix: {uncovered}"
