@@ -17,11 +17,10 @@ OK, REDIRECT, FORBIDDEN, MISSING = 200, 302, 403, 404
 
 
 def _urls(cast):
-    from accounts.services import create_token
-    from tpus.services.labs import create_invite
-
     from accounts.models import User
+    from accounts.services import create_token
     from tpus.models import Membership
+    from tpus.services.labs import create_invite
 
     lab, pm = cast.lab.slug, cast.pending_membership.pk
     second = Membership.objects.create(
