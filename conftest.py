@@ -115,3 +115,14 @@ def cast(make_user, make_lab, add_member) -> Cast:
         member_membership=member_membership,
         other_membership=other_membership,
     )
+
+
+def pytest_sessionfinish(session):
+    """Remove this test process's scratch directory (database, broker, cache)."""
+    import os
+    import shutil
+
+    from django.conf import settings
+
+    if "PORTAL_TEST_VAR_DIR" not in os.environ and "tpu-portal-test-" in str(settings.VAR_DIR):
+        shutil.rmtree(settings.VAR_DIR, ignore_errors=True)

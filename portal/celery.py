@@ -14,3 +14,18 @@ TRANSPORT_ALIASES["sqla"] = "portal.broker:Transport"
 app = Celery("portal")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+def every(seconds: float, name: str | None = None):
+    """Declare a periodic task next to its function: ``@every(60)`` above ``@shared_task``.
+    Celery beat (exactly one) reads the schedule after the task modules are imported."""
+
+    def register(task):
+        key = name or task.name
+        app.conf.beat_schedule = {
+            **(app.conf.beat_schedule or {}),
+            key: {"task": task.name, "schedule": float(seconds)},
+        }
+        return task
+
+    return register

@@ -123,6 +123,7 @@ def celery_worker_process(transactional_db, smtp_settings, settings):
         "DJANGO_SETTINGS_MODULE": "portal.settings.test",
         "PORTAL_TEST_DATABASE_NAME": _test_database_name(),
         "PORTAL_TEST_BROKER_URL": settings.CELERY_BROKER_URL,
+        "PORTAL_TEST_VAR_DIR": str(settings.VAR_DIR),
         "CELERY_TASK_ALWAYS_EAGER": "false",
         "PORTAL_TEST_EMAIL_URL": smtp_settings.url,
     }
@@ -149,6 +150,8 @@ def celery_worker_process(transactional_db, smtp_settings, settings):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    # What a beat or another child process needs to share this worker's world.
+    proc.env_for_children = {k: env[k] for k in env if k.startswith(("PORTAL_TEST_", "CELERY_"))}
     previous = app.conf.task_always_eager
     app.conf.task_always_eager = False
     try:

@@ -4,9 +4,11 @@ work, and call a service or send a message."""
 from __future__ import annotations
 
 from celery import shared_task
+from django.conf import settings
 from django.urls import reverse
 
-from portal import mail
+from portal import heartbeat, mail
+from portal.celery import every
 from tpus.models import Invite, Membership
 from tpus.models.labs import MembershipState, Role
 
@@ -57,3 +59,10 @@ def send_invite_email(invite_id: int, raw_token: str) -> None:
         [invite.email],
         {"invite": invite, "lab": invite.lab, "url": reverse("invite", args=[raw_token])},
     )
+
+
+@every(settings.PORTAL_HEARTBEAT_SECONDS, name="heartbeat")
+@shared_task(ignore_result=True)
+def record_heartbeat() -> None:
+    """Proves beat and a worker are both running (shown to site admins)."""
+    heartbeat.beat()

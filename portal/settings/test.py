@@ -17,7 +17,13 @@ ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
 
 # Each xdist worker gets its own cache namespace and scratch directory.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
-VAR_DIR = Path(tempfile.gettempdir()) / f"tpu-portal-test-{os.getpid()}-{_WORKER}"
+# A worker or beat started by a test inherits its parent's directory (file cache, broker).
+VAR_DIR = Path(
+    env.string(
+        "PORTAL_TEST_VAR_DIR",
+        str(Path(tempfile.gettempdir()) / f"tpu-portal-test-{os.getpid()}-{_WORKER}"),
+    )
+)
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
 TEST_BACKEND = env.string("PORTAL_TEST_BACKEND", "embedded")

@@ -3,6 +3,7 @@ service call, then a redirect or a page."""
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -12,6 +13,7 @@ from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
+from portal import heartbeat
 from portal.htmx import is_htmx
 from tpus import access
 from tpus.forms import (
@@ -43,6 +45,9 @@ def dashboard(request):
             "memberships": memberships,
             "admin_labs": admin_labs,
             "tokens": user.api_tokens.filter(revoked_at=None).count(),
+            "worker_seen": heartbeat.last_seen() if user.is_site_admin else None,
+            "worker_alive": user.is_site_admin
+            and heartbeat.is_alive(settings.PORTAL_HEARTBEAT_SECONDS),
         },
     )
 
