@@ -61,9 +61,11 @@ def _page(names: list[str], page_size: int, page_token: str) -> tuple[list[str],
     start = 0
     if page_token:
         try:
-            after = base64.urlsafe_b64decode(page_token.encode()).decode()
+            after = base64.b64decode(page_token, altchars=b"-_", validate=True).decode()
         except ValueError:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "invalid page_token") from None
+            after = ""
+        if not after.startswith("projects/"):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "invalid page_token")
         start = bisect.bisect_right(names, after)
     chunk = names[start : start + size]
     more = start + size < len(names)
