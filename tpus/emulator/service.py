@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import bisect
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable
 from types import ModuleType
@@ -89,6 +90,7 @@ class TpuEmulator:
         self.operations = OperationBook(operation_delay)
         # Calls answered, by method name ("ListNodes"), faults included.
         self.requests: Counter[str] = Counter()
+        self._requests_lock = threading.Lock()
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -152,7 +154,8 @@ class TpuEmulator:
 
     def _guarded(self, method: str, impl: Callable) -> Callable:
         def handle(request, context):
-            self.requests[method] += 1
+            with self._requests_lock:  # handlers run on many threads
+                self.requests[method] += 1
             fault = self._take_fault(method)
             if fault:
                 context.abort(
