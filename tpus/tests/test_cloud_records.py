@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tpus.cloud import DiskInfo, host_key_line
-from tpus.emulator.controls import new_host_key
 
-KEY = new_host_key()
+# A fixed public key, so parametrized test ids are the same in every xdist worker.
+KEY = "AAAAC3NzaC1lZDI1NTE5AAAAIAOhB7/zzhC+HXDdGOdLwJln5NYwm6UNXx3chmQSVTG4"
 
 
 def test_a_bare_base64_key_gets_its_type_in_front():
