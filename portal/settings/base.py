@@ -181,3 +181,24 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.string("LOG_LEVEL", "INFO")},
 }
+
+# --- Cloud TPU API -----------------------------------------------------------------
+# Read by tpus.cloud only. An empty endpoint is Google's API with application default
+# credentials or the service-account key file below. The local emulator is
+# TPU_API_ENDPOINT=127.0.0.1:8470 with TPU_API_INSECURE=true: plaintext, no credentials.
+TPU_API_ENDPOINT = env.string("TPU_API_ENDPOINT", "")
+TPU_API_INSECURE = env.boolean("TPU_API_INSECURE", False)
+TPU_API_CREDENTIALS_FILE = env.string("TPU_API_CREDENTIALS_FILE", "")
+TPU_API_TIMEOUT = env.integer("TPU_API_TIMEOUT", 30, minimum=1)  # seconds, each call
+# Seconds to wait for a long-running operation (attaching a disk) to finish.
+TPU_API_OPERATION_TIMEOUT = env.integer("TPU_API_OPERATION_TIMEOUT", 600, minimum=1)
+if TPU_API_INSECURE and not TPU_API_ENDPOINT:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("TPU_API_INSECURE=true needs TPU_API_ENDPOINT (host:port).")
+if TPU_API_INSECURE and TPU_API_CREDENTIALS_FILE:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        "TPU_API_CREDENTIALS_FILE is not sent over an insecure channel; unset one of them."
+    )

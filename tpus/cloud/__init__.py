@@ -1,0 +1,24 @@
+"""The portal's one door to the Cloud TPU API.
+
+Only this package imports ``google.cloud.tpu_v2`` (and ``tpu_v2alpha1``, for attaching
+disks). Everything it returns is a plain frozen record (``NodeInfo``, ``WorkerInfo``,
+``DiskInfo``, ``GuestHostKeys``), and every failure is a ``CloudError`` that says
+whether retrying can help. Get the configured client with ``cloud_tpu()``.
+"""
+
+from tpus.cloud.client import CloudConfig, CloudTPU
+from tpus.cloud.config import cloud_tpu
+from tpus.cloud.errors import CloudError
+from tpus.cloud.records import DiskInfo, GuestHostKeys, NodeInfo, WorkerInfo, host_key_line
+
+__all__ = [
+    "CloudConfig",
+    "CloudError",
+    "CloudTPU",
+    "DiskInfo",
+    "GuestHostKeys",
+    "NodeInfo",
+    "WorkerInfo",
+    "cloud_tpu",
+    "host_key_line",
+]

@@ -1,0 +1,188 @@
+"""``python -m tpus.emulator``: serve the Cloud TPU API emulator and control it.
+
+Every command works on one state file: ``--state FILE``, else ``$TPU_EMULATOR_STATE``,
+else ``var/tpu-emulator.json``. Controls change the file; a running server sees the
+change at its next call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from collections import defaultdict
+
+from tpus.emulator.controls import ControlError, Controls
+from tpus.emulator.server import LOOPBACK, EmulatorServer
+
+
+def _serve(args: argparse.Namespace) -> None:
+    try:
+        server = EmulatorServer(
+            args.state, host=args.host, port=args.port, operation_delay=args.operation_delay
+        ).start()
+    except RuntimeError as exc:
+        raise ControlError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+    # The first line says where it listens (tests and scripts read it, --port 0 included).
+    print(f"TPU API emulator listening on {server.endpoint} (state: {args.state})", flush=True)
+    # SIGTERM stops it as cleanly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop()
+
+
+def _host_keys(entries: list[list[str]]) -> dict[int, dict[str, str]]:
+    keys: dict[int, dict[str, str]] = defaultdict(dict)
+    for worker, key_type, value in entries:
+        keys[int(worker)][key_type] = value
+    return dict(keys)
+
+
+def _add_node(c: Controls, a: argparse.Namespace) -> None:
+    name = c.add_node(
+        a.project,
+        a.zone,
+        a.name,
+        accelerator_type=a.type,
+        workers=a.workers,
+        topology=a.topology,
+        runtime_version=a.runtime_version,
+        internal_ips=a.internal_ip,
+        external_ips=a.external_ip,
+        host_keys=_host_keys(a.host_key),
+        labels=dict(label.split("=", 1) for label in a.label),
+        preemptible=a.preemptible,
+        spot=a.spot,
+    )
+    print(name)
+
+
+def _parser() -> argparse.ArgumentParser:
+    state = argparse.ArgumentParser(add_help=False)
+    state.add_argument(
+        "--state",
+        default=os.environ.get("TPU_EMULATOR_STATE", "var/tpu-emulator.json"),
+        help="the state file (default: $TPU_EMULATOR_STATE or var/tpu-emulator.json)",
+    )
+    parser = argparse.ArgumentParser(prog="python -m tpus.emulator", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, parents=[state])
+
+    p = command("serve", "serve the API until interrupted")
+    p.add_argument("--port", type=int, default=8470)
+    p.add_argument("--host", default=LOOPBACK, help="listen address (default 127.0.0.1)")
+    p.add_argument(
+        "--operation-delay", type=float, default=0.0, help="seconds before an operation is done"
+    )
+
+    p = command("add-node", "add a TPU VM")
+    p.add_argument("project")
+    p.add_argument("zone")
+    p.add_argument("name")
+    p.add_argument("--type", default="v4-8", help="accelerator type, e.g. v4-32")
+    p.add_argument("--workers", type=int, help="default: from the type (v4-32 → 4)")
+    p.add_argument("--topology")
+    p.add_argument("--runtime-version", default="tpu-ubuntu2204-base")
+    p.add_argument("--internal-ip", action="append", default=[], help="one per worker")
+    p.add_argument("--external-ip", action="append", default=[], help="one per worker")
+    p.add_argument(
+        "--host-key",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("WORKER", "TYPE", "PUBKEY"),
+        help="publish PUBKEY (base64) under hostkeys/TYPE for WORKER; repeatable",
+    )
+    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--preemptible", action="store_true")
+    p.add_argument("--spot", action="store_true")
+
+    p = command("set-ip", "give a worker a new external IP")
+    p.add_argument("node")
+    p.add_argument("worker", type=int)
+    p.add_argument("ip")
+    p.add_argument("--internal", action="store_true", help="change the internal IP instead")
+
+    p = command("set-host-key", "publish a new host key for a worker")
+    p.add_argument("node")
+    p.add_argument("worker", type=int)
+    p.add_argument("type")
+    p.add_argument("pubkey")
+
+    p = command("set-state", "set a node's state and/or health")
+    p.add_argument("node")
+    p.add_argument("--node-state", help="e.g. READY, STOPPED, REPAIRING")
+    p.add_argument("--health")
+
+    p = command("maintenance", "start a maintenance event (unhealthy, no external IPs)")
+    p.add_argument("node")
+    p = command("maintenance-end", "end it: READY, HEALTHY, new external IPs")
+    p.add_argument("node")
+    p.add_argument("--external-ip", action="append", default=[], help="one per worker")
+    p = command("preempt", "preempt a node")
+    p.add_argument("node")
+    p = command("delete", "delete a node")
+    p.add_argument("node")
+
+    p = command("add-disk", "create a data disk")
+    p.add_argument("project")
+    p.add_argument("zone")
+    p.add_argument("name")
+    p.add_argument("--size-gb", type=int, default=100)
+    p = command("attach", "attach a disk directly (to set a scene up)")
+    p.add_argument("node")
+    p.add_argument("disk", help="disk name in the node's zone, or its full path")
+    p.add_argument("--mode", choices=["READ_ONLY", "READ_WRITE"], default="READ_ONLY")
+
+    p = command("fail", "make the next N calls fail with a gRPC status code")
+    p.add_argument("count", type=int)
+    p.add_argument("code", help="e.g. UNAVAILABLE, RESOURCE_EXHAUSTED, PERMISSION_DENIED")
+    p.add_argument("--method", help="only calls of this method, e.g. ListNodes")
+    command("clear-faults", "drop pending injected failures")
+    command("show", "print the state as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        try:
+            _serve(args)
+        except ControlError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    c = Controls(args.state)
+    actions = {
+        "add-node": lambda: _add_node(c, args),
+        "set-ip": lambda: c.set_ip(args.node, args.worker, args.ip, internal=args.internal),
+        "set-host-key": lambda: c.set_host_key(args.node, args.worker, args.type, args.pubkey),
+        "set-state": lambda: c.set_state(args.node, state=args.node_state, health=args.health),
+        "maintenance": lambda: c.maintenance(args.node),
+        "maintenance-end": lambda: c.end_maintenance(args.node, args.external_ip),
+        "preempt": lambda: c.preempt(args.node),
+        "delete": lambda: c.delete(args.node),
+        "add-disk": lambda: print(
+            c.add_disk(args.project, args.zone, args.name, size_gb=args.size_gb)
+        ),
+        "attach": lambda: c.attach(args.node, args.disk, args.mode),
+        "fail": lambda: c.fail(args.count, args.code, method=args.method),
+        "clear-faults": c.clear_faults,
+        "show": lambda: print(json.dumps(c.show(), indent=2, sort_keys=True)),
+    }
+    try:
+        actions[args.command]()
+    except ControlError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Controls for the emulated lab: add nodes and disks, move IPs, start maintenance,
+preempt, delete, and make the next calls fail. The command line and the tests both
+use these; each call is one transaction on the state file, so a running server sees
+the change at its next request.
+
+Nodes are named by their short id (``tpu5``) when that is unique, or by their full
+resource name (``projects/p/locations/z/nodes/tpu5``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from google.cloud import tpu_v2
+
+from tpus.emulator.store import State, Store
+
+STATES = {s.name for s in tpu_v2.Node.State}
+HEALTHS = {h.name for h in tpu_v2.Node.Health}
+DISK_MODES = ("READ_WRITE", "READ_ONLY")
+# gRPC codes a test may inject; OK would not be a failure.
+FAULT_CODES = {c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK}
+
+# Documentation/benchmark ranges (RFC 1918 inside, RFC 2544 outside): the emulator
+# only reports these addresses, and nothing routes them anywhere real.
+_FIRST_INTERNAL = ipaddress.IPv4Address("10.128.0.2")
+_FIRST_EXTERNAL = ipaddress.IPv4Address("198.18.0.1")
+
+_TOPOLOGIES = {
+    "v2-8": "2x2",
+    "v3-8": "2x2",
+    "v4-8": "2x2x1",
+    "v4-16": "2x2x2",
+    "v4-32": "2x2x4",
+    "v4-64": "2x4x4",
+    "v5litepod-4": "2x2",
+    "v5litepod-8": "2x4",
+    "v5litepod-16": "4x4",
+    "v5p-8": "2x2x1",
+    "v6e-8": "2x4",
+    "v6e-16": "4x4",
+}
+_ACCELERATOR = re.compile(r"^(v2|v3|v4|v5p|v5litepod|v6e)-(\d+)$")
+
+
+class ControlError(ValueError):
+    """A control was asked for something the emulated lab cannot do."""
+
+
+def node_name(project: str, zone: str, node_id: str) -> str:
+    return f"projects/{project}/locations/{zone}/nodes/{node_id}"
+
+
+def disk_path(project: str, zone: str, name: str) -> str:
+    return f"projects/{project}/zones/{zone}/disks/{name}"
+
+
+def default_workers(accelerator_type: str) -> int:
+    """How many hosts a slice of this type has (v4-32 → 4); 1 for unknown types."""
+    match = _ACCELERATOR.match(accelerator_type)
+    if not match:
+        return 1
+    family, size = match.group(1), int(match.group(2))
+    if family in {"v5litepod", "v6e"}:  # size counts chips, 4 per host beyond one host
+        return 1 if size <= 8 else size // 4
+    return max(1, size // 8)  # size counts TensorCores, 8 per host
+
+
+def accelerator_family(accelerator_type: str) -> str:
+    match = _ACCELERATOR.match(accelerator_type)
+    return match.group(1) if match else ""
+
+
+def new_host_key() -> str:
+    """A fresh ed25519 public key, base64 only, as the guest agent publishes it."""
+    public = ed25519.Ed25519PrivateKey.generate().public_key()
+    line = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return line.decode().split()[1]
+
+
+def next_ip(state: State, kind: str) -> str:
+    counters = state["counters"]
+    n = counters[kind]
+    counters[kind] = n + 1
+    first = _FIRST_INTERNAL if kind == "internal_ip" else _FIRST_EXTERNAL
+    return str(first + n)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def find_node(state: State, node: str) -> tuple[str, dict[str, Any]]:
+    """The (full name, record) of ``node``, a short id or a full resource name."""
+    nodes = state["nodes"]
+    if node in nodes:
+        return node, nodes[node]
+    matches = [name for name in nodes if name.rsplit("/", 1)[-1] == node]
+    if len(matches) == 1:
+        return matches[0], nodes[matches[0]]
+    if not matches:
+        raise ControlError(f"no node {node!r}")
+    raise ControlError(f"{node!r} is ambiguous; use one of: {', '.join(sorted(matches))}")
+
+
+def _check_ip(ip: str) -> str:
+    if ip:
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise ControlError(f"{ip!r} is not an IP address") from None
+    return ip
+
+
+class Controls:
+    """The emulated lab behind one state file."""
+
+    def __init__(self, state_file: str | os.PathLike[str]):
+        self.store = Store(state_file)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Run many controls as one transaction (one write of the state file)."""
+        with self.store.transaction():
+            yield
+
+    def show(self) -> State:
+        return self.store.read()
+
+    # -- nodes ----------------------------------------------------------------------
+
+    def add_node(
+        self,
+        project: str,
+        zone: str,
+        node_id: str,
+        *,
+        accelerator_type: str = "v4-8",
+        workers: int | None = None,
+        topology: str | None = None,
+        runtime_version: str = "tpu-ubuntu2204-base",
+        internal_ips: Sequence[str] = (),
+        external_ips: Sequence[str] = (),
+        host_keys: Mapping[int, Mapping[str, str]] | None = None,
+        generate_host_keys: bool = True,
+        labels: Mapping[str, str] | None = None,
+        state: str = "READY",
+        health: str = "HEALTHY",
+        preemptible: bool = False,
+        spot: bool = False,
+    ) -> str:
+        """Add a node; unspecified IPs are handed out from reserved ranges and each
+        worker gets an ed25519 host key unless ``host_keys`` names its keys."""
+        count = workers if workers is not None else default_workers(accelerator_type)
+        if count < 1:
+            raise ControlError("a node has at least one worker")
+        for given, what in ((internal_ips, "internal"), (external_ips, "external")):
+            if given and len(given) != count:
+                raise ControlError(f"{count} workers need {count} {what} IPs, got {len(given)}")
+        if state not in STATES or health not in HEALTHS:
+            raise ControlError(f"unknown state/health {state}/{health}")
+        host_keys = host_keys or {}
+        if any(not 0 <= int(w) < count for w in host_keys):
+            raise ControlError(f"host keys name a worker outside 0..{count - 1}")
+        name = node_name(project, zone, node_id)
+        with self.store.transaction() as data:
+            if name in data["nodes"]:
+                raise ControlError(f"{name} already exists")
+            data["counters"]["node_id"] += 1
+            data["nodes"][name] = {
+                "id": 7_000_000_000 + data["counters"]["node_id"],
+                "accelerator_type": accelerator_type,
+                "topology": _TOPOLOGIES.get(accelerator_type, "") if topology is None else topology,
+                "runtime_version": runtime_version,
+                "state": state,
+                "health": health,
+                "health_description": "",
+                "labels": dict(labels or {}),
+                "preemptible": preemptible,
+                "spot": spot,
+                "create_time": _now(),
+                "data_disks": [],
+                "workers": [
+                    {
+                        "internal_ip": _check_ip(internal_ips[i])
+                        if internal_ips
+                        else next_ip(data, "internal_ip"),
+                        "external_ip": _check_ip(external_ips[i])
+                        if external_ips
+                        else next_ip(data, "external_ip"),
+                        "host_keys": dict(host_keys.get(i, {}))
+                        or ({"ssh-ed25519": new_host_key()} if generate_host_keys else {}),
+                    }
+                    for i in range(count)
+                ],
+            }
+        return name
+
+    def _update(self, node: str, change) -> dict[str, Any]:
+        with self.store.transaction() as data:
+            _, record = find_node(data, node)
+            change(record)
+            return record
+
+    @staticmethod
+    def _worker(record: dict[str, Any], worker: int) -> dict[str, Any]:
+        if not 0 <= worker < len(record["workers"]):
+            raise ControlError(f"no worker {worker}; the node has {len(record['workers'])}")
+        return record["workers"][worker]
+
+    def set_ip(self, node: str, worker: int, ip: str, *, internal: bool = False) -> None:
+        """Give a worker a new external IP (or internal, with ``internal=True``)."""
+        key = "internal_ip" if internal else "external_ip"
+        ip = _check_ip(ip)
+
+        def change(record):
+            self._worker(record, worker)[key] = ip
+
+        self._update(node, change)
+
+    def set_host_key(self, node: str, worker: int, key_type: str, value: str) -> None:
+        """Publish ``value`` (base64, or "type base64") under ``hostkeys/<key_type>``."""
+
+        def change(record):
+            self._worker(record, worker)["host_keys"][key_type] = value
+
+        self._update(node, change)
+
+    def set_state(self, node: str, *, state: str | None = None, health: str | None = None) -> None:
+        if state is not None and state not in STATES:
+            raise ControlError(f"unknown state {state}; one of {', '.join(sorted(STATES))}")
+        if health is not None and health not in HEALTHS:
+            raise ControlError(f"unknown health {health}; one of {', '.join(sorted(HEALTHS))}")
+
+        def change(record):
+            record["state"] = state or record["state"]
+            record["health"] = health or record["health"]
+
+        self._update(node, change)
+
+    def maintenance(self, node: str) -> None:
+        """A maintenance event begins: unhealthy, and the external IPs are gone."""
+
+        def change(record):
+            record["health"] = "UNHEALTHY_MAINTENANCE"
+            record["health_description"] = "The TPU is undergoing a maintenance event."
+            for worker in record["workers"]:
+                worker["external_ip"] = ""
+
+        self._update(node, change)
+
+    def end_maintenance(self, node: str, external_ips: Sequence[str] = ()) -> None:
+        """The event is over: READY and HEALTHY, with new external IPs (given or fresh)."""
+        with self.store.transaction() as data:
+            _, record = find_node(data, node)
+            if external_ips and len(external_ips) != len(record["workers"]):
+                raise ControlError(f"give one external IP per worker ({len(record['workers'])})")
+            record.update(state="READY", health="HEALTHY", health_description="")
+            for i, worker in enumerate(record["workers"]):
+                worker["external_ip"] = (
+                    _check_ip(external_ips[i]) if external_ips else next_ip(data, "external_ip")
+                )
+
+    def preempt(self, node: str) -> None:
+        def change(record):
+            record.update(state="PREEMPTED", health="HEALTH_UNSPECIFIED")
+            for worker in record["workers"]:
+                worker["external_ip"] = ""
+
+        self._update(node, change)
+
+    def delete(self, node: str) -> None:
+        with self.store.transaction() as data:
+            name, _ = find_node(data, node)
+            del data["nodes"][name]
+
+    # -- disks ----------------------------------------------------------------------
+
+    def add_disk(self, project: str, zone: str, name: str, *, size_gb: int = 100) -> str:
+        path = disk_path(project, zone, name)
+        with self.store.transaction() as data:
+            data["disks"].setdefault(path, {"size_gb": size_gb})
+        return path
+
+    def attach(self, node: str, disk: str, mode: str = "READ_ONLY") -> None:
+        """Attach a disk without going through the API (to set a scene up)."""
+        if mode not in DISK_MODES:
+            raise ControlError(f"mode is one of {DISK_MODES}")
+        with self.store.transaction() as data:
+            name, record = find_node(data, node)
+            project, _, zone = name.split("/")[1:4]
+            path = disk if disk.startswith("projects/") else disk_path(project, zone, disk)
+            data["disks"].setdefault(path, {"size_gb": 100})
+            if not any(d["source_disk"] == path for d in record["data_disks"]):
+                record["data_disks"].append({"source_disk": path, "mode": mode})
+
+    # -- faults ---------------------------------------------------------------------
+
+    def fail(self, count: int, code: str, *, method: str | None = None) -> None:
+        """The next ``count`` calls (of ``method`` only, if given) answer ``code``."""
+        code = code.upper()
+        if code not in FAULT_CODES:
+            raise ControlError(f"unknown gRPC code {code}; one of {', '.join(sorted(FAULT_CODES))}")
+        if count < 1:
+            raise ControlError("count must be at least 1")
+        with self.store.transaction() as data:
+            data["faults"].append({"code": code, "method": method, "remaining": count})
+
+    def clear_faults(self) -> None:
+        with self.store.transaction() as data:
+            data["faults"] = []

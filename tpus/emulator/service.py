@@ -1,0 +1,362 @@
+"""The Cloud TPU API over gRPC: ``google.cloud.tpu.v2.Tpu``, the part of
+``google.cloud.tpu.v2alpha1.Tpu`` the portal uses, and ``google.longrunning.Operations``.
+
+Handlers are generic (no generated servicer code): each method is registered with the
+request and response classes shipped in google-cloud-tpu, whose proto-plus
+``serialize``/``deserialize`` speak the wire format. A method not registered here is
+answered UNIMPLEMENTED by gRPC itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import re
+import threading
+from collections import Counter
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import grpc
+from google.cloud import tpu_v2, tpu_v2alpha1
+from google.longrunning import operations_pb2
+
+from tpus.emulator.controls import ControlError, Controls, new_host_key, next_ip
+from tpus.emulator.operations import OperationBook
+from tpus.emulator.render import render_node, split_node_name
+from tpus.emulator.store import State
+
+_NODE = re.compile(r"^projects/([^/]+)/locations/([^/]+)/nodes/([^/]+)$")
+_PARENT = re.compile(r"^projects/([^/]+)/locations/([^/]+)$")
+_DISK = re.compile(r"^projects/([^/]+)/zones/([^/]+)/disks/([^/]+)$")
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+# v2's documented UpdateNode masks leave data disks out; gcloud attaches disks through
+# v2alpha1 with update_mask=data_disks, and so does the portal.
+_UPDATABLE = {"v2": {"labels", "description"}, "v2alpha1": {"labels", "description", "data_disks"}}
+ACCELERATOR_TYPES = ["v2-8", "v3-8", "v4-8", "v4-16", "v4-32", "v5litepod-8", "v5p-8", "v6e-8"]
+RUNTIME_VERSIONS = ["tpu-ubuntu2204-base", "tpu-vm-base", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e"]
+
+
+class Abort(Exception):
+    """Answer the current call with this status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _not_found(name: str) -> Abort:
+    return Abort(grpc.StatusCode.NOT_FOUND, f"Resource '{name}' was not found")
+
+
+def _page(names: list[str], page_size: int, page_token: str) -> tuple[list[str], str]:
+    """One page of sorted ``names``; the token names the last item already returned,
+    so paging stays correct when nodes come and go between pages."""
+    size = page_size or DEFAULT_PAGE_SIZE
+    if size < 0:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "page_size must not be negative")
+    size = min(size, MAX_PAGE_SIZE)
+    start = 0
+    if page_token:
+        try:
+            after = base64.b64decode(page_token, altchars=b"-_", validate=True).decode()
+        except ValueError:
+            after = ""
+        if not after.startswith("projects/"):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "invalid page_token")
+        start = bisect.bisect_right(names, after)
+    chunk = names[start : start + size]
+    more = start + size < len(names)
+    token = base64.urlsafe_b64encode(chunk[-1].encode()).decode() if more and chunk else ""
+    return chunk, token
+
+
+def _parent(parent: str) -> tuple[str, str]:
+    match = _PARENT.match(parent)
+    if not match:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed parent '{parent}'")
+    return match.group(1), match.group(2)
+
+
+class TpuEmulator:
+    """Serves the API from the state file behind ``controls``."""
+
+    def __init__(self, controls: Controls, *, operation_delay: float = 0.0):
+        self.controls = controls
+        self.store = controls.store
+        self.operations = OperationBook(operation_delay)
+        # Calls answered, by method name ("ListNodes"), faults included.
+        self.requests: Counter[str] = Counter()
+        self._requests_lock = threading.Lock()
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        v2 = {
+            "ListNodes": (self.list_nodes, "ListNodesRequest", "ListNodesResponse"),
+            "GetNode": (self.get_node, "GetNodeRequest", "Node"),
+            "CreateNode": (self.create_node, "CreateNodeRequest", None),
+            "DeleteNode": (self.delete_node, "DeleteNodeRequest", None),
+            "StartNode": (self.start_node, "StartNodeRequest", None),
+            "StopNode": (self.stop_node, "StopNodeRequest", None),
+            "UpdateNode": (self.update_node, "UpdateNodeRequest", None),
+            "GetGuestAttributes": (
+                self.guest_attributes,
+                "GetGuestAttributesRequest",
+                "GetGuestAttributesResponse",
+            ),
+            "ListAcceleratorTypes": (
+                self.accelerator_types,
+                "ListAcceleratorTypesRequest",
+                "ListAcceleratorTypesResponse",
+            ),
+            "ListRuntimeVersions": (
+                self.runtime_versions,
+                "ListRuntimeVersionsRequest",
+                "ListRuntimeVersionsResponse",
+            ),
+        }
+        alpha_methods = {"ListNodes", "GetNode", "UpdateNode", "GetGuestAttributes"}
+        alpha = {name: spec for name, spec in v2.items() if name in alpha_methods}
+        operations = {
+            "GetOperation": grpc.unary_unary_rpc_method_handler(
+                self._guarded("GetOperation", self.operations.get),
+                request_deserializer=operations_pb2.GetOperationRequest.FromString,
+                response_serializer=operations_pb2.Operation.SerializeToString,
+            )
+        }
+        return [
+            self._service("google.cloud.tpu.v2.Tpu", tpu_v2, v2),
+            self._service("google.cloud.tpu.v2alpha1.Tpu", tpu_v2alpha1, alpha),
+            grpc.method_handlers_generic_handler("google.longrunning.Operations", operations),
+        ]
+
+    def _service(self, service: str, types: ModuleType, methods: dict) -> grpc.GenericRpcHandler:
+        handlers = {}
+        for method, (impl, request_type, response_type) in methods.items():
+            request_cls = getattr(types, request_type)
+
+            def call(request, context, impl=impl):
+                return impl(types, request, context)
+
+            handlers[method] = grpc.unary_unary_rpc_method_handler(
+                self._guarded(method, call),
+                request_deserializer=request_cls.deserialize,
+                # Long-running calls answer a plain protobuf Operation.
+                response_serializer=getattr(types, response_type).serialize
+                if response_type
+                else operations_pb2.Operation.SerializeToString,
+            )
+        return grpc.method_handlers_generic_handler(service, handlers)
+
+    def _guarded(self, method: str, impl: Callable) -> Callable:
+        def handle(request, context):
+            with self._requests_lock:  # handlers run on many threads
+                self.requests[method] += 1
+            fault = self._take_fault(method)
+            if fault:
+                context.abort(
+                    grpc.StatusCode[fault], f"failure injected by the emulator ({method})"
+                )
+            try:
+                return impl(request, context)
+            except Abort as abort:
+                context.abort(abort.code, abort.message)
+
+        return handle
+
+    def _take_fault(self, method: str) -> str | None:
+        def matches(fault):
+            return fault["method"] in (None, method)
+
+        if not any(matches(f) for f in self.store.read()["faults"]):
+            return None  # the common case costs no write
+        with self.store.transaction() as data:
+            for fault in data["faults"]:
+                if matches(fault):
+                    fault["remaining"] -= 1
+                    if fault["remaining"] <= 0:
+                        data["faults"].remove(fault)
+                    return fault["code"]
+        return None
+
+    @staticmethod
+    def _find(state: State, name: str) -> dict[str, Any]:
+        if not _NODE.match(name):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed node name '{name}'")
+        record = state["nodes"].get(name)
+        if record is None:
+            raise _not_found(name)
+        return record
+
+    # -- reads ----------------------------------------------------------------------
+
+    def list_nodes(self, types, request, context):
+        project, zone = _parent(request.parent)
+        state = self.store.read()
+        prefix = f"projects/{project}/locations/"
+        names = sorted(
+            name
+            for name in state["nodes"]
+            if name.startswith(prefix) and (zone == "-" or split_node_name(name)[1] == zone)
+        )
+        chunk, token = _page(names, request.page_size, request.page_token)
+        nodes = [render_node(types, name, state["nodes"][name]) for name in chunk]
+        return types.ListNodesResponse(nodes=nodes, next_page_token=token)
+
+    def get_node(self, types, request, context):
+        record = self._find(self.store.read(), request.name)
+        return render_node(types, request.name, record)
+
+    def guest_attributes(self, types, request, context):
+        """Per-worker guest attributes, in worker order (or the order asked for)."""
+        record = self._find(self.store.read(), request.name)
+        workers = record["workers"]
+        try:
+            wanted = [int(w) for w in request.worker_ids] or list(range(len(workers)))
+        except ValueError:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_ids must be numbers") from None
+        if any(not 0 <= w < len(workers) for w in wanted):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"worker_ids out of range: {wanted}")
+        namespace, _, key = request.query_path.strip("/").partition("/")
+        answers = []
+        for index in wanted:
+            items = [
+                types.GuestAttributesEntry(namespace="hostkeys", key=key_type, value=value)
+                for key_type, value in sorted(workers[index]["host_keys"].items())
+                if namespace in ("", "hostkeys") and key in ("", key_type)
+            ]
+            answers.append(
+                types.GuestAttributes(
+                    query_path=request.query_path,
+                    query_value=types.GuestAttributesValue(items=items),
+                )
+            )
+        return types.GetGuestAttributesResponse(guest_attributes=answers)
+
+    def accelerator_types(self, types, request, context):
+        _parent(request.parent)
+        names = sorted(f"{request.parent}/acceleratorTypes/{t}" for t in ACCELERATOR_TYPES)
+        chunk, token = _page(names, request.page_size, request.page_token)
+        items = [types.AcceleratorType(name=n, type_=n.rsplit("/", 1)[-1]) for n in chunk]
+        return types.ListAcceleratorTypesResponse(accelerator_types=items, next_page_token=token)
+
+    def runtime_versions(self, types, request, context):
+        _parent(request.parent)
+        names = sorted(f"{request.parent}/runtimeVersions/{v}" for v in RUNTIME_VERSIONS)
+        chunk, token = _page(names, request.page_size, request.page_token)
+        items = [types.RuntimeVersion(name=n, version=n.rsplit("/", 1)[-1]) for n in chunk]
+        return types.ListRuntimeVersionsResponse(runtime_versions=items, next_page_token=token)
+
+    # -- long-running changes -------------------------------------------------------
+
+    def _finish(self, types, name: str, verb: str, *, deleted: bool = False):
+        project, zone, _ = split_node_name(name)
+        result = None if deleted else render_node(types, name, self.store.read()["nodes"][name])
+        return self.operations.start(types, project, zone, name, verb, result)
+
+    def create_node(self, types, request, context):
+        project, zone = _parent(request.parent)
+        if not re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", request.node_id or ""):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Invalid node_id '{request.node_id}'")
+        node = request.node
+        if not node.accelerator_type and not node.accelerator_config.topology:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "accelerator_type is required")
+        try:
+            name = self.controls.add_node(
+                project,
+                zone,
+                request.node_id,
+                accelerator_type=node.accelerator_type or "v4-8",
+                runtime_version=node.runtime_version or "tpu-ubuntu2204-base",
+                labels=dict(node.labels),
+                preemptible=node.scheduling_config.preemptible,
+                spot=node.scheduling_config.spot,
+            )
+        except ControlError as exc:
+            code = grpc.StatusCode.ALREADY_EXISTS if "exists" in str(exc) else None
+            raise Abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return self._finish(types, name, "create")
+
+    def delete_node(self, types, request, context):
+        with self.store.transaction() as data:
+            self._find(data, request.name)
+            del data["nodes"][request.name]
+        return self._finish(types, request.name, "delete", deleted=True)
+
+    def stop_node(self, types, request, context):
+        with self.store.transaction() as data:
+            record = self._find(data, request.name)
+            record.update(state="STOPPED", health="HEALTH_UNSPECIFIED")
+            for worker in record["workers"]:
+                worker["external_ip"] = ""  # ephemeral addresses go with the VM
+        return self._finish(types, request.name, "stop")
+
+    def start_node(self, types, request, context):
+        with self.store.transaction() as data:
+            record = self._find(data, request.name)
+            if record["state"] != "READY":
+                record.update(state="READY", health="HEALTHY")
+                for worker in record["workers"]:
+                    worker["external_ip"] = worker["external_ip"] or next_ip(data, "external_ip")
+                    worker["host_keys"] = worker["host_keys"] or {"ssh-ed25519": new_host_key()}
+        return self._finish(types, request.name, "start")
+
+    def update_node(self, types, request, context):
+        name = request.node.name
+        version = types.__name__.rsplit("_", 1)[-1]
+        paths = list(request.update_mask.paths)
+        if not paths:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "update_mask is required")
+        unknown = set(paths) - _UPDATABLE[version]
+        if unknown:
+            raise Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"update_mask {sorted(unknown)} is not supported by {version} UpdateNode",
+            )
+        with self.store.transaction() as data:
+            record = self._find(data, name)
+            if "labels" in paths:
+                record["labels"] = dict(request.node.labels)
+            if "description" in paths:
+                record["description"] = request.node.description
+            if "data_disks" in paths:
+                record["data_disks"] = _checked_disks(data, name, request.node.data_disks)
+        return self._finish(types, name, "update")
+
+
+def _checked_disks(data: State, node: str, disks) -> list[dict[str, str]]:
+    """The node's new disk list, refused the way Compute Engine refuses it: unknown disk,
+    other zone, or a read-write disk shared with another VM (FAILED_PRECONDITION)."""
+    _, zone, _ = split_node_name(node)
+    wanted: list[dict[str, str]] = []
+    for disk in disks:
+        source = disk.source_disk
+        match = _DISK.match(source)
+        if not match:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed source_disk '{source}'")
+        if source not in data["disks"]:
+            raise Abort(
+                grpc.StatusCode.NOT_FOUND, f"The resource '{source}' of type 'Disk' was not found"
+            )
+        if match.group(2) != zone:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Disk '{source}' is not in zone {zone}")
+        if any(w["source_disk"] == source for w in wanted):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Disk '{source}' is listed twice")
+        # An unset mode is READ_WRITE, as the API documents.
+        mode = "READ_ONLY" if disk.mode.name == "READ_ONLY" else "READ_WRITE"
+        for other, record in data["nodes"].items():
+            if other == node:
+                continue
+            for attached in record["data_disks"]:
+                if attached["source_disk"] == source and "READ_WRITE" in (mode, attached["mode"]):
+                    raise Abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"The disk resource '{source}' is already being used by '{other}'"
+                        f" ({attached['mode']}); a READ_WRITE disk attaches to one VM only",
+                    )
+        wanted.append({"source_disk": source, "mode": mode})
+    return wanted
