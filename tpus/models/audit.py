@@ -22,6 +22,14 @@ class AuditAction(models.TextChoices):
     ADMIN_LOGIN = "admin.login", "Admin signed in"
     TOKEN_CREATED = "token.created", "API token created"
     TOKEN_REVOKED = "token.revoked", "API token revoked"
+    VM_IMPORTED = "vm.imported", "TPU VM imported"
+    VM_REGISTERED = "vm.registered", "TPU VM registered by hand"
+    VM_STATE_CHANGED = "vm.state_changed", "TPU VM state changed"
+    VM_MISSING = "vm.missing", "TPU VM no longer listed"
+    HOST_KEYS_PINNED = "vm.host_keys_pinned", "Host keys pinned"
+    DISK_REGISTERED = "disk.registered", "Data disk registered"
+    DISK_ATTACHED = "disk.attached", "Data disk attached"
+    DISK_DETACHED = "disk.detached", "Data disk detached"
 
 
 class AppendOnlyQuerySet(models.QuerySet):

@@ -1,0 +1,209 @@
+"""The lab's TPU VMs, their workers, and data disks: what the portal believes exists,
+refreshed from the Cloud TPU API (or entered by an admin for VMs it cannot see)."""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.core.validators import RegexValidator
+from django.db import models
+from django.utils import timezone
+
+# Cloud TPU node ids: lowercase letters, digits and hyphens, starting with a letter.
+validate_node_name = RegexValidator(
+    r"^[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?\Z",
+    "A TPU VM name is up to 63 lowercase letters, digits or hyphens, starting with a "
+    "letter and not ending with a hyphen.",
+)
+validate_disk_name = RegexValidator(
+    r"^[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?\Z",
+    "A disk name is up to 63 lowercase letters, digits or hyphens, starting with a letter.",
+)
+validate_accelerator_type = RegexValidator(
+    r"^v[0-9]+[a-z]*(?:litepod)?-[0-9]+\Z", "An accelerator type looks like v4-32 or v5litepod-8."
+)
+_mount_point_shape = RegexValidator(
+    r"^/(?:[A-Za-z0-9._-]+/)*[A-Za-z0-9._-]+\Z",
+    "A mount point is an absolute path of letters, digits, dots, hyphens and underscores.",
+)
+# Mounting a disk over (or inside) these would break the host or hide users' homes.
+SYSTEM_DIRECTORIES = (
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
+    "/proc", "/root", "/run", "/sbin", "/snap", "/srv", "/sys", "/tmp", "/usr", "/var",  # noqa: S108
+)  # fmt: skip
+
+
+def validate_mount_point(value: str) -> None:
+    _mount_point_shape(value)
+    if any(part in {".", ".."} for part in value.split("/")):
+        raise ValidationError("A mount point has no . or .. in it.")
+    if any(value == d or value.startswith(d + "/") for d in SYSTEM_DIRECTORIES):
+        raise ValidationError(
+            f"{value} is a system directory; use something like /ssd or /mnt/data."
+        )
+
+
+class NodeState(models.TextChoices):
+    """The API's Node.State names, plus UNKNOWN for VMs the API cannot see."""
+
+    UNKNOWN = "UNKNOWN", "Unknown"
+    CREATING = "CREATING", "Creating"
+    READY = "READY", "Ready"
+    RESTARTING = "RESTARTING", "Restarting"
+    REIMAGING = "REIMAGING", "Reimaging"
+    DELETING = "DELETING", "Deleting"
+    REPAIRING = "REPAIRING", "Repairing"
+    STOPPED = "STOPPED", "Stopped"
+    STOPPING = "STOPPING", "Stopping"
+    STARTING = "STARTING", "Starting"
+    PREEMPTED = "PREEMPTED", "Preempted"
+    TERMINATED = "TERMINATED", "Terminated"
+    HIDING = "HIDING", "Hiding"
+    HIDDEN = "HIDDEN", "Hidden"
+    UNHIDING = "UNHIDING", "Unhiding"
+
+
+class NodeHealth(models.TextChoices):
+    UNKNOWN = "HEALTH_UNSPECIFIED", "Unknown"
+    HEALTHY = "HEALTHY", "Healthy"
+    TIMEOUT = "TIMEOUT", "Timeout"
+    UNHEALTHY_TENSORFLOW = "UNHEALTHY_TENSORFLOW", "Unhealthy (runtime)"
+    UNHEALTHY_MAINTENANCE = "UNHEALTHY_MAINTENANCE", "Under maintenance"
+
+
+class VmSource(models.TextChoices):
+    IMPORTED = "imported", "Imported from the Cloud TPU API"
+    MANUAL = "manual", "Registered by hand"
+
+
+class DiskMode(models.TextChoices):
+    READ_ONLY = "READ_ONLY", "Read-only"
+    READ_WRITE = "READ_WRITE", "Read-write"
+
+
+class TpuVm(models.Model):
+    """A TPU VM (a Cloud TPU node) of a lab. Every worker of it is a host the portal
+    provisions; a v4-32 pod has four."""
+
+    State = NodeState
+    Health = NodeHealth
+
+    lab = models.ForeignKey("tpus.Lab", on_delete=models.CASCADE, related_name="vms")
+    name = models.CharField(max_length=63, validators=[validate_node_name])
+    zone = models.CharField(max_length=40)
+    accelerator_type = models.CharField(
+        max_length=40, blank=True, validators=[validate_accelerator_type]
+    )
+    topology = models.CharField(max_length=20, blank=True)
+    runtime_version = models.CharField(max_length=100, blank=True)
+    state = models.CharField(max_length=12, choices=NodeState.choices, default=NodeState.UNKNOWN)
+    health = models.CharField(max_length=24, choices=NodeHealth.choices, default=NodeHealth.UNKNOWN)
+    health_description = models.CharField(max_length=500, blank=True)
+    labels = models.JSONField(default=dict, blank=True)
+    preemptible = models.BooleanField(default=False)
+    source = models.CharField(max_length=10, choices=VmSource.choices)
+    created_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the Cloud TPU API last listed it."
+    )
+    missing_since = models.DateTimeField(
+        null=True, blank=True, help_text="Set when the API stopped listing it; kept, not deleted."
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["lab", "zone", "name"], name="one_vm_per_name")
+        ]
+        ordering = ["name"]
+        verbose_name = "TPU VM"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_missing(self) -> bool:
+        return self.missing_since is not None
+
+
+class HostKeySource(models.TextChoices):
+    GUEST_ATTRIBUTES = "guest_attributes", "Guest attributes at import"
+    ADMIN = "admin", "Confirmed by an admin"
+    NONE = "", "Not pinned"
+
+
+class Worker(models.Model):
+    """One host of a TPU VM (``network_endpoints[index]``) with the SSH host keys the
+    portal pinned for it. A pinned key never changes without an admin."""
+
+    vm = models.ForeignKey(TpuVm, on_delete=models.CASCADE, related_name="workers")
+    index = models.PositiveSmallIntegerField()
+    internal_ip = models.GenericIPAddressField(null=True, blank=True)
+    external_ip = models.GenericIPAddressField(null=True, blank=True)
+    # "type base64" lines, as in known_hosts without the host part.
+    host_keys = models.JSONField(default=list, blank=True)
+    host_keys_source = models.CharField(
+        max_length=20, choices=HostKeySource.choices, default=HostKeySource.NONE, blank=True
+    )
+    host_keys_pinned_at = models.DateTimeField(null=True, blank=True)
+    host_keys_pinned_by = models.ForeignKey(
+        "accounts.User", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    boot_id = models.CharField(max_length=64, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["vm", "index"], name="one_worker_per_index")]
+        ordering = ["vm", "index"]
+
+    def __str__(self) -> str:
+        return f"{self.vm.name} worker {self.index}"
+
+    @property
+    def alias(self) -> str:
+        """The stable name used for this worker in ssh configs and known_hosts."""
+        return f"{self.vm.name}-w{self.index}"
+
+    @property
+    def is_pinned(self) -> bool:
+        return bool(self.host_keys)
+
+
+class DataDisk(models.Model):
+    """A persistent disk of the lab's project that can be attached to TPU VMs and is
+    mounted on every worker at its mount point."""
+
+    Mode = DiskMode
+
+    lab = models.ForeignKey("tpus.Lab", on_delete=models.CASCADE, related_name="disks")
+    name = models.CharField(max_length=63, validators=[validate_disk_name])
+    zone = models.CharField(max_length=40)
+    size_gb = models.PositiveIntegerField(null=True, blank=True)
+    mount_point = models.CharField(
+        max_length=200, default="/ssd", validators=[validate_mount_point]
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["lab", "zone", "name"], name="one_disk_per_name")
+        ]
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def source_disk(self) -> str:
+        return f"projects/{self.lab.gcp_project_id}/zones/{self.zone}/disks/{self.name}"
+
+
+class DiskAttachment(models.Model):
+    """A data disk attached to a TPU VM, read-only (to many VMs) or read-write (to one)."""
+
+    disk = models.ForeignKey(DataDisk, on_delete=models.CASCADE, related_name="attachments")
+    vm = models.ForeignKey(TpuVm, on_delete=models.CASCADE, related_name="attachments")
+    mode = models.CharField(max_length=10, choices=DiskMode.choices, default=DiskMode.READ_ONLY)
+    attached_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["disk", "vm"], name="one_attachment_per_vm")]
+
+    def __str__(self) -> str:
+        return f"{self.disk} on {self.vm} ({self.mode})"
