@@ -39,9 +39,11 @@ api = NinjaAPI(
 def _register_routers() -> None:
     from accounts.api import router as accounts_router
     from tpus.api import router as tpus_router
+    from tpus.api_inventory import router as inventory_router
 
     api.add_router("", accounts_router)
     api.add_router("", tpus_router)
+    api.add_router("", inventory_router)
 
 
 _register_routers()

@@ -113,3 +113,31 @@ def administers_any_lab(user) -> bool:
     return Membership.objects.filter(
         user=user, state=MembershipState.APPROVED, role=Role.ADMIN
     ).exists()
+
+
+def get_vm_for_admin(user, lab: Lab, vm_id: int):
+    """A TPU VM of a lab the person administers, looked up inside that lab."""
+    from tpus.models import TpuVm
+
+    try:
+        return lab.vms.get(pk=vm_id)
+    except (TpuVm.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such TPU VM.") from None
+
+
+def get_disk_for_admin(user, lab: Lab, disk_id: int):
+    from tpus.models import DataDisk
+
+    try:
+        return lab.disks.get(pk=disk_id)
+    except (DataDisk.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such disk.") from None
+
+
+def get_worker_for_admin(user, lab: Lab, vm_id: int, index: int):
+    from tpus.models import Worker
+
+    try:
+        return Worker.objects.select_related("vm").get(vm__lab=lab, vm_id=vm_id, index=index)
+    except (Worker.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such worker.") from None

@@ -66,3 +66,22 @@ def send_invite_email(invite_id: int, raw_token: str) -> None:
 def record_heartbeat() -> None:
     """Proves beat and a worker are both running (shown to site admins)."""
     heartbeat.beat()
+
+
+@every(settings.PORTAL_SYNC_SECONDS, name="sync-inventory")
+@shared_task(ignore_result=True)
+def sync_inventory() -> None:
+    """Refresh every lab's TPU VMs: one ListNodes per (project, zone)."""
+    from tpus.services.sync import sync_inventory as sync
+
+    sync()
+
+
+@shared_task(ignore_result=True)
+def sync_lab_inventory(lab_id: int) -> None:
+    from tpus.models import Lab
+    from tpus.services.sync import sync_inventory as sync
+
+    lab = Lab.objects.filter(pk=lab_id).first()
+    if lab is not None:
+        sync([lab])

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from tpus.views import labs
+from tpus.views import inventory, labs
 
 urlpatterns = [
     path("", labs.dashboard, name="dashboard"),
@@ -39,4 +39,16 @@ urlpatterns = [
         name="invite_revoke",
     ),
     path("invites/<str:token>/", labs.invite, name="invite"),
+    path("labs/<slug:slug>/vms/", inventory.vm_list, name="vm_list"),
+    path("labs/<slug:slug>/vms/import/", inventory.vm_import, name="vm_import"),
+    path("labs/<slug:slug>/vms/register/", inventory.vm_register, name="vm_register"),
+    path("labs/<slug:slug>/vms/sync/", inventory.vm_sync, name="vm_sync"),
+    path("labs/<slug:slug>/vms/<int:vm_id>/", inventory.vm_detail, name="vm_detail"),
+    path("labs/<slug:slug>/disks/register/", inventory.disk_register, name="disk_register"),
+    path("labs/<slug:slug>/disks/<int:disk_id>/", inventory.disk_detail, name="disk_detail"),
+    path(
+        "labs/<slug:slug>/disks/<int:disk_id>/detach/<int:vm_id>/",
+        inventory.disk_detach,
+        name="disk_detach",
+    ),
 ]

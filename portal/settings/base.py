@@ -173,6 +173,8 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 PORTAL_HEARTBEAT_SECONDS = env.integer("PORTAL_HEARTBEAT_SECONDS", 60, minimum=1)
+# How often every lab's TPU VMs are refreshed from the Cloud TPU API.
+PORTAL_SYNC_SECONDS = env.integer("PORTAL_SYNC_SECONDS", 60, minimum=5)
 
 LOGGING = {
     "version": 1,

@@ -73,3 +73,9 @@ CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 STATIC_ROOT = VAR_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)
+
+# Tests never reach Google: unless a test starts the emulator, the Cloud TPU API is a
+# closed local port and every call fails fast as UNAVAILABLE.
+TPU_API_ENDPOINT = "127.0.0.1:9"
+TPU_API_INSECURE = True
+TPU_API_CREDENTIALS_FILE = ""

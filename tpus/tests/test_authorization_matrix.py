@@ -9,6 +9,8 @@ import re
 import pytest
 from django.urls import reverse
 
+from tpus.models import TpuVm
+
 ROLES = ["anonymous", "outsider", "pending", "member", "admin", "site_admin"]
 
 # (name, method, url builder, expected status per role). 302 for anonymous means "sent
@@ -19,7 +21,7 @@ OK, REDIRECT, FORBIDDEN, MISSING = 200, 302, 403, 404
 def _urls(cast):
     from accounts.models import User
     from accounts.services import create_token
-    from tpus.models import Membership
+    from tpus.models import DataDisk, Membership, TpuVm, Worker
     from tpus.services.labs import create_invite
 
     lab, pm = cast.lab.slug, cast.pending_membership.pk
@@ -27,6 +29,9 @@ def _urls(cast):
         lab=cast.lab, user=User.objects.create_user("second@vision.example"), state="requested"
     )
     invite, _ = create_invite(cast.admin, cast.lab)
+    vm = TpuVm.objects.create(lab=cast.lab, name="tpu5", zone="us-central1-f", source="manual")
+    Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10")
+    disk = DataDisk.objects.create(lab=cast.lab, name="imagenet", zone="us-central1-f")
     token, _ = create_token(cast.admin, "admin's token")
     return [
         ("dashboard", "get", reverse("dashboard"), [REDIRECT, OK, OK, OK, OK, OK]),
@@ -158,6 +163,91 @@ def _urls(cast):
             f"/api/v1/labs/{lab}/join",
             [401, MISSING, 201, 201, 201, 201],
         ),
+        (
+            "vm_list",
+            "get",
+            reverse("vm_list", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "vm_import",
+            "get",
+            reverse("vm_import", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "vm_register",
+            "get",
+            reverse("vm_register", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "vm_sync",
+            "post",
+            reverse("vm_sync", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "vm_detail",
+            "get",
+            reverse("vm_detail", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "disk_register",
+            "get",
+            reverse("disk_register", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "disk_detail",
+            "get",
+            reverse("disk_detail", args=[lab, disk.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "disk_detach",
+            "post",
+            reverse("disk_detach", args=[lab, disk.pk, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        ("api_vms", "get", f"/api/v1/labs/{lab}/vms", [401, MISSING, MISSING, FORBIDDEN, OK, OK]),
+        (
+            "api_vm",
+            "get",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_import_candidates",
+            "get",
+            f"/api/v1/labs/{lab}/import-candidates",
+            [401, MISSING, MISSING, FORBIDDEN, 502, 502],
+        ),
+        (
+            "api_import",
+            "post",
+            f"/api/v1/labs/{lab}/import",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
+        (
+            "api_disks",
+            "get",
+            f"/api/v1/labs/{lab}/disks",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_attach",
+            "post",
+            f"/api/v1/labs/{lab}/disks/{disk.pk}/attach",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
+        (
+            "api_detach",
+            "post",
+            f"/api/v1/labs/{lab}/disks/{disk.pk}/detach",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
     ]
 
 
@@ -170,7 +260,9 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
     role = ROLES[role_index]
     user = _user(cast, role)
     failures = []
-    for name, method, url, expected in _urls(cast):
+    rows = _urls(cast)
+    vm_id = TpuVm.objects.get(lab=cast.lab, name="tpu5").pk
+    for name, method, url, expected in rows:
         if user is not None:
             client.force_login(user)
         else:
@@ -179,6 +271,9 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
             body = {
                 "api_join": {"purpose": "Research.", "accept_policy": True},
                 "api_token_create": {"name": "matrix"},
+                "api_import": {"nodes": ["us-central1-f/tpu9"]},
+                "api_attach": {"vm_id": vm_id},
+                "api_detach": {"vm_id": vm_id},
             }.get(name, {})
             response = client.post(url, body, content_type="application/json")
         else:

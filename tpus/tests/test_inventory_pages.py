@@ -1,0 +1,122 @@
+"""The lab admin's TPU VM and disk pages, against the emulator."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+
+from tpus.models import DataDisk, DiskAttachment, TpuVm
+
+PROJECT, ZONE = "vision-lab-1", "us-central1-f"
+
+
+@pytest.fixture
+def admin_client(client, make_lab, make_user, add_member):
+    lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
+    admin = make_user("boss@vision.example")
+    add_member(lab, admin, role="admin")
+    client.force_login(admin)
+    client.lab = lab
+    return client
+
+
+def test_an_admin_imports_a_pod_and_sees_its_workers_and_fingerprints(admin_client, tpu_emulator):
+    tpu_emulator.controls.add_node(
+        PROJECT, ZONE, "tpu5", accelerator_type="v4-32", workers=4,
+        external_ips=["34.0.0.1", "34.0.0.2", "34.0.0.3", "34.0.0.4"],
+    )  # fmt: skip
+    page = admin_client.get(reverse("vm_import", args=["vision"])).content.decode()
+    assert f'value="{ZONE}/tpu5"' in page
+    response = admin_client.post(reverse("vm_import", args=["vision"]), {"nodes": [f"{ZONE}/tpu5"]})
+    assert response.status_code == 302
+    vm = TpuVm.objects.get(name="tpu5")
+    body = admin_client.get(reverse("vm_detail", args=["vision", vm.pk])).content.decode()
+    for i in range(4):
+        assert f"tpu5-w{i}" in body
+        assert f"34.0.0.{i + 1}" in body
+    assert body.count("ssh-ed25519 SHA256:") == 4
+
+
+def test_an_import_of_a_node_that_is_not_offered_is_refused(admin_client, tpu_emulator):
+    response = admin_client.post(reverse("vm_import", args=["vision"]), {"nodes": ["x/../../etc"]})
+    assert response.status_code == 200
+    assert "not one of the available choices" in response.content.decode()
+    assert not TpuVm.objects.exists()
+
+
+def test_an_api_outage_is_shown_on_the_import_page(admin_client, tpu_emulator):
+    tpu_emulator.controls.fail(5, "PERMISSION_DENIED")
+    body = admin_client.get(reverse("vm_import", args=["vision"])).content.decode()
+    assert ZONE in body
+    assert "PERMISSION_DENIED" in body or "permission" in body.lower()
+
+
+def test_registering_by_hand_takes_worker_ips_one_per_line(admin_client):
+    response = admin_client.post(
+        reverse("vm_register", args=["vision"]),
+        {
+            "name": "tpu9",
+            "zone": ZONE,
+            "accelerator_type": "v3-8",
+            "workers": "34.1.2.3 10.0.0.2\n",
+        },
+    )
+    assert response.status_code == 302
+    worker = TpuVm.objects.get(name="tpu9").workers.get()
+    assert (worker.external_ip, worker.internal_ip, worker.host_keys) == (
+        "34.1.2.3",
+        "10.0.0.2",
+        [],
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("name", "TPU 9; reboot", "A TPU VM name"),
+        ("accelerator_type", "v3-8 && id", "accelerator type"),
+        ("workers", "34.1.2.3\n$(reboot)", "is not an IP address"),
+        ("workers", "", "This field is required"),
+        ("zone", "mars-north1-a", "Select a valid choice"),
+    ],
+)
+def test_a_bad_manual_registration_names_the_problem(admin_client, field, value, message):
+    data = {"name": "tpu9", "zone": ZONE, "accelerator_type": "v3-8", "workers": "34.1.2.3"}
+    data[field] = value
+    response = admin_client.post(reverse("vm_register", args=["vision"]), data)
+    assert message in response.content.decode()
+    assert not TpuVm.objects.exists()
+
+
+def test_a_read_only_disk_is_attached_to_two_vms_from_its_page(admin_client, tpu_emulator):
+    for name in ("tpu1", "tpu2"):
+        tpu_emulator.controls.add_node(PROJECT, ZONE, name, workers=1)
+    tpu_emulator.controls.add_disk(PROJECT, ZONE, "imagenet")
+    admin_client.post(
+        reverse("vm_import", args=["vision"]), {"nodes": [f"{ZONE}/tpu1", f"{ZONE}/tpu2"]}
+    )
+    admin_client.post(
+        reverse("disk_register", args=["vision"]),
+        {"name": "imagenet", "zone": ZONE, "size_gb": 500, "mount_point": "/ssd"},
+    )
+    disk = DataDisk.objects.get(name="imagenet")
+    for vm in TpuVm.objects.all():
+        response = admin_client.post(
+            reverse("disk_detail", args=["vision", disk.pk]), {"vm": vm.pk, "mode": "READ_ONLY"}
+        )
+        assert response.status_code == 302
+    assert DiskAttachment.objects.filter(disk=disk).count() == 2
+    vm_list = admin_client.get(reverse("vm_list", args=["vision"])).content.decode()
+    assert "tpu1 (read-only), tpu2 (read-only)" in vm_list
+
+
+def test_the_vm_list_query_count_does_not_grow_with_the_lab(
+    admin_client, django_assert_max_num_queries
+):
+    lab = admin_client.lab
+    for i in range(30):
+        vm = TpuVm.objects.create(lab=lab, name=f"tpu{i}", zone=ZONE, source="manual")
+        disk = DataDisk.objects.create(lab=lab, name=f"disk{i}", zone=ZONE)
+        DiskAttachment.objects.create(disk=disk, vm=vm)
+    with django_assert_max_num_queries(12):
+        admin_client.get(reverse("vm_list", args=["vision"]))

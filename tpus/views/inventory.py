@@ -1,0 +1,141 @@
+"""Pages about a lab's TPU VMs and data disks (lab admins)."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.db.models import Count, Prefetch
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from tpus import access
+from tpus.cloud import CloudError
+from tpus.forms_inventory import AttachForm, DiskForm, ImportForm, ManualVmForm
+from tpus.models import DiskAttachment
+from tpus.services import inventory
+from tpus.services.inventory import InventoryError
+
+
+@login_required
+def vm_list(request, slug):
+    lab = access.get_admin_lab(request.user, slug)
+    vms = lab.vms.annotate(worker_count=Count("workers")).order_by("name")
+    disks = lab.disks.prefetch_related(
+        Prefetch("attachments", queryset=DiskAttachment.objects.select_related("vm"))
+    )
+    return render(request, "tpus/vm_list.html", {"lab": lab, "vms": vms, "disks": disks})
+
+
+@login_required
+def vm_import(request, slug):
+    lab = access.get_admin_lab(request.user, slug)
+    preview = inventory.preview_import(lab)
+    form = ImportForm(request.POST or None, candidates=preview.candidates)
+    if request.method == "POST" and form.is_valid():
+        try:
+            vms = inventory.import_vms(
+                request.user, lab, form.cleaned_data["nodes"], request=request
+            )
+        except (InventoryError, CloudError) as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"Imported {', '.join(vm.name for vm in vms)}.")
+            return redirect("vm_list", lab.slug)
+    return render(request, "tpus/vm_import.html", {"lab": lab, "preview": preview, "form": form})
+
+
+@login_required
+def vm_register(request, slug):
+    lab = access.get_admin_lab(request.user, slug)
+    form = ManualVmForm(request.POST or None, lab=lab)
+    if request.method == "POST" and form.is_valid():
+        try:
+            vm = inventory.register_manual_vm(
+                request.user, lab, request=request, **form.cleaned_data
+            )
+        except InventoryError as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"{vm.name} is registered. Confirm its host keys next.")
+            return redirect("vm_detail", lab.slug, vm.pk)
+    return render(request, "tpus/vm_register.html", {"lab": lab, "form": form})
+
+
+@login_required
+def vm_detail(request, slug, vm_id):
+    lab = access.get_admin_lab(request.user, slug)
+    vm = access.get_vm_for_admin(request.user, lab, vm_id)
+    workers = vm.workers.order_by("index")
+    attachments = vm.attachments.select_related("disk")
+    return render(
+        request,
+        "tpus/vm_detail.html",
+        {"lab": lab, "vm": vm, "workers": workers, "attachments": attachments},
+    )
+
+
+@login_required
+@require_POST
+def vm_sync(request, slug):
+    lab = access.get_admin_lab(request.user, slug)
+    from tpus.tasks import sync_lab_inventory
+
+    sync_lab_inventory.delay_on_commit(lab.pk)
+    messages.success(request, "Refreshing from the Cloud TPU API; reload in a moment.")
+    return redirect("vm_list", lab.slug)
+
+
+@login_required
+def disk_register(request, slug):
+    lab = access.get_admin_lab(request.user, slug)
+    form = DiskForm(request.POST or None, lab=lab)
+    if request.method == "POST" and form.is_valid():
+        try:
+            disk = inventory.register_disk(request.user, lab, request=request, **form.cleaned_data)
+        except InventoryError as exc:
+            form.add_error(None, str(exc))
+        else:
+            return redirect("disk_detail", lab.slug, disk.pk)
+    return render(request, "tpus/disk_register.html", {"lab": lab, "form": form})
+
+
+@login_required
+def disk_detail(request, slug, disk_id):
+    lab = access.get_admin_lab(request.user, slug)
+    disk = access.get_disk_for_admin(request.user, lab, disk_id)
+    form = AttachForm(request.POST or None, disk=disk)
+    if request.method == "POST" and form.is_valid():
+        try:
+            inventory.attach_disk(
+                request.user,
+                disk,
+                form.cleaned_data["vm"],
+                form.cleaned_data["mode"],
+                request=request,
+            )
+        except InventoryError as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, f"{disk.name} is attached to {form.cleaned_data['vm'].name}.")
+            return redirect("disk_detail", lab.slug, disk.pk)
+    attachments = disk.attachments.select_related("vm")
+    return render(
+        request,
+        "tpus/disk_detail.html",
+        {"lab": lab, "disk": disk, "form": form, "attachments": attachments},
+    )
+
+
+@login_required
+@require_POST
+def disk_detach(request, slug, disk_id, vm_id):
+    lab = access.get_admin_lab(request.user, slug)
+    disk = access.get_disk_for_admin(request.user, lab, disk_id)
+    vm = access.get_vm_for_admin(request.user, lab, vm_id)
+    try:
+        inventory.detach_disk(request.user, disk, vm, request=request)
+    except InventoryError as exc:
+        messages.error(request, str(exc))
+    else:
+        messages.success(request, f"{disk.name} is detached from {vm.name}.")
+    return redirect("disk_detail", lab.slug, disk.pk)
