@@ -8,6 +8,8 @@ import itertools
 import pytest
 from django.core.cache import cache
 
+pytest_plugins = ["testfleet.fixtures"]
+
 _counter = itertools.count(1)
 
 
