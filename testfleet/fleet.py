@@ -350,8 +350,9 @@ class Fleet:
             raise FleetError(f"{new_ip} belongs to another host")
         old = host.ip
         prefix = self.network.prefixlen
+        # Delete first: removing a primary address also removes its secondaries.
         ip_batch(
-            [f"addr add {new_ip}/{prefix} dev eth0", f"addr del {old}/{prefix} dev eth0"],
+            [f"addr del {old}/{prefix} dev eth0", f"addr add {new_ip}/{prefix} dev eth0"],
             netns=host.netns,
         )
         ip_batch(

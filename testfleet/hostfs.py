@@ -92,6 +92,12 @@ def prepare(host_dir: Path, hostname: str, admin: AdminAccount, admin_public_key
     sudoers.write_text(f"{admin.name} ALL=(ALL:ALL) NOPASSWD: ALL\n")
     os.chmod(sudoers, 0o440)
 
+    # Debian's sshd_config as shipped (UsePAM yes), plus one line: VERBOSE logs every
+    # connection ("Connection from …"), which the tests count.
+    _mkdir_like(etc / "ssh", "/etc/ssh")
+    _mkdir_like(etc / "ssh" / "sshd_config.d", "/etc/ssh/sshd_config.d")
+    (etc / "ssh" / "sshd_config.d" / "testfleet.conf").write_text("LogLevel VERBOSE\n")
+
     (etc / "hostname").write_text(f"{hostname}\n")
     hosts = Path("/etc/hosts").read_text()
     (etc / "hosts").write_text(f"127.0.1.1\t{hostname}\n{hosts}")

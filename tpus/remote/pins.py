@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import paramiko
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 
 # Verification speed and strength: ed25519 first; paramiko asks the server for the
 # first pinned type.
@@ -50,10 +52,16 @@ def canonical(line: str) -> str:
         raise InvalidHostKey("the key is not valid base64") from None
     if _inner_type(blob) != key_type:
         raise InvalidHostKey("the key's type does not match its data")
+    # cryptography refuses truncated keys and trailing bytes (paramiko accepts both);
+    # re-encoding must give back exactly the blob we were given.
+    text = f"{key_type} {base64.b64encode(blob).decode()}"
     try:
-        paramiko.PKey.from_type_string(key_type, blob)
-    except Exception as exc:  # paramiko raises several types for malformed keys
+        loaded = serialization.load_ssh_public_key(text.encode())
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise InvalidHostKey(f"the key cannot be loaded: {exc}") from None
+    again = loaded.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    if again.split()[1] != text.split()[1].encode():
+        raise InvalidHostKey("the key is not in canonical form")
     return f"{key_type} {base64.b64encode(blob).decode()}"
 
 
