@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _dispatch(fleet, args)
+    except BrokenPipeError:  # `… | head`
+        return 0
     except FleetError as exc:
         print(f"testfleet: {exc}", file=sys.stderr)
         return 1

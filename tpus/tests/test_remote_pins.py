@@ -20,8 +20,9 @@ def public(key) -> str:
     )
 
 
-ED = public(ed25519.Ed25519PrivateKey.generate())
-EC = public(ec.generate_private_key(ec.SECP256R1()))
+# Fixed keys: test ids must be the same in every xdist worker.
+ED = public(ed25519.Ed25519PrivateKey.from_private_bytes(bytes(range(32))))
+EC = public(ec.derive_private_key(20240601, ec.SECP256R1()))
 
 
 def test_pins_are_canonical_ordered_and_lose_comments():
