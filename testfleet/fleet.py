@@ -18,15 +18,13 @@ from ipaddress import IPv4Address, IPv4Network, ip_address
 from pathlib import Path
 
 from testfleet import hostfs, slots
+from testfleet.network import FleetNetwork
 from testfleet.system import (
     FleetError,
     Pid,
     alive,
     children_of,
-    ip_batch,
     kill,
-    list_links,
-    list_netns,
     listening_on,
     pid_of,
     run,
@@ -85,6 +83,7 @@ class Fleet:
         self.network: IPv4Network = slots.slot_network(lock.slot, network)
         self.bridge = f"{self.name}br"
         self.bridge_ip = str(self.network[1])
+        self.net = FleetNetwork(self.name, self.bridge, self.bridge_ip, self.network.prefixlen)
         self.admin_key_path = self.state_dir / "admin_ed25519"
         self.hosts: dict[str, Host] = {}
         self.admin: hostfs.AdminAccount | None = None
@@ -160,13 +159,14 @@ class Fleet:
 
     def up(self, count: int) -> list[Host]:
         """Make sure hosts h1..h<count> exist and run; returns them in order."""
-        if self.hosts and self.bridge not in list_links():
+        if self.hosts and not self.net.exists():
             self.teardown()  # state from before a machine restart: nothing of it is left
         fresh = not self.hosts
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
         if fresh:
-            self._create_bridge()
+            self.net.remove()  # leftovers of a run whose state file is gone
+            self.net.create_bridge()
         if not self.admin_key_path.exists():
             hostfs.write_keypair(self.admin_key_path, "ed25519", f"portal-admin@{self.name}")
         if self.admin is None:
@@ -182,14 +182,8 @@ class Fleet:
             if ip in used:
                 ip = self.free_ip()
             used.add(ip)
-            host = Host(
-                name,
-                index,
-                ip,
-                f"{self.name}-{name}",
-                f"{self.name}v{index}",
-                f"{self.name}-{name}",
-            )
+            netns = f"{self.name}-{name}"
+            host = Host(name, index, ip, netns=netns, veth=f"{self.name}v{index}", hostname=netns)
             self.hosts[name] = host
             new.append(host)
         self._save()  # record names before creating anything, so a crash can be undone
@@ -204,43 +198,13 @@ class Fleet:
                 hostfs.prepare(
                     self.host_dir(host.name), host.hostname, self.admin, self.admin_public_key
                 )
-            self._create_networks(new)
+            self.net.plug_in([(h.netns, h.veth, h.ip) for h in new])
             for job in jobs:
                 job.result()
 
         wanted = [h for h in self.hosts.values() if int(h.name[1:]) <= count]
         self._launch([h for h in wanted if not h.running])
         return wanted
-
-    def _create_bridge(self) -> None:
-        ip_batch(
-            [
-                f"link add {self.bridge} type bridge",
-                f"addr add {self.bridge_ip}/{self.network.prefixlen} dev {self.bridge}",
-                f"link set {self.bridge} up",
-            ]
-        )
-        Path(f"/proc/sys/net/ipv6/conf/{self.bridge}/disable_ipv6").write_text("1")
-
-    def _create_networks(self, hosts: list[Host]) -> None:
-        lines = []
-        for h in hosts:
-            lines += [
-                f"netns add {h.netns}",
-                f"link add {h.veth} type veth peer name eth0 netns {h.netns}",
-                f"link set {h.veth} master {self.bridge}",
-                f"link set {h.veth} up",
-            ]
-        ip_batch(lines)
-        for h in hosts:
-            ip_batch(
-                [
-                    "link set lo up",
-                    f"addr add {h.ip}/{self.network.prefixlen} dev eth0",
-                    "link set eth0 up",
-                ],
-                netns=h.netns,
-            )
 
     def _hidden_paths(self) -> list[str]:
         """Folders of the machine each host sees as empty: work trees, keys, state."""
@@ -348,17 +312,7 @@ class Fleet:
             raise FleetError(f"{new_ip} is reserved in {self.network}")
         if any(h.ip == new_ip for h in self.hosts.values() if h is not host):
             raise FleetError(f"{new_ip} belongs to another host")
-        old = host.ip
-        prefix = self.network.prefixlen
-        # Delete first: removing a primary address also removes its secondaries.
-        ip_batch(
-            [f"addr del {old}/{prefix} dev eth0", f"addr add {new_ip}/{prefix} dev eth0"],
-            netns=host.netns,
-        )
-        ip_batch(
-            [f"neigh del {old} dev {self.bridge}", f"neigh del {new_ip} dev {self.bridge}"],
-            force=True,
-        )
+        self.net.readdress(host.netns, host.ip, new_ip)
         host.ip = new_ip
         self._save()
         return new_ip
@@ -392,21 +346,14 @@ class Fleet:
         a pinned neighbour entry, so connects hang until the client's timeout; without
         it they fail after a few seconds with "No route to host"."""
         host = self.host(name)
-        lines = [f"link set {host.veth} down"]
-        if hang:
-            mac = _mac_of(host.netns, "eth0")
-            lines.append(f"neigh replace {host.ip} lladdr {mac} dev {self.bridge} nud permanent")
-        ip_batch(lines)
-        if not hang:
-            ip_batch([f"neigh del {host.ip} dev {self.bridge}"], force=True)
+        self.net.cut(host.netns, host.veth, host.ip, hang=hang)
         host.down = True
         self._save()
 
     def start(self, name: str) -> None:
         """Bring a host back onto the network (and boot it if it is not running)."""
         host = self.host(name)
-        ip_batch([f"link set {host.veth} up"])
-        ip_batch([f"neigh del {host.ip} dev {self.bridge}"], force=True)
+        self.net.reconnect(host.veth, host.ip)
         host.down = False
         self._save()
         if not host.running:
@@ -494,19 +441,7 @@ class Fleet:
         wait_gone([h.launcher for h in hosts])
         self._reap()
 
-        ours = [ns for ns in list_netns() if ns.startswith(f"{self.name}-h")]
-        for ns in ours:
-            pids = run(["ip", "netns", "pids", ns], check=False).stdout.split()
-            procs = [pid_of(int(p)) for p in pids]
-            for proc in procs:
-                kill(proc)
-            wait_gone(procs)
-        veths = [link for link in list_links() if _is_our_veth(link, self.name)]
-        lines = [f"link del {link}" for link in veths]
-        lines += [f"netns del {ns}" for ns in ours]
-        if self.bridge in list_links():
-            lines.append(f"link del {self.bridge}")
-        ip_batch(lines, force=True)
+        self.net.remove()
 
         self.hosts = {}
         self.admin = None
@@ -518,18 +453,8 @@ class Fleet:
         self._lock.release(remove=True)
 
 
-def _is_our_veth(link: str, name: str) -> bool:
-    rest = link.removeprefix(f"{name}v")
-    return rest != link and rest.isdigit()
-
-
 def _is_sshd(pid: int) -> bool:
     try:
         return os.readlink(f"/proc/{pid}/exe") == "/usr/sbin/sshd"
     except OSError:
         return False
-
-
-def _mac_of(netns: str, device: str) -> str:
-    out = run(["ip", "-n", netns, "-j", "link", "show", "dev", device]).stdout
-    return json.loads(out)[0]["address"]
