@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 from django.core.cache import cache
 
-pytest_plugins = ["tests.e2e"]
+pytest_plugins = ["tests.e2e", "testfleet.fixtures"]
 
 _counter = itertools.count(1)
 

@@ -176,12 +176,35 @@ PORTAL_HEARTBEAT_SECONDS = env.integer("PORTAL_HEARTBEAT_SECONDS", 60, minimum=1
 # How often every lab's TPU VMs are refreshed from the Cloud TPU API.
 PORTAL_SYNC_SECONDS = env.integer("PORTAL_SYNC_SECONDS", 60, minimum=5)
 
+# --- Remote hosts (TPU VM workers over SSH, tpus/remote) -------------------------------
+# The portal logs in to every worker as PORTAL_ADMIN_SSH_USER (passwordless sudo) with
+# one private key: a file path in PORTAL_ADMIN_SSH_KEY_FILE (read again whenever the
+# file changes) or the key text itself in PORTAL_ADMIN_SSH_KEY. Never in the database.
+PORTAL_ADMIN_SSH_KEY_FILE = env.string("PORTAL_ADMIN_SSH_KEY_FILE", "")
+PORTAL_ADMIN_SSH_KEY = env.string("PORTAL_ADMIN_SSH_KEY", "")
+if PORTAL_ADMIN_SSH_KEY_FILE and PORTAL_ADMIN_SSH_KEY:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("Set PORTAL_ADMIN_SSH_KEY or PORTAL_ADMIN_SSH_KEY_FILE, not both.")
+PORTAL_ADMIN_SSH_USER = env.string("PORTAL_ADMIN_SSH_USER", "admin")
+# Seconds. Connect covers TCP; auth covers banner, handshake, login and opening the
+# channel; script covers the whole script run. A dead VM costs at most connect.
+PORTAL_REMOTE_CONNECT_TIMEOUT = env.integer("PORTAL_REMOTE_CONNECT_TIMEOUT", 10, minimum=1)
+PORTAL_REMOTE_AUTH_TIMEOUT = env.integer("PORTAL_REMOTE_AUTH_TIMEOUT", 15, minimum=1)
+PORTAL_REMOTE_SCRIPT_TIMEOUT = env.integer("PORTAL_REMOTE_SCRIPT_TIMEOUT", 300, minimum=1)
+# Workers of one VM contacted at once (a v4-128 pod has 32).
+PORTAL_REMOTE_MAX_PARALLEL = env.integer("PORTAL_REMOTE_MAX_PARALLEL", 32, minimum=1)
+# Log what would run instead of connecting.
+PORTAL_REMOTE_DRY_RUN = env.boolean("PORTAL_REMOTE_DRY_RUN", False)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.string("LOG_LEVEL", "INFO")},
+    # paramiko narrates every connection at INFO; the portal logs what matters itself.
+    "loggers": {"paramiko": {"level": "WARNING"}},
 }
 
 # --- Cloud TPU API -----------------------------------------------------------------

@@ -1,0 +1,26 @@
+"""The one door to TPU VM workers over SSH; the only code that imports paramiko.
+
+Connects by a worker's current address with its pinned host keys (RejectPolicy, never
+trust on first use), the admin key from settings, explicit timeouts, no agent and no
+key files looked up; runs scripts that ship in ``scripts/`` with their data on stdin;
+raises one error type, RemoteError, that says whether a retry can help.
+"""
+
+from tpus.remote.errors import HostKeyMismatch, RemoteError
+from tpus.remote.fanout import WorkerOutcome, run_on_workers, run_script
+from tpus.remote.pins import HostKeyPins, InvalidHostKey
+from tpus.remote.scripts import Script
+from tpus.remote.ssh import ScriptResult, Worker
+
+__all__ = [
+    "HostKeyMismatch",
+    "HostKeyPins",
+    "InvalidHostKey",
+    "RemoteError",
+    "Script",
+    "ScriptResult",
+    "Worker",
+    "WorkerOutcome",
+    "run_on_workers",
+    "run_script",
+]

@@ -1,0 +1,274 @@
+"""Run one shipped script on one worker over one SSH connection: the door's choke point.
+
+How a script travels. The command line is the same constant for every run::
+
+    sudo -n -- /bin/sh -c 'set -eu; n=$(head -c 10); s=$(head -c "$n");
+                           exec /bin/sh -c "$s" "$0"' whoami.sh
+
+and stdin carries, in order, the script's length as ten digits, the script, and the
+script's data. So no byte of data is ever part of a command line, the script needs no
+temporary file on the host (no upload, no path a collaborator could race), and the run
+costs one channel: one round trip after authentication. ``head -c`` reads exactly the
+bytes it is asked for, so the data the script reads from stdin starts right after it.
+
+A script answers with ``key=value`` lines on stdout (other lines are ignored), exits
+non-zero with its reason as the last line of stderr, and is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import select
+import shlex
+import time
+from dataclasses import dataclass, field
+
+import paramiko
+
+from tpus.remote import config as remote_config
+from tpus.remote.errors import HostKeyMismatch, RemoteError
+from tpus.remote.pins import HostKeyPins
+from tpus.remote.scripts import Script
+
+log = logging.getLogger(__name__)
+
+_BOOTSTRAP = 'set -eu; n=$(head -c 10); s=$(head -c "$n"); exec /bin/sh -c "$s" "$0"'
+_RESULT_LINE = re.compile(r"^([a-z][a-z0-9_.-]*)=(.*)$")
+MAX_OUTPUT_BYTES = 4 * 1024 * 1024
+# Never offered: CBC and 3DES ciphers, SHA-1 and MD5 MACs, SHA-1 key exchanges.
+_DISABLED_ALGORITHMS = {
+    "ciphers": ["3des-cbc", "aes128-cbc", "aes192-cbc", "aes256-cbc"],
+    "macs": ["hmac-sha1", "hmac-md5", "hmac-sha1-96", "hmac-md5-96"],
+    "kex": ["diffie-hellman-group14-sha1", "diffie-hellman-group-exchange-sha1",
+            "diffie-hellman-group1-sha1"],
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One TPU VM worker as the door needs it: where it is now and who it must be."""
+
+    address: str
+    pins: HostKeyPins
+    port: int = 22
+    name: str = ""
+
+    def __str__(self) -> str:
+        return self.name or self.address
+
+
+@dataclass
+class ScriptResult:
+    """What a script answered: its ``key=value`` lines, raw output, and timing."""
+
+    worker: Worker
+    script: str
+    exit_status: int
+    stdout: str = ""
+    stderr: str = ""
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    elapsed: float = 0.0
+    dry_run: bool = False
+
+    @property
+    def values(self) -> dict[str, str]:
+        """The answer as a dict (for a key given more than once, the last value)."""
+        return dict(self.pairs)
+
+    def all(self, key: str) -> list[str]:
+        """Every value given for ``key``, in order (for list-like answers)."""
+        return [value for name, value in self.pairs if name == key]
+
+
+def command_for(script: Script) -> str:
+    """The fixed command line that runs ``script`` with the data that follows it."""
+    return f"sudo -n -- /bin/sh -c {shlex.quote(_BOOTSTRAP)} {shlex.quote(script.name)}"
+
+
+def execute(
+    worker: Worker, script: Script, data: bytes = b"", *, dry_run: bool | None = None
+) -> ScriptResult:
+    """Connect to ``worker``, run ``script`` with ``data`` on stdin, return its answer.
+
+    Raises RemoteError (HostKeyMismatch for a host key other than the pinned one)."""
+    cfg = remote_config.current()
+    if dry_run if dry_run is not None else cfg.dry_run:
+        log.info("dry run: would run %s on %s with %d bytes", script.name, worker, len(data))
+        return ScriptResult(worker, script.name, 0, dry_run=True)
+    if not worker.pins:
+        raise RemoteError(
+            "no host key is pinned for this worker; refusing to connect",
+            kind=RemoteError.NO_PIN,
+            retryable=False,
+            worker=str(worker),
+        )
+    started = time.monotonic()
+    client = _connect(worker, cfg)
+    try:
+        payload = f"{len(script.body):010d}".encode() + script.body + data
+        status, out, err = _run(client, command_for(script), payload, cfg.script_timeout, worker)
+    finally:
+        client.close()
+    elapsed = time.monotonic() - started
+    stdout = out.decode(errors="replace")
+    stderr = err.decode(errors="replace")
+    log.info("%s on %s: exit %s in %.2f s", script.name, worker, status, elapsed)
+    if status != 0:
+        reason = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+        raise RemoteError(
+            f"{script.name} failed (exit {status}): {reason[:500] or 'no message'}",
+            kind=RemoteError.SCRIPT,
+            retryable=False,
+            worker=str(worker),
+            exit_status=status,
+            stderr=stderr[-4000:],
+        )
+    pairs = [(m[1], m[2]) for ln in stdout.splitlines() if (m := _RESULT_LINE.match(ln))]
+    return ScriptResult(worker, script.name, status, stdout, stderr, pairs, elapsed)
+
+
+def _connect(worker: Worker, cfg: remote_config.RemoteConfig) -> paramiko.SSHClient:
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    # paramiko looks the server up under "ip" for port 22 and "[ip]:port" otherwise.
+    lookup = worker.address if worker.port == 22 else f"[{worker.address}]:{worker.port}"
+    known = client.get_host_keys()
+    for key in worker.pins.paramiko_keys():
+        known.add(lookup, key.get_name(), key)
+    where = str(worker)
+    try:
+        client.connect(
+            worker.address,
+            port=worker.port,
+            username=cfg.user,
+            pkey=cfg.key,
+            timeout=cfg.connect_timeout,
+            banner_timeout=cfg.auth_timeout,
+            auth_timeout=cfg.auth_timeout,
+            channel_timeout=cfg.auth_timeout,
+            allow_agent=False,
+            look_for_keys=False,
+            compress=False,
+            disabled_algorithms=_DISABLED_ALGORITHMS,
+        )
+    except paramiko.BadHostKeyException as exc:
+        client.close()
+        presented = f"{exc.key.get_name()} {exc.key.get_base64()}"
+        raise HostKeyMismatch(
+            f"the host key changed: it presented {exc.key.get_name()} "
+            f"{exc.key.fingerprint}, which is not pinned",
+            worker=where,
+            presented=presented,
+        ) from None
+    except paramiko.AuthenticationException as exc:
+        client.close()
+        raise RemoteError(
+            f"the worker refused the admin key for {cfg.user!r}: {exc}",
+            kind=RemoteError.AUTH,
+            retryable=False,
+            worker=where,
+        ) from None
+    except TimeoutError as exc:
+        client.close()
+        raise RemoteError(
+            f"timed out connecting: {exc or 'no answer'}",
+            kind=RemoteError.TIMEOUT,
+            retryable=True,
+            worker=where,
+        ) from None
+    except paramiko.SSHException as exc:
+        client.close()
+        text = str(exc)
+        if "host key" in text:  # the server offered none of the pinned key types
+            raise HostKeyMismatch(
+                f"the worker offered none of the pinned host key types: {text}", worker=where
+            ) from None
+        timeout = "timeout" in text.lower() or "banner" in text.lower()
+        raise RemoteError(
+            f"SSH handshake failed: {text}",
+            kind=RemoteError.TIMEOUT if timeout else RemoteError.PROTOCOL,
+            retryable=True,
+            worker=where,
+        ) from None
+    except OSError as exc:
+        client.close()
+        raise RemoteError(
+            f"cannot connect: {exc.strerror or exc}",
+            kind=RemoteError.UNREACHABLE,
+            retryable=True,
+            worker=where,
+        ) from None
+    return client
+
+
+def _run(
+    client: paramiko.SSHClient, command: str, payload: bytes, timeout: float, worker: Worker
+) -> tuple[int, bytes, bytes]:
+    """One channel: exec ``command``, send ``payload`` then EOF, collect both streams
+    (interleaved, so a chatty stderr cannot stall the window), wait for the status."""
+    where = str(worker)
+    deadline = time.monotonic() + timeout
+    out, err = bytearray(), bytearray()
+    try:
+        transport = client.get_transport()
+        channel = transport.open_session(timeout=max(1.0, deadline - time.monotonic()))
+        channel.settimeout(max(0.1, deadline - time.monotonic()))
+        channel.exec_command(command)
+        try:
+            channel.sendall(payload)
+            channel.shutdown_write()
+        except OSError:
+            pass  # the script exited without reading all of it; its status tells why
+        while True:
+            if channel.recv_ready():
+                _keep(out, channel.recv(65536))
+                continue
+            if channel.recv_stderr_ready():
+                _keep(err, channel.recv_stderr(65536))
+                continue
+            if channel.exit_status_ready() or channel.closed:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            if channel.eof_received:
+                channel.status_event.wait(min(remaining, 1.0))
+            else:
+                select.select([channel], [], [], min(remaining, 1.0))
+        # Output that arrived together with the exit status.
+        while channel.recv_ready():
+            _keep(out, channel.recv(65536))
+        while channel.recv_stderr_ready():
+            _keep(err, channel.recv_stderr(65536))
+        status = channel.exit_status if channel.exit_status_ready() else -1
+    except TimeoutError:
+        raise RemoteError(
+            f"the script did not finish within {timeout:.0f} s",
+            kind=RemoteError.TIMEOUT,
+            retryable=True,
+            worker=where,
+        ) from None
+    except (paramiko.SSHException, OSError, EOFError) as exc:
+        raise RemoteError(
+            f"the connection broke while the script ran: {exc}",
+            kind=RemoteError.DISCONNECTED,
+            retryable=True,
+            worker=where,
+        ) from None
+    if status == -1:
+        raise RemoteError(
+            "the script ended without an exit status (killed, or the host went away)",
+            kind=RemoteError.DISCONNECTED,
+            retryable=True,
+            worker=where,
+            stderr=err.decode(errors="replace")[-4000:],
+        )
+    return status, bytes(out), bytes(err)
+
+
+def _keep(buffer: bytearray, chunk: bytes) -> None:
+    """Append up to MAX_OUTPUT_BYTES; the rest is read and dropped."""
+    room = MAX_OUTPUT_BYTES - len(buffer)
+    if room > 0:
+        buffer += chunk[:room]

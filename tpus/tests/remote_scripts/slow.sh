@@ -1,0 +1,4 @@
+#!/bin/sh
+# Test script: takes longer than the tests allow scripts to run.
+set -eu
+sleep 30

@@ -1,0 +1,214 @@
+"""tpus.remote against real sshd hosts of the test fleet."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from tpus.remote import (
+    HostKeyMismatch,
+    HostKeyPins,
+    RemoteError,
+    Script,
+    Worker,
+    run_on_workers,
+    run_script,
+)
+
+pytestmark = pytest.mark.fleet
+TEST_SCRIPTS = Path(__file__).with_name("remote_scripts")
+
+
+def worker_for(fleet, host, **changes) -> Worker:
+    fields = {"address": host.ip, "pins": HostKeyPins.parse(fleet.host_keys(host.name)),
+              "name": host.name} | changes  # fmt: skip
+    return Worker(**fields)
+
+
+def logins(fleet, host) -> int:
+    return fleet.log(host.name).count("Accepted publickey for")
+
+
+def connections(fleet, host) -> int:
+    return fleet.log(host.name).count("Connection from ")
+
+
+def test_whoami_runs_as_root_on_the_host_it_was_sent_to(fleet, fleet_settings, fleet_host):
+    result = run_script(worker_for(fleet, fleet_host), "whoami.sh")
+    assert result.values["hostname"] == fleet_host.hostname
+    assert result.values["uid"] == "0"
+    assert result.values["boot_id"] == fleet_host.boot_id
+    assert result.values["stdin_bytes"] == "0"
+
+
+HOSTILE = (
+    b"$(touch /tmp/pwned-subst)\n`touch /tmp/pwned-backtick`\n"
+    b"'; touch /tmp/pwned-quote; '\n\"; touch /tmp/pwned-dquote; \"\n"
+    b"milo; rm -rf / --no-preserve-root\n--help\n-rf\n\\\n\x00\x01\x1b[31m\r\n\xff\xfe"
+    b"0000000099not a header\n"
+)
+
+
+def test_data_on_stdin_arrives_byte_for_byte_and_is_never_run(fleet, fleet_settings, fleet_host):
+    result = run_script(worker_for(fleet, fleet_host), "whoami.sh", HOSTILE)
+    assert result.values["stdin_bytes"] == str(len(HOSTILE))
+    assert result.values["stdin_sha256"] == hashlib.sha256(HOSTILE).hexdigest()
+    found = fleet.exec(fleet_host.name, ["sh", "-c", "ls /tmp /root /; true"]).stdout
+    assert b"pwned" not in found
+    assert fleet.exec(fleet_host.name, ["test", "-d", "/usr/bin"], check=False).returncode == 0
+
+
+def test_parallel_run_over_eight_hosts_uses_one_connection_each(fleet, fleet_settings, fleet_hosts):
+    hosts = fleet_hosts(8)
+    before = {h.name: logins(fleet, h) for h in hosts}
+    outcomes = run_on_workers([worker_for(fleet, h) for h in hosts], "whoami.sh", b"same")
+    assert [o.ok for o in outcomes] == [True] * 8
+    assert [o.result.values["hostname"] for o in outcomes] == [h.hostname for h in hosts]
+    assert {h.name: logins(fleet, h) - before[h.name] for h in hosts} == {h.name: 1 for h in hosts}
+
+
+def test_each_worker_can_get_its_own_data(fleet, fleet_settings, fleet_hosts):
+    hosts = fleet_hosts(3)
+    outcomes = run_on_workers(
+        [worker_for(fleet, h) for h in hosts], "whoami.sh", lambda w: w.name * 2
+    )
+    assert [o.result.values["stdin_bytes"] for o in outcomes] == [
+        str(2 * len(h.name)) for h in hosts
+    ]
+
+
+def test_a_changed_host_key_stops_the_run_before_anything_runs(fleet, fleet_settings, fleet_host):
+    pinned = worker_for(fleet, fleet_host)
+    fleet.rekey(fleet_host.name)  # the VM was recreated, or someone sits on its address
+    before = logins(fleet, fleet_host), connections(fleet, fleet_host)
+
+    [outcome] = run_on_workers([pinned], "whoami.sh", b"$(touch /tmp/ran)")
+
+    assert isinstance(outcome.error, HostKeyMismatch)
+    assert outcome.error.retryable is False
+    assert outcome.error.presented in fleet.host_keys(fleet_host.name)
+    assert logins(fleet, fleet_host) == before[0]  # never authenticated
+    assert connections(fleet, fleet_host) == before[1] + 1  # and tried once, not again
+    ls = fleet.exec(fleet_host.name, ["ls", "/tmp"]).stdout
+    assert b"ran" not in ls
+
+
+def test_another_hosts_pin_is_refused_before_authentication(fleet, fleet_settings, fleet_hosts):
+    target, impostor = fleet_hosts(2)
+    before = fleet.log(target.name)
+    wrong = worker_for(fleet, target, pins=HostKeyPins.parse(fleet.host_keys(impostor.name)))
+    with pytest.raises(HostKeyMismatch) as caught:
+        run_script(wrong, "whoami.sh")
+    assert caught.value.kind == RemoteError.HOST_KEY
+    new_log = fleet.log(target.name)[len(before) :]
+    assert "Connection from " in new_log
+    assert "publickey" not in new_log and "Accepted" not in new_log
+
+
+def test_an_old_address_taken_over_by_another_host_is_refused(fleet, fleet_settings, fleet_hosts):
+    moved, newcomer = fleet_hosts(2)
+    stale = worker_for(fleet, moved)  # what the portal knew before the IP change
+    fleet.move(moved.name)
+    fleet.move(newcomer.name, stale.address)
+    with pytest.raises(HostKeyMismatch):
+        run_script(stale, "whoami.sh")
+
+
+def test_a_worker_without_pinned_keys_is_never_contacted(fleet, fleet_settings, fleet_host):
+    before = connections(fleet, fleet_host)
+    with pytest.raises(RemoteError) as caught:
+        run_script(worker_for(fleet, fleet_host, pins=HostKeyPins()), "whoami.sh")
+    assert caught.value.kind == RemoteError.NO_PIN and not caught.value.retryable
+    time.sleep(0.2)
+    assert connections(fleet, fleet_host) == before
+
+
+def test_a_host_that_is_down_fails_retryably_within_the_connect_timeout(
+    fleet, fleet_settings, fleet_host
+):
+    fleet_settings.PORTAL_REMOTE_CONNECT_TIMEOUT = 1.5
+    fleet.down(fleet_host.name)
+    started = time.monotonic()
+    [outcome] = run_on_workers([worker_for(fleet, fleet_host)], "whoami.sh")
+    assert time.monotonic() - started < 4
+    assert outcome.error.retryable is True
+    assert outcome.error.kind == RemoteError.TIMEOUT
+
+
+def test_a_refused_connection_is_retryable(fleet, fleet_settings, fleet_host):
+    with pytest.raises(RemoteError) as caught:
+        run_script(worker_for(fleet, fleet_host, port=2222), "whoami.sh")
+    assert caught.value.kind == RemoteError.UNREACHABLE and caught.value.retryable
+
+
+def test_a_failing_script_reports_its_reason_and_is_not_retryable(
+    fleet, fleet_settings, fleet_host
+):
+    with pytest.raises(RemoteError) as caught:
+        run_script(worker_for(fleet, fleet_host), Script.from_path(TEST_SCRIPTS / "fails.sh"))
+    error = caught.value
+    assert error.kind == RemoteError.SCRIPT and not error.retryable
+    assert error.exit_status == 3
+    assert "no such disk: pd-missing" in str(error)
+
+
+def test_a_script_that_runs_too_long_is_a_retryable_timeout(fleet, fleet_settings, fleet_host):
+    fleet_settings.PORTAL_REMOTE_SCRIPT_TIMEOUT = 1
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as caught:
+        run_script(worker_for(fleet, fleet_host), Script.from_path(TEST_SCRIPTS / "slow.sh"))
+    assert caught.value.kind == RemoteError.TIMEOUT and caught.value.retryable
+    assert time.monotonic() - started < 5
+
+
+def test_a_reboot_in_the_middle_of_a_script_is_retryable(fleet, fleet_settings, fleet_host):
+    rebooter = threading.Timer(1.0, fleet.reboot, args=[fleet_host.name])
+    rebooter.start()
+    try:
+        with pytest.raises(RemoteError) as caught:
+            run_script(worker_for(fleet, fleet_host), Script.from_path(TEST_SCRIPTS / "slow.sh"))
+    finally:
+        rebooter.join()
+    assert caught.value.retryable
+    assert caught.value.kind in {RemoteError.DISCONNECTED, RemoteError.TIMEOUT}
+
+
+def test_lots_of_output_on_both_streams_does_not_stall(fleet, fleet_settings, fleet_host):
+    script = Script.from_path(TEST_SCRIPTS / "chatty.sh")
+    result = run_script(worker_for(fleet, fleet_host), script)
+    assert result.values["done"] == "yes"
+    assert len(result.stderr) == 3_000_000
+
+
+def test_a_key_the_host_does_not_trust_is_an_auth_error(fleet, fleet_settings, fleet_host):
+    stranger = ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.OpenSSH,
+        serialization.NoEncryption(),
+    )
+    fleet_settings.PORTAL_ADMIN_SSH_KEY_FILE = ""
+    fleet_settings.PORTAL_ADMIN_SSH_KEY = stranger.decode()
+    with pytest.raises(RemoteError) as caught:
+        run_script(worker_for(fleet, fleet_host), "whoami.sh")
+    assert caught.value.kind == RemoteError.AUTH and not caught.value.retryable
+
+
+def test_the_admin_key_can_be_given_as_text(fleet, fleet_settings, fleet_host):
+    fleet_settings.PORTAL_ADMIN_SSH_KEY = fleet.admin_key_path.read_text()
+    fleet_settings.PORTAL_ADMIN_SSH_KEY_FILE = ""
+    assert run_script(worker_for(fleet, fleet_host), "whoami.sh").values["uid"] == "0"
+
+
+def test_dry_run_contacts_nobody(fleet, fleet_settings, fleet_host):
+    fleet_settings.PORTAL_REMOTE_DRY_RUN = True
+    before = connections(fleet, fleet_host)
+    result = run_script(worker_for(fleet, fleet_host), "whoami.sh")
+    assert result.dry_run and result.values == {}
+    time.sleep(0.2)
+    assert connections(fleet, fleet_host) == before
