@@ -14,12 +14,27 @@ pytest_plugins = ["tests.e2e", "testfleet.fixtures"]
 _counter = itertools.count(1)
 
 
+def _clear_cache() -> None:
+    """Empty this test process's part of the cache. On Redis, ``cache.clear()`` would
+    flush the whole database under other processes' feet, so delete by prefix."""
+    from django.conf import settings
+
+    config = settings.CACHES["default"]
+    if config["BACKEND"].endswith("RedisCache"):
+        client = cache._cache.get_client(write=True)
+        keys = list(client.scan_iter(match=f"{config['KEY_PREFIX']}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    else:
+        cache.clear()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_cache():
     """Rate limits count in the cache; each test starts from zero."""
-    cache.clear()
+    _clear_cache()
     yield
-    cache.clear()
+    _clear_cache()
 
 
 @pytest.fixture

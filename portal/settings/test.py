@@ -38,7 +38,9 @@ if TEST_BACKEND == "services":
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
             "LOCATION": _REDIS,
-            "KEY_PREFIX": f"tpu-portal-test-{_WORKER}",
+            # Unique per test process (and shared with the workers it starts), so
+            # parallel runs never see or clear each other's keys.
+            "KEY_PREFIX": VAR_DIR.name,
         }
     }
     CELERY_BROKER_URL = _REDIS
