@@ -141,3 +141,27 @@ def get_worker_for_admin(user, lab: Lab, vm_id: int, index: int):
         return Worker.objects.select_related("vm").get(vm__lab=lab, vm_id=vm_id, index=index)
     except (Worker.DoesNotExist, ValueError, TypeError):
         raise Http404("No such worker.") from None
+
+
+def get_grant_for_admin(user, lab: Lab, grant_id: int):
+    from tpus.models import Grant
+
+    try:
+        return Grant.objects.select_related("vm", "user").get(pk=grant_id, vm__lab=lab)
+    except (Grant.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such grant.") from None
+
+
+def get_vm_for_viewer(user, lab: Lab, vm_id: int):
+    """A VM the person may see: any VM of a lab they administer, or one they hold a
+    grant on (in any state but revoked). Else 404."""
+    from tpus.models import TpuVm
+    from tpus.models.grants import GrantState
+
+    vms = lab.vms.all()
+    if not is_lab_admin(user, lab):
+        vms = vms.filter(grants__user=user).exclude(grants__state=GrantState.REVOKED).distinct()
+    try:
+        return vms.get(pk=vm_id)
+    except (TpuVm.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such TPU VM.") from None

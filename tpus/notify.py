@@ -26,3 +26,33 @@ def invite_created(invite, raw_token: str) -> None:
     from tpus.tasks import send_invite_email
 
     _later(send_invite_email, invite.pk, raw_token)
+
+
+def access_active(grant) -> None:
+    from tpus.tasks import send_grant_email
+
+    _later(send_grant_email, grant.pk, "active")
+
+
+def access_revoked(grant) -> None:
+    from tpus.tasks import send_grant_email
+
+    _later(send_grant_email, grant.pk, "revoked")
+
+
+def grant_failed(grant) -> None:
+    from tpus.tasks import send_grant_email
+
+    _later(send_grant_email, grant.pk, "failed")
+
+
+def expiry_warning(grant) -> None:
+    from tpus.tasks import send_grant_email
+
+    _later(send_grant_email, grant.pk, "expiring")
+
+
+def host_key_changed(worker) -> None:
+    from tpus.tasks import send_host_key_alert
+
+    _later(send_host_key_alert, worker.pk)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.conf import settings
 from django.urls import reverse
+from django.utils import timezone
 
 from portal import heartbeat, mail
 from portal.celery import every
@@ -85,3 +86,107 @@ def sync_lab_inventory(lab_id: int) -> None:
     lab = Lab.objects.filter(pk=lab_id).first()
     if lab is not None:
         sync([lab])
+
+
+# Backoff for workers that could not be reached: 2, 4, 8 … seconds (with jitter), then
+# the grant fails and the admins hear of it; the periodic sweep keeps trying later.
+RECONCILE_RETRIES = 6
+
+
+@shared_task(bind=True, ignore_result=True, max_retries=RECONCILE_RETRIES)
+def reconcile_vm(self, vm_id: int) -> None:
+    """Make every worker of a VM match the database (see tpus.services.reconcile)."""
+    from tpus.models import TpuVm
+    from tpus.services import reconcile
+
+    if not TpuVm.objects.filter(pk=vm_id).exists():
+        return
+    report = reconcile.reconcile_vm(vm_id)
+    if report.busy or not report.retryable:
+        return
+    if self.request.retries >= self.max_retries:
+        reconcile.give_up(vm_id)
+        return
+    raise self.retry(countdown=_backoff(self.request.retries))
+
+
+def _backoff(attempt: int) -> float:
+    import random
+
+    base = min(2 ** (attempt + 1), 300)
+    return base / 2 + random.uniform(0, base / 2)  # noqa: S311 (jitter, not secrecy)
+
+
+@every(settings.PORTAL_RECONCILE_SWEEP_SECONDS, name="reconcile-sweep")
+@shared_task(ignore_result=True)
+def reconcile_sweep() -> None:
+    """Re-enqueue anything stuck (pending or revoking grants, workers behind), and
+    reconcile every VM now and then so drift is found and mended."""
+    from tpus.services.maintenance import vms_to_reconcile
+
+    for vm_id in vms_to_reconcile():
+        reconcile_vm.delay(vm_id)
+
+
+@every(settings.PORTAL_EXPIRY_CHECK_SECONDS, name="expire-grants")
+@shared_task(ignore_result=True)
+def expire_grants() -> None:
+    """Revoke expired grants; warn people a week before their access ends."""
+    from tpus import notify
+    from tpus.models import Grant
+    from tpus.services import grants
+
+    grants.expire_grants()
+    for grant in grants.grants_expiring_soon():
+        if Grant.objects.filter(pk=grant.pk, expiry_warned_at=None).update(
+            expiry_warned_at=timezone.now()
+        ):
+            notify.expiry_warning(grant)
+
+
+@shared_task(**RETRY)
+def send_grant_email(grant_id: int, kind: str) -> None:
+    """``active`` and ``revoked`` and ``expiring`` go to the person; ``failed`` to the
+    lab's admins."""
+    from tpus.models import Grant
+    from tpus.services.sshconfig import snippet_for
+
+    grant = (
+        Grant.objects.select_related("user__unix_account", "vm__lab").filter(pk=grant_id).first()
+    )
+    if grant is None:
+        return
+    lab = grant.vm.lab
+    context = {"grant": grant, "vm": grant.vm, "lab": lab}
+    if kind == "active" and grant.state == "active":
+        context["workers"] = grant.vm.workers.order_by("index")
+        context["snippet"] = snippet_for(grant.user, [grant.vm])
+        mail.send("access_active", [grant.user.email], context)
+    elif kind == "revoked" and grant.state == "revoked":
+        mail.send("access_revoked", [grant.user.email], context)
+    elif kind == "expiring" and grant.is_wanted:
+        mail.send("access_expiring", [grant.user.email], context)
+    elif kind == "failed" and grant.state == "failed":
+        mail.send("grant_failed", _admin_emails(lab), context)
+
+
+def _admin_emails(lab) -> list[str]:
+    return list(
+        lab.memberships.filter(state=MembershipState.APPROVED, role=Role.ADMIN).values_list(
+            "user__email", flat=True
+        )
+    )
+
+
+@shared_task(**RETRY)
+def send_host_key_alert(worker_id: int) -> None:
+    from tpus.models import Worker
+
+    worker = Worker.objects.select_related("vm__lab").filter(pk=worker_id).first()
+    if worker is None or worker.host_key_mismatch_at is None:
+        return
+    mail.send(
+        "host_key_changed",
+        _admin_emails(worker.vm.lab),
+        {"worker": worker, "vm": worker.vm, "lab": worker.vm.lab},
+    )

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from tpus.views import inventory, labs
+from tpus.views import grants, inventory, labs
 
 urlpatterns = [
     path("", labs.dashboard, name="dashboard"),
@@ -44,6 +44,17 @@ urlpatterns = [
     path("labs/<slug:slug>/vms/register/", inventory.vm_register, name="vm_register"),
     path("labs/<slug:slug>/vms/sync/", inventory.vm_sync, name="vm_sync"),
     path("labs/<slug:slug>/vms/<int:vm_id>/", inventory.vm_detail, name="vm_detail"),
+    path("labs/<slug:slug>/vms/<int:vm_id>/progress/", grants.vm_progress, name="vm_progress"),
+    path("labs/<slug:slug>/vms/<int:vm_id>/grant/", grants.grant_create, name="grant_create"),
+    path(
+        "labs/<slug:slug>/memberships/<int:membership_id>/grant/",
+        grants.member_grant,
+        name="member_grant",
+    ),
+    path(
+        "labs/<slug:slug>/grants/<int:grant_id>/revoke/", grants.grant_revoke, name="grant_revoke"
+    ),
+    path("labs/<slug:slug>/grants/<int:grant_id>/retry/", grants.grant_retry, name="grant_retry"),
     path("labs/<slug:slug>/disks/register/", inventory.disk_register, name="disk_register"),
     path("labs/<slug:slug>/disks/<int:disk_id>/", inventory.disk_detail, name="disk_detail"),
     path(

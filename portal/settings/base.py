@@ -175,6 +175,11 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 PORTAL_HEARTBEAT_SECONDS = env.integer("PORTAL_HEARTBEAT_SECONDS", 60, minimum=1)
 # How often every lab's TPU VMs are refreshed from the Cloud TPU API.
 PORTAL_SYNC_SECONDS = env.integer("PORTAL_SYNC_SECONDS", 60, minimum=5)
+# How often stuck provisioning is picked up again; every VM is fully reconciled (and
+# checked for drift) at least every PORTAL_DRIFT_CHECK_SECONDS.
+PORTAL_RECONCILE_SWEEP_SECONDS = env.integer("PORTAL_RECONCILE_SWEEP_SECONDS", 300, minimum=10)
+PORTAL_DRIFT_CHECK_SECONDS = env.integer("PORTAL_DRIFT_CHECK_SECONDS", 3600, minimum=60)
+PORTAL_EXPIRY_CHECK_SECONDS = env.integer("PORTAL_EXPIRY_CHECK_SECONDS", 600, minimum=10)
 
 # --- Remote hosts (TPU VM workers over SSH, tpus/remote) -------------------------------
 # The portal logs in to every worker as PORTAL_ADMIN_SSH_USER (passwordless sudo) with

@@ -1,4 +1,5 @@
 from tpus.models.audit import AuditAction, AuditEvent
+from tpus.models.grants import Grant, WorkerSync
 from tpus.models.inventory import DataDisk, DiskAttachment, TpuVm, Worker
 from tpus.models.labs import Invite, Lab, Membership
 
@@ -7,9 +8,11 @@ __all__ = [
     "AuditEvent",
     "DataDisk",
     "DiskAttachment",
+    "Grant",
     "Invite",
     "Lab",
     "Membership",
     "TpuVm",
     "Worker",
+    "WorkerSync",
 ]

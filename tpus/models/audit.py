@@ -30,6 +30,13 @@ class AuditAction(models.TextChoices):
     DISK_REGISTERED = "disk.registered", "Data disk registered"
     DISK_ATTACHED = "disk.attached", "Data disk attached"
     DISK_DETACHED = "disk.detached", "Data disk detached"
+    GRANT_CREATED = "grant.created", "Access granted"
+    GRANT_ACTIVE = "grant.active", "Access in force on every worker"
+    GRANT_FAILED = "grant.failed", "Access failed"
+    GRANT_REVOKED = "grant.revoked", "Access revoked"
+    VM_RECONCILED = "vm.reconciled", "Workers reconciled"
+    HOST_KEY_CHANGED = "vm.host_key_changed", "Host key changed"
+    DRIFT_FOUND = "vm.drift", "Unknown accounts found on a worker"
 
 
 class AppendOnlyQuerySet(models.QuerySet):

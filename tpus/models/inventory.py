@@ -108,6 +108,11 @@ class TpuVm(models.Model):
     missing_since = models.DateTimeField(
         null=True, blank=True, help_text="Set when the API stopped listing it; kept, not deleted."
     )
+    # Bumped by every change the hosts must follow (grants, keys, disks); workers
+    # record the version they applied (WorkerSync.applied_version).
+    desired_version = models.PositiveIntegerField(default=0)
+    # One reconcile at a time: claimed with a conditional UPDATE, expires by itself.
+    reconcile_claimed_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -148,6 +153,10 @@ class Worker(models.Model):
         "accounts.User", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     boot_id = models.CharField(max_length=64, blank=True)
+    # A host that presented another key than the pinned one: provisioning stops for
+    # this worker until an admin looks. The key it showed is kept for that review.
+    host_key_mismatch_at = models.DateTimeField(null=True, blank=True)
+    presented_host_key = models.TextField(blank=True)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["vm", "index"], name="one_worker_per_index")]

@@ -358,6 +358,11 @@ def remove_member(admin, membership: Membership, *, request=None) -> Membership:
         state=MembershipState.REMOVED, decided_at=timezone.now(), decided_by=admin
     )
     membership.refresh_from_db()
+    from tpus.services.grants import revoke_all_in_lab
+
+    revoke_all_in_lab(
+        admin, membership.lab, membership.user, reason="removed from the lab", request=request
+    )
     audit.record(
         AuditAction.MEMBERSHIP_REMOVED,
         actor=admin,

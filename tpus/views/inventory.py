@@ -10,10 +10,12 @@ from django.views.decorators.http import require_POST
 
 from tpus import access
 from tpus.cloud import CloudError
+from tpus.forms_grants import GrantForm
 from tpus.forms_inventory import AttachForm, DiskForm, ImportForm, ManualVmForm
 from tpus.models import DiskAttachment
 from tpus.services import inventory
 from tpus.services.inventory import InventoryError
+from tpus.views.grants import vm_progress_context
 
 
 @login_required
@@ -65,12 +67,16 @@ def vm_register(request, slug):
 def vm_detail(request, slug, vm_id):
     lab = access.get_admin_lab(request.user, slug)
     vm = access.get_vm_for_admin(request.user, lab, vm_id)
-    workers = vm.workers.order_by("index")
     attachments = vm.attachments.select_related("disk")
     return render(
         request,
         "tpus/vm_detail.html",
-        {"lab": lab, "vm": vm, "workers": workers, "attachments": attachments},
+        {
+            "lab": lab,
+            "attachments": attachments,
+            "grant_form": GrantForm(lab=lab),
+            **vm_progress_context(vm),
+        },
     )
 
 

@@ -1,0 +1,83 @@
+"""Who may use which TPU VM (grants), and what each worker last confirmed.
+
+A grant is desired state. Every change to what a VM should look like bumps the VM's
+``desired_version``; a reconcile applies one version to every worker and records it
+on the worker. A grant whose version every worker has applied is in force.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class GrantState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    ACTIVE = "active", "Active"
+    REVOKING = "revoking", "Revoking"
+    REVOKED = "revoked", "Revoked"
+    FAILED = "failed", "Failed"
+
+
+# States in which the person should be able to log in once the hosts catch up.
+WANTED_STATES = (GrantState.PENDING, GrantState.ACTIVE, GrantState.FAILED)
+
+
+class Grant(models.Model):
+    """ "milo may use tpu5, with sudo, until June": one row per person and VM. A revoked
+    grant stays (the account on the hosts is kept, locked); granting again reuses it."""
+
+    State = GrantState
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="grants"
+    )
+    vm = models.ForeignKey("tpus.TpuVm", on_delete=models.CASCADE, related_name="grants")
+    sudo = models.BooleanField(default=False)
+    expires_on = models.DateField(null=True, blank=True)
+    state = models.CharField(max_length=10, choices=GrantState.choices, default=GrantState.PENDING)
+    # The VM's desired_version that carries this grant's latest change.
+    version = models.PositiveIntegerField(default=0)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    changed_at = models.DateTimeField(default=timezone.now)
+    activated_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    revoked_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    expiry_warned_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "vm"], name="one_grant_per_vm")]
+        indexes = [models.Index(fields=["vm", "state"]), models.Index(fields=["state"])]
+        ordering = ["vm__name", "user__email"]
+
+    def __str__(self) -> str:
+        return f"{self.user} on {self.vm} ({self.state})"
+
+    @property
+    def is_wanted(self) -> bool:
+        return self.state in WANTED_STATES
+
+
+class WorkerSync(models.Model):
+    """What one worker last did: the desired version it has applied, when, and the
+    error of its last attempt if that failed."""
+
+    worker = models.OneToOneField("tpus.Worker", on_delete=models.CASCADE, related_name="sync")
+    applied_version = models.PositiveIntegerField(default=0)
+    last_attempt_at = models.DateTimeField(null=True, blank=True)
+    last_success_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    last_error_retryable = models.BooleanField(default=False)
+    failures = models.PositiveIntegerField(default=0, help_text="Failed attempts in a row.")
+    # What the host answered last time (its key=value report), for the VM page.
+    last_report = models.JSONField(default=dict, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.worker}: v{self.applied_version}"

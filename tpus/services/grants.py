@@ -1,0 +1,198 @@
+"""Use cases about access to TPU VMs: grant, revoke, retry, expire.
+
+Each changes desired state in the database, bumps the VM's desired version, and asks
+for a reconcile after commit; the reconcile makes the hosts match. Clicking "grant"
+fifty times gives one grant and one consistent result.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from tpus import audit
+from tpus.models import AuditAction, Grant, Lab, Membership, TpuVm
+from tpus.models.grants import WANTED_STATES, GrantState
+from tpus.models.labs import MembershipState
+
+
+class GrantError(ValueError):
+    """A grant use case refused; the message is for the admin."""
+
+
+def bump_version(vm: TpuVm) -> int:
+    """Record that the VM's hosts must change; returns the new desired version."""
+    TpuVm.objects.filter(pk=vm.pk).update(desired_version=F("desired_version") + 1)
+    vm.refresh_from_db(fields=["desired_version"])
+    return vm.desired_version
+
+
+def request_reconcile(vm: TpuVm) -> None:
+    """Reconcile ``vm`` once the current transaction commits."""
+    from tpus.tasks import reconcile_vm
+
+    reconcile_vm.delay_on_commit(vm.pk)
+
+
+def _check_grantable(lab: Lab, user, vms: list[TpuVm], expires_on: dt.date | None) -> None:
+    membership = Membership.objects.filter(lab=lab, user=user).first()
+    if membership is None or membership.state != MembershipState.APPROVED:
+        raise GrantError(f"{user.email} is not an approved member of {lab.name}.")
+    if membership.policy_version_accepted != lab.policy_version:
+        raise GrantError(f"{user.email} has not accepted the lab's current policy yet.")
+    account = getattr(user, "unix_account", None)
+    if account is None:
+        raise GrantError(f"{user.email} has not chosen a unix username yet.")
+    today = timezone.localdate()
+    if expires_on is not None and expires_on <= today:
+        raise GrantError("The expiry date must be in the future.")
+    if lab.grant_end_date and lab.grant_end_date <= today:
+        raise GrantError(f"{lab.name}'s TPU grant ended on {lab.grant_end_date:%d %b %Y}.")
+    if lab.grant_end_date and expires_on and expires_on > lab.grant_end_date:
+        raise GrantError(
+            f"Access cannot outlast the lab's TPU grant ({lab.grant_end_date:%d %b %Y})."
+        )
+    if not vms:
+        raise GrantError("Choose at least one TPU VM.")
+    for vm in vms:
+        if vm.lab_id != lab.pk:
+            raise GrantError(f"{vm.name} is not one of {lab.name}'s TPU VMs.")
+        workers = list(vm.workers.all())
+        if not workers:
+            raise GrantError(f"{vm.name} has no workers registered.")
+        unpinned = [w.alias for w in workers if not w.is_pinned]
+        if unpinned:
+            raise GrantError(
+                f"{vm.name} has workers without pinned host keys ({', '.join(unpinned)}); "
+                "confirm them on the VM's page first."
+            )
+
+
+def grant_access(
+    admin,
+    lab: Lab,
+    user,
+    vms: list[TpuVm],
+    *,
+    sudo: bool,
+    expires_on: dt.date | None = None,
+    request=None,
+) -> list[Grant]:
+    """Give ``user`` access to each of ``vms``. Granting what is already granted with
+    the same options changes nothing."""
+    _check_grantable(lab, user, vms, expires_on)
+    grants = []
+    for vm in vms:
+        with transaction.atomic():
+            TpuVm.objects.select_for_update().filter(pk=vm.pk).first()  # one change at a time
+            grant = Grant.objects.filter(user=user, vm=vm).first()
+            unchanged = (
+                grant is not None
+                and grant.state in (GrantState.PENDING, GrantState.ACTIVE)
+                and (grant.sudo, grant.expires_on) == (sudo, expires_on)
+            )
+            if unchanged:
+                grants.append(grant)
+                continue
+            grant = grant or Grant(user=user, vm=vm, created_by=admin)
+            grant.sudo, grant.expires_on = sudo, expires_on
+            grant.state, grant.error = GrantState.PENDING, ""
+            grant.version = bump_version(vm)
+            grant.changed_at = timezone.now()
+            grant.revoked_at = grant.revoked_by = grant.expiry_warned_at = None
+            grant.save()
+            audit.record(
+                AuditAction.GRANT_CREATED,
+                actor=admin,
+                lab=lab,
+                target_user=user,
+                summary=f"{vm.name}{' with sudo' if sudo else ''}"
+                + (f" until {expires_on:%Y-%m-%d}" if expires_on else ""),
+                data={"vm": vm.pk, "grant": grant.pk, "sudo": sudo},
+                request=request,
+            )
+            request_reconcile(vm)
+            grants.append(grant)
+    return grants
+
+
+def revoke_access(actor, grant: Grant, *, reason: str = "", request=None) -> Grant:
+    """Take access away: keys removed, account locked and expired, processes killed
+    on every worker. Revoking a revoked grant changes nothing."""
+    with transaction.atomic():
+        vm = TpuVm.objects.select_for_update().get(pk=grant.vm_id)
+        grant = Grant.objects.select_for_update().get(pk=grant.pk)
+        if grant.state in (GrantState.REVOKING, GrantState.REVOKED):
+            return grant
+        grant.state = GrantState.REVOKING
+        grant.version = bump_version(vm)
+        grant.changed_at = timezone.now()
+        grant.revoked_by = actor
+        grant.error = ""
+        grant.save()
+        audit.record(
+            AuditAction.GRANT_REVOKED,
+            actor=actor,
+            lab=vm.lab,
+            target_user=grant.user,
+            summary=f"{vm.name}{': ' + reason if reason else ''}",
+            data={"vm": vm.pk, "grant": grant.pk},
+            request=request,
+        )
+        request_reconcile(vm)
+    return grant
+
+
+def retry_grant(admin, grant: Grant, *, request=None) -> Grant:
+    """Try a failed grant again."""
+    with transaction.atomic():
+        vm = TpuVm.objects.select_for_update().get(pk=grant.vm_id)
+        grant = Grant.objects.select_for_update().get(pk=grant.pk)
+        if grant.state != GrantState.FAILED:
+            return grant
+        grant.state, grant.error = GrantState.PENDING, ""
+        grant.version = bump_version(vm)
+        grant.save()
+        request_reconcile(vm)
+    return grant
+
+
+def revoke_all_in_lab(actor, lab: Lab, user, *, reason: str, request=None) -> int:
+    """Revoke every grant ``user`` holds on ``lab``'s VMs (removal from the lab)."""
+    grants = Grant.objects.filter(vm__lab=lab, user=user, state__in=WANTED_STATES)
+    count = 0
+    for grant in grants:
+        revoke_access(actor, grant, reason=reason, request=request)
+        count += 1
+    return count
+
+
+def expire_grants(today: dt.date | None = None) -> int:
+    """Revoke grants past their expiry date and all grants of labs whose TPU grant
+    ended. Run periodically; running twice revokes nothing more."""
+    today = today or timezone.localdate()
+    due = Grant.objects.filter(state__in=WANTED_STATES).filter(
+        expires_on__lt=today
+    ) | Grant.objects.filter(state__in=WANTED_STATES, vm__lab__grant_end_date__lt=today)
+    count = 0
+    for grant in due.select_related("vm__lab").distinct():
+        ended = grant.vm.lab.grant_end_date and grant.vm.lab.grant_end_date < today
+        revoke_access(None, grant, reason="the lab's TPU grant ended" if ended else "expired")
+        count += 1
+    return count
+
+
+def grants_expiring_soon(days: int = 7, today: dt.date | None = None):
+    """Wanted grants ending within ``days`` whose holder has not been warned yet."""
+    today = today or timezone.localdate()
+    horizon = today + dt.timedelta(days=days)
+    by_grant = Grant.objects.filter(
+        state__in=WANTED_STATES, expiry_warned_at=None, expires_on__lte=horizon
+    )
+    by_lab = Grant.objects.filter(
+        state__in=WANTED_STATES, expiry_warned_at=None, vm__lab__grant_end_date__lte=horizon
+    )
+    return (by_grant | by_lab).select_related("user", "vm__lab").distinct()
