@@ -22,6 +22,9 @@ class AuditAction(models.TextChoices):
     ADMIN_LOGIN = "admin.login", "Admin signed in"
     TOKEN_CREATED = "token.created", "API token created"
     TOKEN_REVOKED = "token.revoked", "API token revoked"
+    SSH_KEY_ADDED = "ssh_key.added", "SSH key added"
+    SSH_KEY_DELETED = "ssh_key.deleted", "SSH key deleted"
+    UNIX_USERNAME_CHOSEN = "unix_account.username_chosen", "Unix username chosen"
 
 
 class AppendOnlyQuerySet(models.QuerySet):
