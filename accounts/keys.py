@@ -78,7 +78,9 @@ def _refuse_existing(user: User, existing: SSHKey) -> None:
     raise KeyRejected("in_use", msg.IN_USE)
 
 
-@sensitive_variables("text")
+# Hides every local variable of this call and of everything it calls (the parser's
+# frames hold the text too) from Django's error reports.
+@sensitive_variables()
 def add_key(user: User, text: str, label: str = "", request=None) -> SSHKey:
     """Add the public key in ``text`` (as pasted or read from a file) to ``user``'s
     keys, or raise ``KeyRejected`` with a code and a message for the person: any of
