@@ -69,7 +69,11 @@ def ensure_unix_account(user: User) -> UnixAccount:
         User.objects.select_for_update().filter(pk=user.pk).first()
         account = UnixAccount.objects.filter(user=user).first()
         if account is None:
-            account = UnixAccount.objects.create(user=user, uid=_allocate_uid(user))
+            # Someone whose account was removed and made again keeps their old UID,
+            # so their files on shared disks are still theirs.
+            previous = UidAllocation.objects.filter(user=user).order_by("-uid").first()
+            uid = previous.uid if previous is not None else _allocate_uid(user)
+            account = UnixAccount.objects.create(user=user, uid=uid)
     return account
 
 
