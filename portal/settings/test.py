@@ -33,7 +33,10 @@ if TEST_BACKEND == "services":
             env.string("TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/tpu_portal")
         )
     }
-    _REDIS = env.string("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    # Tests empty the cache between them (FLUSHDB, which empties a whole Redis
+    # database), so each parallel test process gets a database of its own.
+    _REDIS_DB = int(_WORKER.removeprefix("gw")) + 1 if _WORKER.startswith("gw") else 0
+    _REDIS = env.string("TEST_REDIS_URL", f"redis://127.0.0.1:6379/{_REDIS_DB}")
     CACHES = {
         "default": {
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
