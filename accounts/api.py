@@ -2,10 +2,14 @@
 
 from datetime import datetime
 
+from django.views.decorators.debug import sensitive_variables
 from ninja import Router, Schema, Status
+from pydantic import Field
 
-from accounts import services
-from accounts.access import get_own_token
+from accounts import keys, services, unix
+from accounts.access import get_own_key, get_own_token
+from accounts.models import UnixAccount
+from accounts.sshkeys import KeyRejected
 from portal.schemas import PlainText
 
 router = Router(tags=["me"])
@@ -66,3 +70,95 @@ def create_token(request, payload: TokenIn):
 def revoke_token(request, token_id: int):
     services.revoke_token(request.user, get_own_token(request.user, token_id), request)
     return Status(204, None)
+
+
+class Refusal(Schema):
+    detail: str
+    code: str
+
+
+class KeyOut(Schema):
+    id: int
+    label: str
+    key_type: str
+    algorithm: str
+    bits: int
+    fingerprint_sha256: str
+    comment: str
+    created_at: datetime
+
+
+class KeyIn(Schema):
+    # Kept out of the schema's repr: what is sent here can be a private key.
+    key: str = Field(
+        repr=False,
+        description="The public key: the one line of your .pub file (or an RFC 4716 block).",
+    )
+    label: PlainText(100) = ""
+
+
+class UnixAccountOut(Schema):
+    username: str | None
+    uid: int | None
+    gid: int | None
+    locked: bool
+    suggestion: str | None
+
+
+class UsernameIn(Schema):
+    username: str
+
+
+@router.get("/keys", response=list[KeyOut], summary="My SSH public keys")
+def list_keys(request):
+    return request.user.ssh_keys.all()
+
+
+@router.post(
+    "/keys",
+    response={201: KeyOut, 400: Refusal},
+    summary="Add an SSH public key (refusals explain themselves, with a stable code)",
+)
+@sensitive_variables()
+def add_key(request, payload: KeyIn):
+    try:
+        key = keys.add_key(request.user, payload.key, payload.label, request)
+    except KeyRejected as exc:
+        return Status(400, {"detail": exc.message, "code": exc.code})
+    return Status(201, key)
+
+
+@router.delete("/keys/{key_id}", response={204: None}, summary="Delete an SSH public key")
+def delete_key(request, key_id: int):
+    keys.delete_key(request.user, get_own_key(request.user, key_id), request)
+    return Status(204, None)
+
+
+def _unix_account_out(user, account: UnixAccount | None) -> dict:
+    chosen = account is not None and bool(account.username)
+    return {
+        "username": (account.username or None) if account else None,
+        "uid": account.uid if account else None,
+        "gid": account.gid if account else None,
+        "locked": account.locked if account else False,
+        "suggestion": None if chosen else unix.suggested_username(user),
+    }
+
+
+@router.get("/unix-account", response=UnixAccountOut, summary="My unix username and UID")
+def get_unix_account(request):
+    account = UnixAccount.objects.filter(user=request.user).first()
+    return _unix_account_out(request.user, account)
+
+
+@router.put(
+    "/unix-account",
+    response={200: UnixAccountOut, 400: Refusal},
+    summary="Choose my unix username (fixed once my account exists on a machine)",
+)
+def choose_username(request, payload: UsernameIn):
+    try:
+        account = unix.choose_username(request.user, payload.username, request)
+    except unix.UnixAccountError as exc:
+        return Status(400, {"detail": exc.message, "code": exc.code})
+    return _unix_account_out(request.user, account)

@@ -99,3 +99,127 @@ class ApiToken(models.Model):
     @staticmethod
     def generate() -> str:
         return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+class SSHKey(models.Model):
+    """A public key a person uploaded, as the strict parser (``accounts.sshkeys``)
+    accepted it. Only the parsed parts are kept: the ``authorized_keys`` line is always
+    rebuilt from ``key_type`` and ``blob_b64``, never copied from what was pasted. The
+    original blob is kept as-is, so FIDO (``sk-``) keys survive the round trip."""
+
+    user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="ssh_keys")
+    label = models.CharField(max_length=100, blank=True)
+    key_type = models.CharField(max_length=64)
+    blob_b64 = models.TextField()
+    bits = models.PositiveIntegerField()
+    # "SHA256:" and 43 characters of unpadded base64, as ssh-keygen -lf prints it.
+    fingerprint_sha256 = models.CharField(max_length=64)
+    comment = models.CharField(max_length=100, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        verbose_name = "SSH key"
+        constraints = [
+            # One key belongs to one person across the whole portal: whoever holds it
+            # would otherwise log in as both accounts.
+            models.UniqueConstraint(fields=["fingerprint_sha256"], name="sshkey_fingerprint_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.key_type} {self.fingerprint_sha256}"
+
+    # ssh-keygen -l prints the algorithm in brackets after the comment.
+    _KEYGEN_NAMES = {
+        "ssh-ed25519": "ED25519",
+        "sk-ssh-ed25519@openssh.com": "ED25519-SK",
+        "ecdsa-sha2-nistp256": "ECDSA",
+        "ecdsa-sha2-nistp384": "ECDSA",
+        "ecdsa-sha2-nistp521": "ECDSA",
+        "sk-ecdsa-sha2-nistp256@openssh.com": "ECDSA-SK",
+        "ssh-rsa": "RSA",
+    }
+
+    @property
+    def algorithm(self) -> str:
+        """The algorithm's name as ``ssh-keygen -l`` shows it (ED25519, RSA …)."""
+        return self._KEYGEN_NAMES.get(self.key_type, self.key_type)
+
+    @property
+    def name(self) -> str:
+        """What to call the key in messages: its label, else its comment, else its
+        fingerprint."""
+        return self.label or self.comment or self.fingerprint_sha256
+
+    def authorized_keys_line(self, comment: str = "") -> str:
+        """The line the portal writes for this key: type, canonical base64 and a
+        comment the portal chose. No options, no newline."""
+        from accounts.sshkeys import ParsedKey
+
+        parsed = ParsedKey(
+            key_type=self.key_type,
+            blob_b64=self.blob_b64,
+            bits=self.bits,
+            comment="",
+            fingerprint_sha256=self.fingerprint_sha256,
+        )
+        return parsed.authorized_keys_line(comment)
+
+
+class UidAllocation(models.Model):
+    """Every UID the portal has ever handed out, one row each, never deleted. New UIDs
+    are always above the highest allocated one, and the primary key makes two people
+    getting the same UID impossible, even when two allocations race."""
+
+    uid = models.PositiveIntegerField(primary_key=True)
+    # Kept (as NULL) when the person is deleted: the UID stays spent.
+    user = models.ForeignKey(
+        User, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    allocated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["uid"]
+        verbose_name = "UID allocation"
+
+    def __str__(self) -> str:
+        return str(self.uid)
+
+
+class UnixAccount(models.Model):
+    """A person's account on the lab's machines: one username and one UID, the same
+    on every worker of every TPU VM (NFS across pod workers needs equal UIDs). The
+    person's group has the same name and a GID equal to the UID.
+
+    The username may be chosen and changed freely until the account first exists on a
+    host (``provisioned_at``); from then on it is fixed."""
+
+    user = models.OneToOneField(User, on_delete=models.CASCADE, related_name="unix_account")
+    # Empty until the person chooses one.
+    username = models.CharField(max_length=31, blank=True)
+    uid = models.PositiveIntegerField(unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    provisioned_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "unix account"
+        constraints = [
+            models.UniqueConstraint(
+                Lower("username"),
+                condition=~models.Q(username=""),
+                name="unixaccount_username_unique_ci",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.username or '(no username yet)'} ({self.uid})"
+
+    @property
+    def gid(self) -> int:
+        """Each person's group has the same number as their UID."""
+        return self.uid
+
+    @property
+    def locked(self) -> bool:
+        """True once the account exists on at least one host: the username is fixed."""
+        return self.provisioned_at is not None

@@ -126,6 +126,24 @@ ADMIN_KEY = (
     "This is the portal's own administration key, not a personal key. Upload the "
     "public key from your own computer instead. " + NEW_KEY
 )
+IN_USE = (
+    "This key is already on another account in the portal. A key belongs to one "
+    "person, so whoever holds it is who logs in: make a key of your own. " + NEW_KEY
+)
+
+
+def duplicate(name: str) -> str:
+    return f"You already added this key (“{name}”). Each key needs adding only once."
+
+
+def too_many_keys(limit: int) -> str:
+    return (
+        f"You already have {limit} keys, the most one account can hold. Delete one you "
+        "no longer use first."
+    )
+
+
+LABEL_TOO_LONG = "A label can be at most 100 characters."
 
 
 def nbsp(code_point: str, position: int) -> str:

@@ -1,13 +1,17 @@
-"""Pages about the signed-in person's own credentials."""
+"""Pages about the signed-in person's own credentials: API tokens, SSH keys and the
+unix account they become on the lab's machines."""
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import redirect, render
+from django.views.decorators.debug import sensitive_post_parameters, sensitive_variables
 from django.views.decorators.http import require_POST
 
-from accounts import services
-from accounts.access import get_own_token
-from accounts.forms import TokenForm
+from accounts import keys, services, unix
+from accounts.access import get_own_key, get_own_token
+from accounts.forms import KeyForm, TokenForm, UsernameForm
+from accounts.models import UnixAccount
+from accounts.sshkeys import KeyRejected
 
 
 @login_required
@@ -34,3 +38,74 @@ def token_revoke(request, token_id):
     services.revoke_token(request.user, token, request)
     messages.success(request, f"Token “{token.name}” no longer works.")
     return redirect("token_list")
+
+
+# What someone pastes here can be a private key: it is kept out of error reports.
+@login_required
+@sensitive_post_parameters("key_text")
+@sensitive_variables()
+def key_list(request):
+    form = KeyForm(request.POST or None, request.FILES or None)
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            key = keys.add_key(request.user, data["key_text"], data["label"], request)
+        except KeyRejected as exc:
+            form.reject(exc)
+        else:
+            messages.success(
+                request, f"Key added: {key.algorithm} {key.fingerprint_sha256} ({key.name})."
+            )
+            return redirect("key_list")
+    return _key_page(request, key_form=form)
+
+
+@login_required
+def key_delete(request, key_id):
+    key = get_own_key(request.user, key_id)
+    if request.method == "POST":
+        keys.delete_key(request.user, key, request)
+        messages.success(request, f"Key “{key.name}” deleted. It no longer opens the lab's VMs.")
+        return redirect("key_list")
+    return render(request, "accounts/key_delete.html", {"key": key})
+
+
+@login_required
+@require_POST
+def unix_username(request):
+    form = UsernameForm(request.POST)
+    if form.is_valid():
+        try:
+            account = unix.choose_username(request.user, form.cleaned_data["username"], request)
+        except unix.UnixAccountError as exc:
+            form.add_error("username", exc.message)
+        else:
+            messages.success(
+                request, f"Your unix username is {account.username} (UID {account.uid})."
+            )
+            return redirect("key_list")
+    return _key_page(request, username_form=form)
+
+
+def _key_page(request, *, key_form=None, username_form=None):
+    user = request.user
+    ssh_keys = list(user.ssh_keys.all())
+    account = UnixAccount.objects.filter(user=user).first()
+    suggestion = None
+    if account is None or not account.username:
+        suggestion = unix.suggested_username(user)
+    if username_form is None:
+        initial = account.username if account and account.username else suggestion
+        username_form = UsernameForm(initial={"username": initial or ""})
+    return render(
+        request,
+        "accounts/key_list.html",
+        {
+            "ssh_keys": ssh_keys,
+            "key_form": key_form or KeyForm(),
+            "account": account,
+            "suggestion": suggestion,
+            "username_form": username_form,
+            "max_keys": keys.MAX_KEYS_PER_USER,
+        },
+    )

@@ -232,3 +232,20 @@ if TPU_API_INSECURE and TPU_API_CREDENTIALS_FILE:
     raise ImproperlyConfigured(
         "TPU_API_CREDENTIALS_FILE is not sent over an insecure channel; unset one of them."
     )
+
+# --- Unix accounts (SSH keys, usernames, UIDs; accounts app) ---------------------------
+# Every collaborator gets one UID (and a group with the same GID) from this range, the
+# same on every worker of every TPU VM. A UID is never given to anyone else, even after
+# its owner's account is deleted: files on shared disks keep pointing at it.
+PORTAL_UID_MIN = env.integer("PORTAL_UID_MIN", 20000, minimum=1000)
+PORTAL_UID_MAX = env.integer("PORTAL_UID_MAX", 59999, minimum=1000)
+if PORTAL_UID_MAX < PORTAL_UID_MIN or PORTAL_UID_MAX > 2**31 - 2:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        f"PORTAL_UID_MIN..PORTAL_UID_MAX ({PORTAL_UID_MIN}..{PORTAL_UID_MAX}) is not a "
+        "usable UID range: the minimum must not exceed the maximum, which must be below 2³¹−1."
+    )
+# The public half of the portal's own administration key, so nobody can upload it as a
+# personal key. When empty, the portal looks for PORTAL_ADMIN_SSH_KEY_FILE + ".pub".
+PORTAL_ADMIN_SSH_PUBLIC_KEY = env.string("PORTAL_ADMIN_SSH_PUBLIC_KEY", "")

@@ -9,6 +9,7 @@ import re
 import pytest
 from django.urls import reverse
 
+from accounts.tests.keydata import ECDSA_256
 from tpus.models import TpuVm
 
 ROLES = ["anonymous", "outsider", "pending", "member", "admin", "site_admin"]
@@ -19,8 +20,10 @@ OK, REDIRECT, FORBIDDEN, MISSING = 200, 302, 403, 404
 
 
 def _urls(cast):
+    from accounts.keys import add_key
     from accounts.models import User
     from accounts.services import create_token
+    from accounts.tests.keydata import ECDSA_384, ED25519
     from tpus.models import DataDisk, Membership, TpuVm, Worker
     from tpus.services.labs import create_invite
 
@@ -33,6 +36,8 @@ def _urls(cast):
     Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10")
     disk = DataDisk.objects.create(lab=cast.lab, name="imagenet", zone="us-central1-f")
     token, _ = create_token(cast.admin, "admin's token")
+    key = add_key(cast.member, ED25519, "member's laptop")
+    api_key = add_key(cast.member, ECDSA_384, "member's desktop")
     return [
         ("dashboard", "get", reverse("dashboard"), [REDIRECT, OK, OK, OK, OK, OK]),
         ("lab_list", "get", reverse("lab_list"), [REDIRECT, OK, OK, OK, OK, OK]),
@@ -122,6 +127,20 @@ def _urls(cast):
             reverse("token_revoke", args=[token.pk]),
             [REDIRECT, MISSING, MISSING, MISSING, REDIRECT, MISSING],
         ),
+        ("key_list", "get", reverse("key_list"), [REDIRECT, OK, OK, OK, OK, OK]),
+        (
+            "key_delete_confirm",
+            "get",
+            reverse("key_delete", args=[key.pk]),
+            [REDIRECT, MISSING, MISSING, OK, MISSING, MISSING],
+        ),
+        (
+            "key_delete",
+            "post",
+            reverse("key_delete", args=[key.pk]),
+            [REDIRECT, MISSING, MISSING, REDIRECT, MISSING, MISSING],
+        ),
+        ("unix_username", "post", reverse("unix_username"), [REDIRECT, OK, OK, OK, OK, OK]),
         ("api_me", "get", "/api/v1/me", [401, OK, OK, OK, OK, OK]),
         ("api_labs", "get", "/api/v1/labs", [401, OK, OK, OK, OK, OK]),
         (
@@ -149,6 +168,16 @@ def _urls(cast):
             [401, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
         ("api_memberships", "get", "/api/v1/memberships", [401, OK, OK, OK, OK, OK]),
+        ("api_keys", "get", "/api/v1/keys", [401, OK, OK, OK, OK, OK]),
+        ("api_key_add", "post", "/api/v1/keys", [401, 201, 201, 201, 201, 201]),
+        (
+            "api_key_delete",
+            "delete",
+            f"/api/v1/keys/{api_key.pk}",
+            [401, MISSING, MISSING, 204, MISSING, MISSING],
+        ),
+        ("api_unix_account", "get", "/api/v1/unix-account", [401, OK, OK, OK, OK, OK]),
+        ("api_unix_account_set", "put", "/api/v1/unix-account", [401, OK, OK, OK, OK, OK]),
         ("api_tokens", "get", "/api/v1/tokens", [401, OK, OK, OK, OK, OK]),
         ("api_token_create", "post", "/api/v1/tokens", [401, 201, 201, 201, 201, 201]),
         (
@@ -267,15 +296,17 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
             client.force_login(user)
         else:
             client.logout()
-        if url.startswith("/api/") and method == "post":
+        if url.startswith("/api/") and method in {"post", "put"}:
             body = {
                 "api_join": {"purpose": "Research.", "accept_policy": True},
                 "api_token_create": {"name": "matrix"},
                 "api_import": {"nodes": ["us-central1-f/tpu9"]},
                 "api_attach": {"vm_id": vm_id},
                 "api_detach": {"vm_id": vm_id},
+                "api_key_add": {"key": ECDSA_256, "label": "matrix"},
+                "api_unix_account_set": {"username": "matrix"},
             }.get(name, {})
-            response = client.post(url, body, content_type="application/json")
+            response = getattr(client, method)(url, body, content_type="application/json")
         else:
             response = getattr(client, method)(url)
         if response.status_code != expected[role_index]:
