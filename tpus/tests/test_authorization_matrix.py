@@ -24,7 +24,7 @@ def _urls(cast):
     from accounts.models import User
     from accounts.services import create_token
     from accounts.tests.keydata import ECDSA_384, ED25519
-    from tpus.models import DataDisk, Membership, TpuVm, Worker
+    from tpus.models import DataDisk, Grant, Membership, TpuVm, Worker
     from tpus.services.labs import create_invite
 
     lab, pm = cast.lab.slug, cast.pending_membership.pk
@@ -35,6 +35,7 @@ def _urls(cast):
     vm = TpuVm.objects.create(lab=cast.lab, name="tpu5", zone="us-central1-f", source="manual")
     Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10")
     disk = DataDisk.objects.create(lab=cast.lab, name="imagenet", zone="us-central1-f")
+    grant = Grant.objects.create(user=cast.member, vm=vm, state="failed")
     token, _ = create_token(cast.admin, "admin's token")
     key = add_key(cast.member, ED25519, "member's laptop")
     api_key = add_key(cast.member, ECDSA_384, "member's desktop")
@@ -221,6 +222,36 @@ def _urls(cast):
             "get",
             reverse("vm_detail", args=[lab, vm.pk]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "vm_progress",
+            "get",
+            reverse("vm_progress", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "grant_create",
+            "post",
+            reverse("grant_create", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "member_grant",
+            "get",
+            reverse("member_grant", args=[lab, cast.member_membership.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "grant_retry",
+            "post",
+            reverse("grant_retry", args=[lab, grant.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "grant_revoke",
+            "post",
+            reverse("grant_revoke", args=[lab, grant.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
         ),
         (
             "disk_register",
