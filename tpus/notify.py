@@ -56,3 +56,9 @@ def host_key_changed(worker) -> None:
     from tpus.tasks import send_host_key_alert
 
     _later(send_host_key_alert, worker.pk)
+
+
+def ip_changed(notice) -> None:
+    from tpus.tasks import send_ip_change_email
+
+    _later(send_ip_change_email, notice.pk)

@@ -190,3 +190,36 @@ def send_host_key_alert(worker_id: int) -> None:
         _admin_emails(worker.vm.lab),
         {"worker": worker, "vm": worker.vm, "lab": worker.vm.lab},
     )
+
+
+@shared_task(**RETRY)
+def send_ip_change_email(notice_id: int) -> None:
+    """One person, one change, one email: the notice is claimed before sending and
+    released again only if sending failed, so a retry cannot send it twice."""
+    from tpus.models import IpChangeNotice
+    from tpus.services import sshconfig
+
+    claimed = IpChangeNotice.objects.filter(pk=notice_id, sent_at=None).update(
+        sent_at=timezone.now()
+    )
+    if not claimed:
+        return
+    notice = IpChangeNotice.objects.select_related(
+        "change__worker__vm__lab", "user__unix_account"
+    ).get(pk=notice_id)
+    vm = notice.change.worker.vm
+    try:
+        mail.send(
+            "ip_changed",
+            [notice.user.email],
+            {
+                "change": notice.change,
+                "vm": vm,
+                "lab": vm.lab,
+                "snippet": sshconfig.snippet_for(notice.user, [vm]),
+                "refresh_command": sshconfig.refresh_command(notice.user),
+            },
+        )
+    except Exception:
+        IpChangeNotice.objects.filter(pk=notice_id).update(sent_at=None)
+        raise

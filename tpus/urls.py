@@ -1,6 +1,6 @@
 from django.urls import path
 
-from tpus.views import grants, inventory, labs
+from tpus.views import grants, inventory, labs, ssh
 
 urlpatterns = [
     path("", labs.dashboard, name="dashboard"),
@@ -39,6 +39,14 @@ urlpatterns = [
         name="invite_revoke",
     ),
     path("invites/<str:token>/", labs.invite, name="invite"),
+    path("ssh/", ssh.ssh_page, name="ssh_page"),
+    path("ssh/config", ssh.ssh_config_download, name="ssh_config"),
+    path("ssh/known_hosts", ssh.ssh_known_hosts_download, name="ssh_known_hosts"),
+    path("ssh/feed/rotate/", ssh.ssh_feed_rotate, name="ssh_feed_rotate"),
+    path("ssh/feed/disable/", ssh.ssh_feed_disable, name="ssh_feed_disable"),
+    path("ssh/forwarding/", ssh.ssh_forwarding, name="ssh_forwarding"),
+    path("ssh/feed/<str:token>/config", ssh.ssh_feed_config, name="ssh_feed_config"),
+    path("ssh/feed/<str:token>/known_hosts", ssh.ssh_feed_known_hosts, name="ssh_feed_known_hosts"),
     path("labs/<slug:slug>/vms/", inventory.vm_list, name="vm_list"),
     path("labs/<slug:slug>/vms/import/", inventory.vm_import, name="vm_import"),
     path("labs/<slug:slug>/vms/register/", inventory.vm_register, name="vm_register"),

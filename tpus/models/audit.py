@@ -37,6 +37,7 @@ class AuditAction(models.TextChoices):
     VM_RECONCILED = "vm.reconciled", "Workers reconciled"
     HOST_KEY_CHANGED = "vm.host_key_changed", "Host key changed"
     DRIFT_FOUND = "vm.drift", "Unknown accounts found on a worker"
+    IP_CHANGED = "vm.ip_changed", "External IP changed"
     SSH_KEY_ADDED = "ssh_key.added", "SSH key added"
     SSH_KEY_DELETED = "ssh_key.deleted", "SSH key deleted"
     UNIX_USERNAME_CHOSEN = "unix_account.username_chosen", "Unix username chosen"

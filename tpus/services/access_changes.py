@@ -22,7 +22,8 @@ def vms_with_access(user) -> Sequence[TpuVm]:
 
 def request_reconcile(vm: TpuVm) -> None:
     """The VM's hosts must change: bump its desired version and reconcile after commit."""
-    from tpus.services.grants import bump_version, request_reconcile as enqueue
+    from tpus.services.grants import bump_version
+    from tpus.services.grants import request_reconcile as enqueue
 
     bump_version(vm)
     enqueue(vm)

@@ -69,13 +69,20 @@ def vms_for(user) -> list[TpuVm]:
     )
 
 
-def _forward_agent(user, vm: TpuVm) -> bool:
+def forward_agent(user, vm: TpuVm) -> bool:
+    """The person's own choice, else the lab's default."""
+    feed = getattr(user, "config_feed", None) if hasattr(user, "pk") else None
+    if feed is not None and feed.forward_agent is not None:
+        return feed.forward_agent
     return bool(vm.lab.default_agent_forwarding)
 
 
 def render_config(user, vms: list[TpuVm] | None = None) -> str:
+    account = getattr(user, "unix_account", None)
+    if account is None or not account.username:
+        return "# Choose your unix username on the portal first; this file is empty until then.\n"
     vms = vms_for(user) if vms is None else vms
-    username = user.unix_account.username
+    username = account.username
     lines = [
         f"# TPU Portal ssh config for {username}, generated {timezone.now():%Y-%m-%d %H:%M} UTC.",
         f"# Keep it in {CONFIG_PATH} with `Include config.d/*` at the top of ~/.ssh/config,",
@@ -90,7 +97,7 @@ def render_config(user, vms: list[TpuVm] | None = None) -> str:
             f"    HostKeyAlias {entry.alias}",
             f"    UserKnownHostsFile {KNOWN_HOSTS_PATH}",
             "    StrictHostKeyChecking yes",
-            f"    ForwardAgent {'yes' if _forward_agent(user, vm) else 'no'}",
+            f"    ForwardAgent {'yes' if forward_agent(user, vm) else 'no'}",
             "",
         ]
     return "\n".join(lines)
@@ -108,7 +115,7 @@ def render_known_hosts(vms: list[TpuVm]) -> str:
 def snippet_for(user, vms: list[TpuVm]) -> str:
     """The short form for an email or a copy button: one block per host."""
     account = getattr(user, "unix_account", None)
-    username = account.username if account else "<your unix username>"
+    username = account.username if account and account.username else "<your unix username>"
     blocks = []
     for entry, vm in entries_for(vms):
         blocks.append(
@@ -118,8 +125,91 @@ def snippet_for(user, vms: list[TpuVm]) -> str:
                     f"    HostName {entry.hostname}",
                     f"    User {username}",
                     f"    HostKeyAlias {entry.alias}",
-                    f"    ForwardAgent {'yes' if _forward_agent(user, vm) else 'no'}",
+                    f"    ForwardAgent {'yes' if forward_agent(user, vm) else 'no'}",
                 ]
             )
         )
     return "\n\n".join(blocks)
+
+
+# --- The refresh URL ------------------------------------------------------------------
+
+
+def _token(feed) -> str:
+    from django.utils.crypto import salted_hmac
+
+    return (
+        f"{feed.user_id}-" + salted_hmac("tpu-portal.ssh-config-feed", feed.salt).hexdigest()[:40]
+    )
+
+
+def feed_for(user, *, create: bool = True):
+    import secrets
+
+    from tpus.models import ConfigFeed
+
+    feed = ConfigFeed.objects.filter(user=user).first()
+    if feed is None and create:
+        feed, _ = ConfigFeed.objects.get_or_create(
+            user=user, defaults={"salt": secrets.token_hex(16)}
+        )
+    return feed
+
+
+def rotate_feed(user):
+    """A new URL; the old one stops working at once."""
+    import secrets
+
+    feed = feed_for(user)
+    feed.salt = secrets.token_hex(16)
+    feed.enabled = True
+    feed.save(update_fields=["salt", "enabled"])
+    return feed
+
+
+def disable_feed(user) -> None:
+    from tpus.models import ConfigFeed
+
+    ConfigFeed.objects.filter(user=user).update(enabled=False)
+
+
+def user_for_token(token: str):
+    """The active person a refresh URL belongs to, or None."""
+    from django.utils.crypto import constant_time_compare
+
+    from tpus.models import ConfigFeed
+
+    user_id, _, _ = (token or "").partition("-")
+    if not user_id.isdigit() or len(token) > 80:
+        return None
+    feed = (
+        ConfigFeed.objects.select_related("user").filter(user_id=int(user_id), enabled=True).first()
+    )
+    if feed is None or not feed.user.is_active or not constant_time_compare(_token(feed), token):
+        return None
+    return feed.user
+
+
+def feed_urls(user) -> dict[str, str] | None:
+    from django.conf import settings
+    from django.urls import reverse
+
+    feed = feed_for(user, create=False)
+    if feed is None or not feed.enabled:
+        return None
+    token = _token(feed)
+    return {
+        "config": settings.SITE_URL + reverse("ssh_feed_config", args=[token]),
+        "known_hosts": settings.SITE_URL + reverse("ssh_feed_known_hosts", args=[token]),
+    }
+
+
+def refresh_command(user) -> str:
+    """The line to run (or put in cron) that keeps both files current."""
+    urls = feed_urls(user)
+    if urls is None:
+        return ""
+    return (
+        f"curl -fsS {urls['config']} -o {CONFIG_PATH} && "
+        f"curl -fsS {urls['known_hosts']} -o {KNOWN_HOSTS_PATH}"
+    )

@@ -17,9 +17,10 @@ from django.utils import timezone
 from tpus import audit
 from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
-from tpus.models import AuditAction, Lab
-from tpus.models.inventory import TpuVm, VmSource
-from tpus.services.inventory import apply_node, apply_workers
+from tpus.models import AuditAction, IpChange, Lab, Worker
+from tpus.models.inventory import NodeHealth, NodeState, TpuVm, VmSource
+from tpus.services import ipchanges
+from tpus.services.inventory import apply_node
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 class SyncReport:
     listed: int = 0
     updated: int = 0
+    ip_changes: int = 0
     missing: int = 0
     errors: dict[str, str] = field(default_factory=dict)  # "project/zone" -> message
 
@@ -80,9 +82,16 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
             came_back = vm.missing_since is not None
             vm.missing_since = None
             vm.save()
-            apply_workers(vm, node)
+            moved = _sync_workers(vm, node)
+            report.ip_changes += len(moved)
+            if moved:
+                ipchanges.announce(vm, moved)
             if changed:
                 report.updated += 1
+            healthy = (NodeState.READY, NodeHealth.HEALTHY)
+            if (before != healthy and (vm.state, vm.health) == healthy) or moved:
+                # Back from maintenance or a reboot: mounts and accounts are checked again.
+                ipchanges.request_reconcile_after_event(vm)
             if before != (vm.state, vm.health) or came_back:
                 audit.record(
                     AuditAction.VM_STATE_CHANGED,
@@ -90,3 +99,34 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
                     summary=f"{vm.name}: {before[0]}/{before[1]} → {vm.state}/{vm.health}",
                     data={"vm": vm.pk, "from": list(before), "to": [vm.state, vm.health]},
                 )
+
+
+def _sync_workers(vm: TpuVm, node: NodeInfo) -> list[IpChange]:
+    """Follow the workers' addresses. A new non-empty external IP is a change, recorded
+    only by the sync whose conditional update wins, so two syncs at once record it
+    once. No IP (maintenance) is not a change: the last known address stays."""
+    existing = {w.index: w for w in vm.workers.all()}
+    changes = []
+    for info in node.workers:
+        worker = existing.get(info.index)
+        if worker is None:
+            # A worker the portal has not seen: it has no pinned key until an admin
+            # confirms one, so nothing is sent to it.
+            Worker.objects.create(
+                vm=vm, index=info.index, internal_ip=info.internal_ip or None,
+                external_ip=info.external_ip or None,
+            )  # fmt: skip
+            continue
+        if info.internal_ip and info.internal_ip != worker.internal_ip:
+            Worker.objects.filter(pk=worker.pk).update(internal_ip=info.internal_ip)
+        new = info.external_ip
+        if not new or new == worker.external_ip:
+            continue
+        won = Worker.objects.filter(pk=worker.pk, external_ip=worker.external_ip).update(
+            external_ip=new
+        )
+        if won:
+            changes.append(
+                IpChange.objects.create(worker=worker, old_ip=worker.external_ip, new_ip=new)
+            )
+    return changes

@@ -1,0 +1,120 @@
+"""A collaborator's ssh config and known_hosts: the page, the downloads, and the
+private refresh URL for cron (which authenticates by its token alone)."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import Http404, HttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from tpus.models import ConfigFeed, Grant
+from tpus.models.grants import WANTED_STATES
+from tpus.services import sshconfig
+
+
+def _text(body: str, filename: str) -> HttpResponse:
+    response = HttpResponse(body, content_type="text/plain; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+def _sudo_neighbours(user, vms) -> dict[int, list[str]]:
+    """For each VM: others who have sudo there (agent forwarding would expose the
+    person's agent to them)."""
+    rows = (
+        Grant.objects.filter(vm__in=vms, sudo=True, state__in=WANTED_STATES)
+        .exclude(user=user)
+        .values_list("vm_id", "user__unix_account__username")
+    )
+    found: dict[int, list[str]] = {}
+    for vm_id, name in rows:
+        found.setdefault(vm_id, []).append(name)
+    return found
+
+
+@login_required
+def ssh_page(request):
+    user = request.user
+    if not hasattr(user, "unix_account"):
+        return render(request, "tpus/ssh.html", {"no_account": True})
+    vms = sshconfig.vms_for(user)
+    feed = sshconfig.feed_for(user, create=False)
+    return render(
+        request,
+        "tpus/ssh.html",
+        {
+            "vms": vms,
+            "snippet": sshconfig.snippet_for(user, vms),
+            "feed": feed,
+            "refresh_command": sshconfig.refresh_command(user),
+            "sudo_neighbours": _sudo_neighbours(user, vms),
+            "forwarding": any(sshconfig.forward_agent(user, vm) for vm in vms),
+            "config_path": sshconfig.CONFIG_PATH,
+            "known_hosts_path": sshconfig.KNOWN_HOSTS_PATH,
+        },
+    )
+
+
+@login_required
+@require_POST
+def ssh_feed_rotate(request):
+    sshconfig.rotate_feed(request.user)
+    messages.success(request, "Your refresh URL is new; the old one no longer works.")
+    return redirect("ssh_page")
+
+
+@login_required
+@require_POST
+def ssh_feed_disable(request):
+    sshconfig.disable_feed(request.user)
+    messages.success(request, "Your refresh URL no longer works.")
+    return redirect("ssh_page")
+
+
+@login_required
+@require_POST
+def ssh_forwarding(request):
+    choice = {"yes": True, "no": False, "lab": None}.get(request.POST.get("forward_agent", ""))
+    if request.POST.get("forward_agent") not in {"yes", "no", "lab"}:
+        messages.error(request, "Choose yes, no, or the lab's default.")
+        return redirect("ssh_page")
+    feed = sshconfig.feed_for(request.user)
+    ConfigFeed.objects.filter(pk=feed.pk).update(forward_agent=choice)
+    return redirect("ssh_page")
+
+
+@login_required
+@require_GET
+def ssh_config_download(request):
+    return _text(sshconfig.render_config(request.user), "tpu-portal")
+
+
+@login_required
+@require_GET
+def ssh_known_hosts_download(request):
+    return _text(
+        sshconfig.render_known_hosts(sshconfig.vms_for(request.user)), "tpu-portal_known_hosts"
+    )
+
+
+def _feed_user(token):
+    user = sshconfig.user_for_token(token)
+    if user is None:
+        raise Http404("No such feed.")
+    ConfigFeed.objects.filter(user=user).update(last_fetched_at=timezone.now())
+    return user
+
+
+@require_GET
+def ssh_feed_config(request, token):
+    return _text(sshconfig.render_config(_feed_user(token)), "tpu-portal")
+
+
+@require_GET
+def ssh_feed_known_hosts(request, token):
+    user = _feed_user(token)
+    return _text(sshconfig.render_known_hosts(sshconfig.vms_for(user)), "tpu-portal_known_hosts")
