@@ -39,11 +39,13 @@ api = NinjaAPI(
 def _register_routers() -> None:
     from accounts.api import router as accounts_router
     from tpus.api import router as tpus_router
+    from tpus.api_access import router as access_router
     from tpus.api_inventory import router as inventory_router
 
     api.add_router("", accounts_router)
     api.add_router("", tpus_router)
     api.add_router("", inventory_router)
+    api.add_router("", access_router)
 
 
 _register_routers()

@@ -120,3 +120,19 @@ def test_the_vm_list_query_count_does_not_grow_with_the_lab(
         DiskAttachment.objects.create(disk=disk, vm=vm)
     with django_assert_max_num_queries(12):
         admin_client.get(reverse("vm_list", args=["vision"]))
+
+
+def test_a_member_sees_only_the_vms_they_were_given(client, make_lab, make_user, add_member):
+    from tpus.models import Grant
+
+    lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
+    milo = make_user("milo@uni.example")
+    add_member(lab, milo)
+    mine = TpuVm.objects.create(lab=lab, name="tpu5", zone=ZONE, source="manual")
+    other = TpuVm.objects.create(lab=lab, name="tpu6", zone=ZONE, source="manual")
+    Grant.objects.create(user=milo, vm=mine, state="active")
+    client.force_login(milo)
+    assert client.get(reverse("vm_detail", args=["vision", mine.pk])).status_code == 200
+    assert client.get(reverse("vm_detail", args=["vision", other.pk])).status_code == 404
+    Grant.objects.filter(vm=mine).update(state="revoked")
+    assert client.get(reverse("vm_detail", args=["vision", mine.pk])).status_code == 404

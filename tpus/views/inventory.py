@@ -12,8 +12,8 @@ from tpus import access
 from tpus.cloud import CloudError
 from tpus.forms_grants import GrantForm
 from tpus.forms_inventory import AttachForm, DiskForm, ImportForm, ManualVmForm
-from tpus.models import DiskAttachment
-from tpus.services import inventory
+from tpus.models import DiskAttachment, IpChange
+from tpus.services import inventory, sshconfig
 from tpus.services.inventory import InventoryError
 from tpus.views.grants import vm_progress_context
 
@@ -65,19 +65,27 @@ def vm_register(request, slug):
 
 @login_required
 def vm_detail(request, slug, vm_id):
-    lab = access.get_admin_lab(request.user, slug)
-    vm = access.get_vm_for_admin(request.user, lab, vm_id)
-    attachments = vm.attachments.select_related("disk")
-    return render(
-        request,
-        "tpus/vm_detail.html",
-        {
-            "lab": lab,
-            "attachments": attachments,
-            "grant_form": GrantForm(lab=lab),
-            **vm_progress_context(vm),
-        },
-    )
+    """Lab admins see everything and manage access; a collaborator with access sees
+    the workers, their own grant, and how to connect."""
+    lab = access.get_member_lab(request.user, slug)
+    vm = access.get_vm_for_viewer(request.user, lab, vm_id)
+    is_admin = access.is_lab_admin(request.user, lab)
+    context = {
+        "lab": lab,
+        "vm": vm,
+        "is_admin": is_admin,
+        "attachments": vm.attachments.select_related("disk"),
+        "ip_changes": IpChange.objects.filter(worker__vm=vm).select_related("worker")[:20],
+    }
+    if is_admin:
+        context.update(grant_form=GrantForm(lab=lab), **vm_progress_context(vm))
+    else:
+        context.update(
+            workers=vm.workers.order_by("index"),
+            my_grant=vm.grants.filter(user=request.user).first(),
+            snippet=sshconfig.snippet_for(request.user, [vm]),
+        )
+    return render(request, "tpus/vm_detail.html", context)
 
 
 @login_required
