@@ -24,6 +24,8 @@ PATH=/usr/sbin:/usr/bin:/sbin:/bin
 LC_ALL=C
 export PATH LC_ALL
 umask 022
+# Functions declare their variables with `local` (dash, bash and busybox sh all have it),
+# so one step cannot overwrite the loop variables of another.
 
 KEYS_DIR=/etc/ssh/tpu-portal-keys
 DROPIN=/etc/ssh/sshd_config.d/50-tpu-portal.conf
@@ -188,6 +190,7 @@ replace_file() {
 }
 
 reload_sshd() {
+    local pid tries
     if [ -d /run/systemd/system ]; then
         systemctl try-reload-or-restart ssh.service 2>/dev/null ||
             systemctl try-reload-or-restart sshd.service ||
@@ -261,7 +264,10 @@ if [ -s /run/sshd.pid ] && [ -z "$(find /run/sshd.pid -newer "$DROPIN" 2>/dev/nu
 fi
 # Someone's earlier drop-in (or a line above the Include) could set AuthorizedKeysFile
 # first; then the portal's keys would be ignored, so say so rather than pretend.
-effective=$(/usr/sbin/sshd -T 2>/dev/null | grep -i '^authorizedkeysfile ' || true)
+if ! settings=$(/usr/sbin/sshd -T 2>&1); then
+    die "sshd -T fails, the sshd configuration is broken: $(oneline "$(echo "$settings" | tail -n 1)")"
+fi
+effective=$(echo "$settings" | grep -i '^authorizedkeysfile ' || true)
 case " $effective " in
 *" /etc/ssh/tpu-portal-keys/%u "*) ;;
 *) die "sshd does not use the portal's key files (AuthorizedKeysFile is set elsewhere first): $(oneline "$effective")" ;;
@@ -288,6 +294,7 @@ pids_of_uid() {
 
 # Kill every process of uid $1; bounded, so a stuck process cannot hang the run.
 kill_processes() {
+    local pids count tries
     pids=$(pids_of_uid "$1")
     [ -n "$pids" ] || return 0
     count=$(echo "$pids" | wc -l)
@@ -321,6 +328,7 @@ remove_portal_files() {
 # The account $1 with uid $2 and group $1 (gid $2) exists, or the reason it cannot.
 # Never re-numbers anything: a name or number that belongs to someone else stops here.
 ensure_account() {
+    local name uid password expire entry have other group out shell gid
     name=$1 uid=$2 password=$3 expire=$4
     entry=$(getent passwd "$name" || true)
     if [ -n "$entry" ]; then
@@ -381,6 +389,7 @@ ensure_account() {
 # The shadow entry of $1 has password field $2 and expiry field $3 (days since 1970,
 # empty for never); returns 1 if it had to be changed.
 ensure_shadow() {
+    local entry out
     entry=$(getent shadow "$1" || true)
     if [ "$(echo "$entry" | cut -d : -f 2)" = "$2" ] &&
         [ "$(echo "$entry" | cut -d : -f 8)" = "$3" ]; then
@@ -395,6 +404,7 @@ ensure_shadow() {
 }
 
 converge_active() {
+    local name uid sudo rc target out
     name=$1 uid=$2 sudo=$3
     ensure_account "$name" "$uid" '*' '' || return 0
     # '*' is no password at all (never a known one); no expiry, not locked.
@@ -437,6 +447,7 @@ converge_active() {
 }
 
 converge_revoked() {
+    local name uid rc
     name=$1 uid=$2
     # The account stays (its uid stays reserved, its files keep their owner) but
     # cannot be used: locked ('!*') and expired (day 1), so sshd refuses it under
@@ -496,6 +507,7 @@ done
 # Is every existing folder on the way to $1 a real folder that only root can change?
 # Then a mkdir or mount there cannot be redirected by anyone else.
 safe_path() {
+    local walk rest part perms mode
     walk=""
     rest=${1#/}
     while [ -n "$rest" ]; do
@@ -524,6 +536,11 @@ while IFS=' ' read -r device point mode <&3; do
     if [ -f "$FSTAB" ] && awk -v p="$point" \
         '$1 !~ /^#/ && $2 == p && $0 !~ / # tpu-portal$/ { found = 1 } END { exit !found }' "$FSTAB"; then
         mount_error "$device" "fstab already has an entry for $point"
+        continue
+    fi
+    # Checked before the fstab line is written: at boot, mount would follow the path too.
+    if ! safe_path "$point"; then
+        mount_error "$device" "$point is not a plain folder or lies below a symlink or a folder others can write to"
         continue
     fi
     echo "/dev/disk/by-id/google-$device $point ext4 $mode,discard,defaults,nofail 0 2 $FSTAB_MARK" \
@@ -564,10 +581,6 @@ fi
 while read -r source point options rest <&3; do
     device=${source#/dev/disk/by-id/google-}
     mode=${options%%,*}
-    if ! safe_path "$point"; then
-        mount_error "$device" "$point lies below a folder that is a symlink or not root's alone"
-        continue
-    fi
     if [ ! -d "$point" ]; then
         mkdir -p -m 0755 -- "$point"
         changed=$((changed + 1))
