@@ -617,3 +617,63 @@ def test_a_mount_point_reached_through_a_symlink_is_refused(target):
     ]
     assert "data" not in target.sh(f"ls -A /home/{name}").split()
     assert target.fstab_lines() == []  # at boot, mount would follow the link
+
+
+@pytest.fixture
+def google_disk(target, tmp_path):
+    """A real ext4 disk that the host sees as /dev/disk/by-id/google-<name>: a loop
+    device behind a private overlay of the host's /dev. The host is rebooted afterwards,
+    which drops the overlay and every mount, and the loop device is detached."""
+    image = tmp_path / "disk.img"
+    subprocess.run(["truncate", "-s", "16M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    loop = subprocess.run(
+        ["losetup", "--find", "--show", str(image)], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    name = f"test-{secrets.token_hex(3)}"
+    try:
+        target.sh(
+            "mkdir -p /tmp/dev-up /tmp/dev-work && mount -t overlay overlay "
+            "-o lowerdir=/dev,upperdir=/tmp/dev-up,workdir=/tmp/dev-work /dev && "
+            f"mkdir -p /dev/disk/by-id && ln -s {loop} /dev/disk/by-id/google-{name}"
+        )
+        yield name
+    finally:
+        target.fleet.reboot(target.host.name)
+        subprocess.run(["losetup", "-d", loop], check=False)
+
+
+def test_an_attached_disk_is_mounted_remounted_and_unmounted(target, google_disk):
+    point = f"/mnt/disks/{new_name()}"
+
+    first = target.reconcile(state(mounts=(DesiredMount(google_disk, point, True),)))
+    again = target.reconcile(state(mounts=(DesiredMount(google_disk, point, True),)))
+
+    assert first.values["mounted"] == "1" and again.values["noop"] == "1"
+    assert target.sh(f"findmnt -n -o OPTIONS {point}").startswith("ro,")
+    writable = target.reconcile(state(mounts=(DesiredMount(google_disk, point, False),)))
+    assert writable.values["changed"] != "0"
+    assert target.sh(f"findmnt -n -o OPTIONS {point}").startswith("rw,")
+
+    # A disk in use is not yanked away: its line stays until it can be unmounted.
+    busy_pid = target.sh(f"cd {point} && sleep 60 </dev/null >/dev/null 2>&1 & echo $!").strip()
+    busy = target.reconcile(state())
+    assert busy.all("mount_error")[0].startswith(f"{google_disk}:cannot unmount {point}")
+    assert len(target.fstab_lines()) == 1
+    target.sh(f"kill -KILL {busy_pid}; sleep 0.2")
+    freed = target.reconcile(state())
+    assert freed.values["unmounted"] == "1"
+    assert target.fstab_lines() == []
+    assert target.sh(f"findmnt -n {point}; true") == ""
+
+
+def test_a_disk_is_never_mounted_over_files(target, google_disk):
+    point = f"/mnt/disks/{new_name()}"
+    target.sh(f"mkdir -p {point} && echo keep > {point}/notes")
+
+    result = target.reconcile(state(mounts=(DesiredMount(google_disk, point, False),)))
+
+    assert result.all("mount_error") == [
+        f"{google_disk}:{point} is not empty, not mounting over it"
+    ]
+    assert target.sh(f"cat {point}/notes") == "keep\n"

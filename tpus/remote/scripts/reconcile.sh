@@ -166,6 +166,7 @@ done 3<"$input"
 # root-owned, unlike /run/lock, so no one can plant a symlink at this path.
 exec 9>>"$LOCK"
 flock -w 120 9 || die "another reconcile has been running for two minutes"
+if [ -L "$FSTAB" ]; then die "$FSTAB is a symlink; not replacing it"; fi
 
 # ---------------------------------------------------------------------------------
 # 2. Host preparation (once per host; afterwards only checked): where keys live.
@@ -547,38 +548,42 @@ while IFS=' ' read -r device point mode <&3; do
         >>"$work/fstab-managed"
 done 3<"$work/mounts"
 
-# Lines of ours that are no longer wanted: unmount them first (before the disk is
-# detached), then drop them from fstab.
-grep -e " $FSTAB_MARK\$" "$FSTAB" 2>/dev/null | grep -v -x -F -f "$work/fstab-managed" |
-    while read -r source point rest; do
-        case $point in /*) ;; *) continue ;; esac
-        if mountpoint -q -- "$point" &&
-            [ "$(findmnt -n -o SOURCE --mountpoint "$point")" = "$(readlink -f -- "$source")" ]; then
-            if out=$(umount -- "$point" 2>&1); then
-                echo "unmounted_point=$point"
-            else
-                mount_error "${source#/dev/disk/by-id/google-}" "cannot unmount $point: $out"
-            fi
+# Mount points of ours that are no longer wanted: unmount them first (the portal
+# detaches the disk after this run), then drop their lines from fstab. A line whose
+# disk is still busy stays, so the next run tries again (and reports it again).
+cut -d ' ' -f 2 "$work/fstab-managed" >"$work/wanted-points"
+: >"$work/still-mounted"
+grep -e " $FSTAB_MARK\$" "$FSTAB" 2>/dev/null | grep -v -x -F -f "$work/fstab-managed" >"$work/unwanted" || true
+while IFS= read -r line <&3; do
+    source=$(echo "$line" | cut -d ' ' -f 1)
+    point=$(echo "$line" | cut -d ' ' -f 2)
+    case $point in /*) ;; *) continue ;; esac
+    if grep -q -x -F -- "$point" "$work/wanted-points"; then continue; fi
+    if mountpoint -q -- "$point" &&
+        [ "$(findmnt -n -o SOURCE --mountpoint "$point")" = "$(readlink -f -- "$source")" ]; then
+        if out=$(umount -- "$point" 2>&1); then
+            unmounted=$((unmounted + 1))
+            changed=$((changed + 1))
+        else
+            mount_error "${source#/dev/disk/by-id/google-}" "cannot unmount $point: $out"
+            echo "$line" >>"$work/still-mounted"
         fi
-    done >"$work/unmounts"
-grep '^mount_error=' "$work/unmounts" || true
-unmounted=$(grep -c '^unmounted_point=' "$work/unmounts" || true)
-changed=$((changed + unmounted))
+    fi
+done 3<"$work/unwanted"
 
 if [ -e "$FSTAB" ]; then
     grep -v -e " $FSTAB_MARK\$" "$FSTAB" >"$work/fstab" || true
 else
     : >"$work/fstab"
 fi
-cat "$work/fstab-managed" >>"$work/fstab"
-if [ -L "$FSTAB" ]; then die "$FSTAB is a symlink"; fi
+cat "$work/fstab-managed" "$work/still-mounted" >>"$work/fstab"
 if ! { [ -e "$FSTAB" ] && cmp -s "$work/fstab" "$FSTAB"; }; then
     replace_file "$FSTAB" "$work/fstab" 644 || true
     fstab_written=1
     changed=$((changed + 1))
 fi
 
-while read -r source point options rest <&3; do
+while read -r source point fstype options rest <&3; do
     device=${source#/dev/disk/by-id/google-}
     mode=${options%%,*}
     if [ ! -d "$point" ]; then
@@ -608,7 +613,7 @@ while read -r source point options rest <&3; do
     # Mounting over files would hide them (a collaborator's data written there while
     # the disk was away, say): only an empty folder becomes a mount point.
     if [ -n "$(ls -A -- "$point")" ]; then
-        mount_error "$device" "$point is not empty; not mounting over it"
+        mount_error "$device" "$point is not empty, not mounting over it"
         continue
     fi
     if out=$(mount -- "$point" 2>&1); then
