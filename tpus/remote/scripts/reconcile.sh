@@ -1,0 +1,642 @@
+#!/bin/sh
+# Makes this TPU VM worker match what the portal wants: its collaborators' accounts,
+# their SSH keys and sudo rights, revoked users locked out, data disks in fstab and
+# mounted. The whole desired state arrives on stdin (format: tpus/remote/desired.py,
+# docs/reconcile.md); running it again with the same input changes nothing.
+#
+# Rules this script keeps, and why:
+# - Input is untrusted until checked. It is read completely into a root-only file
+#   first; without its header and final "end" (a cut-off transfer) nothing changes.
+#   Every line must match a strict pattern before any of it is used, fields are read
+#   with `read` and always quoted, never evaluated.
+# - No write as root goes through a path a collaborator controls. Their keys live in
+#   /etc/ssh/tpu-portal-keys/<user> (root-owned), which sshd reads through an
+#   AuthorizedKeysFile drop-in; nothing inside /home/<user> is touched, except that
+#   useradd creates the home when it creates the account.
+# - Files are replaced atomically (a temporary file in the same directory, then mv),
+#   and sudoers files and the sshd configuration are validated before they count.
+# - One collaborator's problem (a UID clash) is reported as user_error and does not
+#   stop the others; the script fails as a whole only for bad input or a broken sshd.
+#
+# Answers with key=value lines on stdout (see docs/reconcile.md).
+set -eu
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+LC_ALL=C
+export PATH LC_ALL
+umask 022
+# Functions declare their variables with `local` (dash, bash and busybox sh all have it),
+# so one step cannot overwrite the loop variables of another.
+
+KEYS_DIR=/etc/ssh/tpu-portal-keys
+DROPIN=/etc/ssh/sshd_config.d/50-tpu-portal.conf
+SUDOERS_DIR=/etc/sudoers.d
+FSTAB=/etc/fstab
+FSTAB_MARK='# tpu-portal'
+LOCK=/run/tpu-portal-reconcile.lock
+MAX_INPUT=16777216
+MAX_LINE=4400
+
+changed=0 users_created=0 keys_written=0 keys_removed=0 sudo_files=0 revoked=0
+processes_killed=0 mounted=0 unmounted=0 fstab_written=0 sshd_reloaded=0
+inflight=""
+
+die() {
+    echo "reconcile: $*" >&2
+    exit 1
+}
+
+work=$(mktemp -d)
+cleanup() {
+    if [ -n "$inflight" ]; then rm -f -- "$inflight"; fi
+    rm -rf -- "$work"
+}
+trap cleanup EXIT
+trap 'exit 1' HUP INT TERM
+
+# Keep a reason on one line of safe characters: it goes back to the portal as a value.
+oneline() {
+    printf '%s' "$1" | tr -c 'A-Za-z0-9 ._:,/()=@+-' ' ' | cut -c 1-300
+}
+
+user_error() {
+    echo "user_error=$1:$(oneline "$2")"
+}
+
+mount_error() {
+    echo "mount_error=$1:$(oneline "$2")"
+}
+
+# ---------------------------------------------------------------------------------
+# 1. Read and check the input. Nothing on the host changes before this is done.
+# ---------------------------------------------------------------------------------
+input=$work/input
+head -c $((MAX_INPUT + 1)) >"$input"
+[ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the desired state is larger than $MAX_INPUT bytes"
+[ "$(head -n 1 "$input")" = "tpu-portal-desired 1" ] ||
+    die "the input does not start with 'tpu-portal-desired 1'"
+[ "$(tail -c 1 "$input" | od -An -tx1 | tr -d ' ')" = 0a ] &&
+    [ "$(tail -n 1 "$input")" = end ] ||
+    die "the input does not end with 'end': it was cut short, nothing was changed"
+
+# Each line must be one of these records, whole (-x), nothing else: no options before
+# a key, no second key, no control characters, no quotes, no '$', no tabs.
+KEY_TYPES='(ssh-ed25519|sk-ssh-ed25519@openssh\.com|ecdsa-sha2-nistp(256|384|521)|sk-ecdsa-sha2-nistp256@openssh\.com|ssh-rsa)'
+NAME='[a-z][a-z0-9-]{0,30}'
+NUMBER='[1-9][0-9]{0,9}'
+bad=$(grep -a -n -v -x -E \
+    -e 'tpu-portal-desired 1' \
+    -e "range $NUMBER $NUMBER" \
+    -e "user $NAME $NUMBER [01] [01]" \
+    -e "key $NAME $KEY_TYPES [A-Za-z0-9+/]+={0,2}( [A-Za-z0-9._@:+=/-]{1,100})?" \
+    -e 'mount [a-z]([a-z0-9-]{0,61}[a-z0-9])? (/[A-Za-z0-9._-]+)+ (ro|rw)' \
+    -e 'end' \
+    "$input" | head -n 1 | cut -d : -f 1) || true
+[ -z "$bad" ] || die "line $bad of the input is not a valid record; nothing was changed"
+long=$(awk -v max="$MAX_LINE" 'length($0) > max { print NR; exit }' "$input")
+[ -z "$long" ] || die "line $long of the input is too long; nothing was changed"
+[ "$(grep -c -x 'tpu-portal-desired 1' "$input")" = 1 ] || die "the header appears twice"
+[ "$(grep -c -x end "$input")" = 1 ] || die "'end' appears before the end"
+[ "$(sed -n 2p "$input" | cut -d ' ' -f 1)" = range ] || die "line 2 must be the UID range"
+[ "$(grep -c '^range ' "$input")" = 1 ] || die "the UID range appears twice"
+
+# Split the records into files of our own private folder, checking each field again.
+mkdir "$work/keys"
+: >"$work/users"
+: >"$work/mounts"
+uid_min="" uid_max=""
+while IFS=' ' read -r kind f1 f2 f3 f4 rest <&3; do
+    case $kind in
+    tpu-portal-desired | end) ;;
+    range)
+        case $f1$f2 in *[!0-9]*) die "bad UID range" ;; esac
+        uid_min=$f1 uid_max=$f2
+        [ "$uid_min" -ge 1000 ] && [ "$uid_min" -le "$uid_max" ] &&
+            [ "$uid_max" -le 2000000000 ] || die "the UID range must lie within 1000..2000000000"
+        ;;
+    user)
+        case $f1 in [a-z]*) ;; *) die "bad username" ;; esac
+        case $f1 in *[!a-z0-9-]*) die "bad username" ;; esac
+        case $f2 in *[!0-9]*) die "bad uid" ;; esac
+        case $f3$f4 in [01][01]) ;; *) die "bad flags for $f1" ;; esac
+        [ "$f2" -ge "$uid_min" ] && [ "$f2" -le "$uid_max" ] &&
+            [ "$f2" != 65534 ] && [ "$f2" != 65535 ] ||
+            die "uid $f2 of $f1 is outside the UID range"
+        if [ -e "$work/keys/$f1" ]; then die "$f1 is listed twice"; fi
+        : >"$work/keys/$f1"
+        echo "$f1 $f2 $f3 $f4" >>"$work/users"
+        ;;
+    key)
+        case $f1 in *[!a-z0-9-]*) die "bad username in a key" ;; esac
+        case $f3 in *[!A-Za-z0-9+/=]*) die "bad key data for $f1" ;; esac
+        case $f4 in *[!A-Za-z0-9._@:+=/-]*) die "bad key comment for $f1" ;; esac
+        [ -z "$rest" ] || die "a key line for $f1 has extra fields"
+        [ -f "$work/keys/$f1" ] || die "a key for $f1 comes before (or without) its user"
+        if [ -n "$f4" ]; then
+            echo "$f2 $f3 $f4" >>"$work/keys/$f1"
+        else
+            echo "$f2 $f3" >>"$work/keys/$f1"
+        fi
+        ;;
+    mount)
+        case $f1 in *[!a-z0-9-]*) die "bad device name" ;; esac
+        case $f2 in
+        */ | *//* | */./* | */../* | */. | */..) die "mount point $f2 has '.' or '..' parts" ;;
+        /bin | /bin/* | /boot | /boot/* | /dev | /dev/* | /etc | /etc/* | /home | /home/* | \
+            /lib | /lib/* | /lib32 | /lib32/* | /lib64 | /lib64/* | /libx32 | /libx32/* | \
+            /proc | /proc/* | /root | /root/* | /run | /run/* | /sbin | /sbin/* | \
+            /snap | /snap/* | /sys | /sys/* | /tmp | /tmp/* | /usr | /usr/* | /var | /var/*)
+            die "disks are never mounted at or under a system folder or /home ($f2)"
+            ;;
+        /[A-Za-z0-9._-]*) ;;
+        *) die "bad mount point" ;;
+        esac
+        case $f2 in *[!A-Za-z0-9._/-]*) die "bad mount point" ;; esac
+        case $f3 in ro | rw) ;; *) die "bad mount mode" ;; esac
+        echo "$f1 $f2 $f3" >>"$work/mounts"
+        ;;
+    *) die "unknown record" ;;
+    esac
+done 3<"$input"
+[ -n "$uid_min" ] || die "no UID range"
+[ -z "$(cut -d ' ' -f 2 "$work/users" | sort | uniq -d)" ] || die "a uid is listed twice"
+[ -z "$(cut -d ' ' -f 1 "$work/mounts" | sort | uniq -d)" ] || die "a device is listed twice"
+[ -z "$(cut -d ' ' -f 2 "$work/mounts" | sort | uniq -d)" ] || die "a mount point is listed twice"
+
+# One reconcile at a time on this host (the portal also locks per VM). /run is
+# root-owned, unlike /run/lock, so no one can plant a symlink at this path.
+exec 9>>"$LOCK"
+flock -w 120 9 || die "another reconcile has been running for two minutes"
+if [ -L "$FSTAB" ]; then die "$FSTAB is a symlink; not replacing it"; fi
+
+# ---------------------------------------------------------------------------------
+# 2. Host preparation (once per host; afterwards only checked): where keys live.
+# ---------------------------------------------------------------------------------
+# Does path $1 hold exactly the content of $2, as a plain file owned by root with mode $3?
+same_file() {
+    [ -f "$1" ] && [ ! -L "$1" ] && cmp -s -- "$2" "$1" &&
+        [ "$(stat -c '%a %u %g' -- "$1")" = "$3 0 0" ]
+}
+
+# Write $2 (a file of ours) to path $1 atomically with mode $3, through a temporary
+# file in the target's own folder (rename never follows a symlink at the target).
+# Returns 1 (and changes nothing) when the target already has that content and mode.
+replace_file() {
+    if same_file "$1" "$2" "$3"; then return 1; fi
+    inflight=$(mktemp -- "$(dirname -- "$1")/.tpu-portal.XXXXXX")
+    cat -- "$2" >"$inflight"
+    chmod "$3" -- "$inflight"
+    mv -f -- "$inflight" "$1"
+    inflight=""
+    return 0
+}
+
+reload_sshd() {
+    local pid tries
+    if [ -d /run/systemd/system ]; then
+        systemctl try-reload-or-restart ssh.service 2>/dev/null ||
+            systemctl try-reload-or-restart sshd.service ||
+            die "sshd could not be reloaded"
+    elif [ -s /run/sshd.pid ]; then
+        pid=$(head -n 1 /run/sshd.pid)
+        case $pid in '' | *[!0-9]*) die "/run/sshd.pid does not hold a process id" ;; esac
+        # sshd re-executes itself on SIGHUP and writes its pid file again once it
+        # listens; waiting for that keeps the next login from meeting a closed port.
+        rm -f /run/sshd.pid
+        kill -HUP "$pid" || die "sshd (pid $pid) could not be signalled"
+        tries=0
+        while [ ! -s /run/sshd.pid ] && [ "$tries" -lt 100 ]; do
+            sleep 0.05
+            tries=$((tries + 1))
+        done
+    else
+        return 0 # no sshd running: it reads the configuration when it starts
+    fi
+    sshd_reloaded=1
+}
+
+if [ -L "$KEYS_DIR" ] || { [ -e "$KEYS_DIR" ] && [ ! -d "$KEYS_DIR" ]; }; then
+    die "$KEYS_DIR exists and is not a folder"
+fi
+if [ ! -d "$KEYS_DIR" ]; then
+    mkdir -m 0755 "$KEYS_DIR"
+    changed=$((changed + 1))
+fi
+if [ "$(stat -c '%a %u %g' "$KEYS_DIR")" != "755 0 0" ]; then
+    chown 0:0 "$KEYS_DIR"
+    chmod 0755 "$KEYS_DIR"
+    changed=$((changed + 1))
+fi
+
+# The user's own ~/.ssh/authorized_keys keeps working (keys a collaborator adds by
+# hand); the portal's file comes last. sshd uses the first value it reads for an
+# option, and Debian's sshd_config includes sshd_config.d/*.conf at its top.
+cat >"$work/dropin" <<'EOF'
+# Managed by TPU Portal. Collaborators' keys are kept in root-owned files, so the
+# portal never writes inside a home directory.
+AuthorizedKeysFile .ssh/authorized_keys .ssh/authorized_keys2 /etc/ssh/tpu-portal-keys/%u
+EOF
+reload=0
+if ! same_file "$DROPIN" "$work/dropin" 644; then
+    mkdir -p /etc/ssh/sshd_config.d
+    if ! reason=$(/usr/sbin/sshd -t 2>&1); then
+        die "the sshd configuration is already invalid; not touching it: $(oneline "$reason")"
+    fi
+    had_dropin=0
+    if [ -f "$DROPIN" ]; then
+        cp -p -- "$DROPIN" "$work/dropin.before"
+        had_dropin=1
+    fi
+    replace_file "$DROPIN" "$work/dropin" 644 || true
+    if ! reason=$(/usr/sbin/sshd -t 2>&1); then
+        if [ "$had_dropin" = 1 ]; then
+            replace_file "$DROPIN" "$work/dropin.before" 644 || true
+        else
+            rm -f -- "$DROPIN"
+        fi
+        die "sshd -t refused the configuration with the portal's drop-in (removed again): $(oneline "$reason")"
+    fi
+    changed=$((changed + 1))
+    reload=1
+fi
+# sshd writes its pid file whenever it (re)starts, after reading its configuration. A
+# pid file older than the drop-in means a run wrote it but stopped before the reload.
+if [ -s /run/sshd.pid ] && [ -z "$(find /run/sshd.pid -newer "$DROPIN" 2>/dev/null)" ]; then
+    reload=1
+fi
+# Someone's earlier drop-in (or a line above the Include) could set AuthorizedKeysFile
+# first; then the portal's keys would be ignored, so say so rather than pretend.
+if ! settings=$(/usr/sbin/sshd -T 2>&1); then
+    die "sshd -T fails, the sshd configuration is broken: $(oneline "$(echo "$settings" | tail -n 1)")"
+fi
+effective=$(echo "$settings" | grep -i '^authorizedkeysfile ' || true)
+case " $effective " in
+*" /etc/ssh/tpu-portal-keys/%u "*) ;;
+*) die "sshd does not use the portal's key files (AuthorizedKeysFile is set elsewhere first): $(oneline "$effective")" ;;
+esac
+if [ "$reload" = 1 ]; then reload_sshd; fi
+
+# ---------------------------------------------------------------------------------
+# 3. Users.
+# ---------------------------------------------------------------------------------
+: >"$work/keep-keys"
+: >"$work/keep-sudo"
+
+# The live processes (not zombies) that belong to uid $1: by real or effective uid,
+# or by login uid, which survives `sudo` and `su` started from the user's session.
+pids_of_uid() {
+    {
+        ps -e -o pid=,ruid=,euid= | awk -v u="$1" '$2 == u || $3 == u { print $1 }'
+        grep -l -x -- "$1" /proc/[0-9]*/loginuid 2>/dev/null | cut -d / -f 3
+    } | grep -v -x -- "$$" | sort -u | while read -r p; do
+        state=$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$p/status" 2>/dev/null)
+        case $state in '' | Z | X) ;; *) echo "$p" ;; esac
+    done
+}
+
+# Kill every process of uid $1; bounded, so a stuck process cannot hang the run.
+kill_processes() {
+    local pids count tries
+    pids=$(pids_of_uid "$1")
+    [ -n "$pids" ] || return 0
+    count=$(echo "$pids" | wc -l)
+    tries=0
+    while [ -n "$pids" ] && [ "$tries" -lt 50 ]; do
+        # shellcheck disable=SC2086  # a list of numbers from ps and /proc
+        kill -KILL $pids 2>/dev/null || true
+        sleep 0.1
+        pids=$(pids_of_uid "$1")
+        tries=$((tries + 1))
+    done
+    processes_killed=$((processes_killed + count))
+    changed=$((changed + 1))
+    [ -z "$pids" ] || return 1
+}
+
+# Remove the portal's files for $1 (its keys file and its sudoers file).
+remove_portal_files() {
+    if [ -e "$KEYS_DIR/$1" ] || [ -L "$KEYS_DIR/$1" ]; then
+        rm -f -- "$KEYS_DIR/$1"
+        keys_removed=$((keys_removed + 1))
+        changed=$((changed + 1))
+    fi
+    if [ -e "$SUDOERS_DIR/tpu-portal-$1" ] || [ -L "$SUDOERS_DIR/tpu-portal-$1" ]; then
+        rm -f -- "$SUDOERS_DIR/tpu-portal-$1"
+        sudo_files=$((sudo_files + 1))
+        changed=$((changed + 1))
+    fi
+}
+
+# The account $1 with uid $2 and group $1 (gid $2) exists, or the reason it cannot.
+# Never re-numbers anything: a name or number that belongs to someone else stops here.
+ensure_account() {
+    local name uid password expire entry have other group out shell gid
+    name=$1 uid=$2 password=$3 expire=$4
+    entry=$(getent passwd "$name" || true)
+    if [ -n "$entry" ]; then
+        have=$(echo "$entry" | cut -d : -f 3)
+        [ "$have" = "$uid" ] || {
+            user_error "$name" "the account exists with uid $have, the portal says $uid"
+            return 1
+        }
+    else
+        other=$(getent passwd "$uid" | cut -d : -f 1 || true)
+        [ -z "$other" ] || {
+            user_error "$name" "uid $uid belongs to $other"
+            return 1
+        }
+    fi
+    group=$(getent group "$name" || true)
+    if [ -n "$group" ]; then
+        have=$(echo "$group" | cut -d : -f 3)
+        [ "$have" = "$uid" ] || {
+            user_error "$name" "the group $name exists with gid $have, the portal says $uid"
+            return 1
+        }
+    else
+        other=$(getent group "$uid" | cut -d : -f 1 || true)
+        [ -z "$other" ] || {
+            user_error "$name" "gid $uid belongs to the group $other"
+            return 1
+        }
+        out=$(groupadd -g "$uid" -- "$name" 2>&1) || {
+            user_error "$name" "groupadd: $out"
+            return 1
+        }
+        changed=$((changed + 1))
+    fi
+    if [ -z "$entry" ]; then
+        # -m makes the home only if it is missing (then from /etc/skel); an existing
+        # home, say of an earlier account, is left as it is.
+        out=$(useradd -m -d "/home/$name" -s /bin/bash -u "$uid" -g "$uid" \
+            -p "$password" -e "$expire" -c '' -- "$name" 2>&1) || {
+            user_error "$name" "useradd: $out"
+            return 1
+        }
+        users_created=$((users_created + 1))
+        changed=$((changed + 1))
+        return 0
+    fi
+    shell=$(echo "$entry" | cut -d : -f 7)
+    gid=$(echo "$entry" | cut -d : -f 4)
+    if [ "$shell" != /bin/bash ] || [ "$gid" != "$uid" ]; then
+        out=$(usermod -s /bin/bash -g "$uid" -- "$name" 2>&1) || {
+            user_error "$name" "usermod: $out"
+            return 1
+        }
+        changed=$((changed + 1))
+    fi
+}
+
+# The shadow entry of $1 has password field $2 and expiry field $3 (days since 1970,
+# empty for never); returns 1 if it had to be changed.
+ensure_shadow() {
+    local entry out
+    entry=$(getent shadow "$1" || true)
+    if [ "$(echo "$entry" | cut -d : -f 2)" = "$2" ] &&
+        [ "$(echo "$entry" | cut -d : -f 8)" = "$3" ]; then
+        return 0
+    fi
+    out=$(usermod -p "$2" -e "$3" -- "$1" 2>&1) || {
+        user_error "$1" "usermod: $out"
+        return 2
+    }
+    changed=$((changed + 1))
+    return 1
+}
+
+converge_active() {
+    local name uid sudo rc target out
+    name=$1 uid=$2 sudo=$3
+    ensure_account "$name" "$uid" '*' '' || return 0
+    # '*' is no password at all (never a known one); no expiry, not locked.
+    rc=0
+    ensure_shadow "$name" '*' '' || rc=$?
+    [ "$rc" != 2 ] || return 0
+
+    if [ -s "$work/keys/$name" ]; then
+        if replace_file "$KEYS_DIR/$name" "$work/keys/$name" 644; then
+            keys_written=$((keys_written + 1))
+            changed=$((changed + 1))
+        fi
+        echo "$name" >>"$work/keep-keys"
+    fi
+
+    if [ "$sudo" = 1 ]; then
+        echo "$name ALL=(ALL:ALL) NOPASSWD:ALL" >"$work/sudo"
+        target=$SUDOERS_DIR/tpu-portal-$name
+        if ! { [ -f "$target" ] && [ ! -L "$target" ] && cmp -s "$work/sudo" "$target" &&
+            [ "$(stat -c '%a %u %g' -- "$target")" = "440 0 0" ]; }; then
+            # The temporary name has a '.', so sudo ignores it until it is checked
+            # and renamed.
+            inflight=$(mktemp "$SUDOERS_DIR/.tpu-portal.XXXXXX")
+            cat "$work/sudo" >"$inflight"
+            chmod 0440 "$inflight"
+            if out=$(visudo -c -q -f "$inflight" 2>&1); then
+                mv -f -- "$inflight" "$target"
+                inflight=""
+                sudo_files=$((sudo_files + 1))
+                changed=$((changed + 1))
+            else
+                rm -f -- "$inflight"
+                inflight=""
+                user_error "$name" "visudo refused the sudoers file: $out"
+                return 0
+            fi
+        fi
+        echo "$name" >>"$work/keep-sudo"
+    fi
+}
+
+converge_revoked() {
+    local name uid rc
+    name=$1 uid=$2
+    # The account stays (its uid stays reserved, its files keep their owner) but
+    # cannot be used: locked ('!*') and expired (day 1), so sshd refuses it under
+    # UsePAM even with keys in the user's own ~/.ssh.
+    ensure_account "$name" "$uid" '!*' 1 || return 0
+    remove_portal_files "$name"
+    rc=0
+    ensure_shadow "$name" '!*' 1 || rc=$?
+    [ "$rc" != 2 ] || return 0
+    [ "$rc" = 0 ] || revoked=$((revoked + 1))
+    kill_processes "$uid" || user_error "$name" "some processes survived SIGKILL"
+}
+
+while IFS=' ' read -r name uid active sudo <&3; do
+    if [ "$active" = 1 ]; then
+        converge_active "$name" "$uid" "$sudo"
+    else
+        converge_revoked "$name" "$uid"
+    fi
+done 3<"$work/users"
+
+# The portal's own folders hold files only for users it listed and could set up; a
+# user whose account clashed gets none (the name may belong to someone else here).
+for path in "$KEYS_DIR"/* "$KEYS_DIR"/.[!.]* "$KEYS_DIR"/..?*; do
+    [ -e "$path" ] || [ -L "$path" ] || continue
+    base=${path##*/}
+    if ! grep -q -x -F -- "$base" "$work/keep-keys"; then
+        rm -f -- "$path"
+        keys_removed=$((keys_removed + 1))
+        changed=$((changed + 1))
+    fi
+done
+for path in "$SUDOERS_DIR"/tpu-portal-* "$SUDOERS_DIR"/.tpu-portal.*; do
+    [ -e "$path" ] || [ -L "$path" ] || continue
+    base=${path##*/}
+    case $base in
+    tpu-portal-*) if grep -q -x -F -- "${base#tpu-portal-}" "$work/keep-sudo"; then continue; fi ;;
+    esac
+    rm -f -- "$path"
+    sudo_files=$((sudo_files + 1))
+    changed=$((changed + 1))
+done
+
+# Accounts in the portal's UID range that it did not list: reported, never removed.
+cut -d ' ' -f 1 "$work/users" | sort >"$work/listed"
+awk -F : -v lo="$uid_min" -v hi="$uid_max" \
+    '$3 ~ /^[0-9]+$/ && $3 + 0 >= lo && $3 + 0 <= hi { print $1 }' /etc/passwd |
+    sort -u >"$work/local"
+comm -23 "$work/local" "$work/listed" | while read -r name; do
+    echo "drift_user=$(oneline "$name")"
+done
+
+# ---------------------------------------------------------------------------------
+# 4. Data disks: an fstab line each (nofail, so a missing disk never stops a boot),
+#    mounted when the disk is there.
+# ---------------------------------------------------------------------------------
+# Is every existing folder on the way to $1 a real folder that only root can change?
+# Then a mkdir or mount there cannot be redirected by anyone else.
+safe_path() {
+    local walk rest part perms mode
+    walk=""
+    rest=${1#/}
+    while [ -n "$rest" ]; do
+        part=${rest%%/*}
+        case $rest in */*) rest=${rest#*/} ;; *) rest="" ;; esac
+        walk=$walk/$part
+        if [ -L "$walk" ]; then return 1; fi
+        if [ ! -e "$walk" ]; then return 0; fi
+        [ -d "$walk" ] || return 1
+        if [ -n "$rest" ]; then
+            perms=$(stat -c '%u %a' -- "$walk")
+            case $perms in
+            "0 "*) ;;
+            *) return 1 ;;
+            esac
+            mode=${perms#0 }
+            # group or others may write: someone else could swap what is inside
+            case $mode in *[2367]? | *[2367]) return 1 ;; esac
+        fi
+    done
+}
+
+: >"$work/fstab-managed"
+while IFS=' ' read -r device point mode <&3; do
+    # A line the portal does not manage already mounts something here: leave both.
+    if [ -f "$FSTAB" ] && awk -v p="$point" \
+        '$1 !~ /^#/ && $2 == p && $0 !~ / # tpu-portal$/ { found = 1 } END { exit !found }' "$FSTAB"; then
+        mount_error "$device" "fstab already has an entry for $point"
+        continue
+    fi
+    # Checked before the fstab line is written: at boot, mount would follow the path too.
+    if ! safe_path "$point"; then
+        mount_error "$device" "$point is not a plain folder or lies below a symlink or a folder others can write to"
+        continue
+    fi
+    echo "/dev/disk/by-id/google-$device $point ext4 $mode,discard,defaults,nofail 0 2 $FSTAB_MARK" \
+        >>"$work/fstab-managed"
+done 3<"$work/mounts"
+
+# Mount points of ours that are no longer wanted: unmount them first (the portal
+# detaches the disk after this run), then drop their lines from fstab. A line whose
+# disk is still busy stays, so the next run tries again (and reports it again).
+cut -d ' ' -f 2 "$work/fstab-managed" >"$work/wanted-points"
+: >"$work/still-mounted"
+grep -e " $FSTAB_MARK\$" "$FSTAB" 2>/dev/null | grep -v -x -F -f "$work/fstab-managed" >"$work/unwanted" || true
+while IFS= read -r line <&3; do
+    source=$(echo "$line" | cut -d ' ' -f 1)
+    point=$(echo "$line" | cut -d ' ' -f 2)
+    case $point in /*) ;; *) continue ;; esac
+    if grep -q -x -F -- "$point" "$work/wanted-points"; then continue; fi
+    if mountpoint -q -- "$point" &&
+        [ "$(findmnt -n -o SOURCE --mountpoint "$point")" = "$(readlink -f -- "$source")" ]; then
+        if out=$(umount -- "$point" 2>&1); then
+            unmounted=$((unmounted + 1))
+            changed=$((changed + 1))
+        else
+            mount_error "${source#/dev/disk/by-id/google-}" "cannot unmount $point: $out"
+            echo "$line" >>"$work/still-mounted"
+        fi
+    fi
+done 3<"$work/unwanted"
+
+if [ -e "$FSTAB" ]; then
+    grep -v -e " $FSTAB_MARK\$" "$FSTAB" >"$work/fstab" || true
+else
+    : >"$work/fstab"
+fi
+cat "$work/fstab-managed" "$work/still-mounted" >>"$work/fstab"
+if ! { [ -e "$FSTAB" ] && cmp -s "$work/fstab" "$FSTAB"; }; then
+    replace_file "$FSTAB" "$work/fstab" 644 || true
+    fstab_written=1
+    changed=$((changed + 1))
+fi
+
+while read -r source point fstype options rest <&3; do
+    device=${source#/dev/disk/by-id/google-}
+    mode=${options%%,*}
+    if [ ! -d "$point" ]; then
+        mkdir -p -m 0755 -- "$point"
+        changed=$((changed + 1))
+    fi
+    if [ ! -b "$source" ]; then
+        echo "waiting_device=$device"
+        continue
+    fi
+    if mountpoint -q -- "$point"; then
+        now=$(findmnt -n -o SOURCE --mountpoint "$point")
+        if [ "$now" != "$(readlink -f -- "$source")" ]; then
+            mount_error "$device" "$point has another filesystem mounted ($now)"
+            continue
+        fi
+        current=$(findmnt -n -o OPTIONS --mountpoint "$point" | cut -d , -f 1)
+        if [ "$current" != "$mode" ]; then
+            if out=$(mount -o "remount,$mode" -- "$point" 2>&1); then
+                changed=$((changed + 1))
+            else
+                mount_error "$device" "cannot remount $point $mode: $out"
+            fi
+        fi
+        continue
+    fi
+    # Mounting over files would hide them (a collaborator's data written there while
+    # the disk was away, say): only an empty folder becomes a mount point.
+    if [ -n "$(ls -A -- "$point")" ]; then
+        mount_error "$device" "$point is not empty, not mounting over it"
+        continue
+    fi
+    if out=$(mount -- "$point" 2>&1); then
+        mounted=$((mounted + 1))
+        changed=$((changed + 1))
+    else
+        mount_error "$device" "mount $point: $out"
+    fi
+done 3<"$work/fstab-managed"
+
+# ---------------------------------------------------------------------------------
+# 5. The answer.
+# ---------------------------------------------------------------------------------
+echo "boot_id=$(cat /proc/sys/kernel/random/boot_id)"
+echo "users_created=$users_created"
+echo "keys_written=$keys_written"
+echo "keys_removed=$keys_removed"
+echo "sudo_files=$sudo_files"
+echo "revoked=$revoked"
+echo "processes_killed=$processes_killed"
+echo "mounted=$mounted"
+echo "unmounted=$unmounted"
+echo "fstab_written=$fstab_written"
+echo "sshd_reloaded=$sshd_reloaded"
+echo "changed=$changed"
+if [ "$changed" = 0 ]; then echo "noop=1"; fi
