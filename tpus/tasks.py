@@ -104,7 +104,9 @@ def reconcile_vm(self, vm_id: int) -> None:
     report = reconcile.reconcile_vm(vm_id)
     if report.busy or not report.retryable:
         return
-    if self.request.retries >= self.max_retries:
+    # Run in-process (no broker to come back through), or out of retries: the grants
+    # fail with the reason now; the periodic sweep keeps trying the VM later.
+    if self.request.is_eager or self.request.retries >= self.max_retries:
         reconcile.give_up(vm_id)
         return
     raise self.retry(countdown=_backoff(self.request.retries))

@@ -185,6 +185,9 @@ PORTAL_EXPIRY_CHECK_SECONDS = env.integer("PORTAL_EXPIRY_CHECK_SECONDS", 600, mi
 # The portal logs in to every worker as PORTAL_ADMIN_SSH_USER (passwordless sudo) with
 # one private key: a file path in PORTAL_ADMIN_SSH_KEY_FILE (read again whenever the
 # file changes) or the key text itself in PORTAL_ADMIN_SSH_KEY. Never in the database.
+# Workers may only be contacted inside these networks (comma-separated CIDRs); empty
+# means anywhere. A deployment can pin it to its VPC or its TPU VMs' ranges.
+PORTAL_REMOTE_ALLOWED_NETWORKS = env.listing("PORTAL_REMOTE_ALLOWED_NETWORKS", [])
 PORTAL_ADMIN_SSH_KEY_FILE = env.string("PORTAL_ADMIN_SSH_KEY_FILE", "")
 PORTAL_ADMIN_SSH_KEY = env.string("PORTAL_ADMIN_SSH_KEY", "")
 if PORTAL_ADMIN_SSH_KEY_FILE and PORTAL_ADMIN_SSH_KEY:

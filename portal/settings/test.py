@@ -81,3 +81,10 @@ STATIC_ROOT.mkdir(exist_ok=True)
 TPU_API_ENDPOINT = "127.0.0.1:9"
 TPU_API_INSECURE = True
 TPU_API_CREDENTIALS_FILE = ""
+
+# SSH only to loopback and the test fleet's own network namespaces, never elsewhere
+# (emulated TPU VMs have made-up public addresses).
+PORTAL_REMOTE_ALLOWED_NETWORKS = [
+    "127.0.0.0/8",
+    os.environ.get("TESTFLEET_NETWORK", "10.213.0.0/16"),
+]

@@ -16,6 +16,7 @@ class RemoteError(Exception):
     DISCONNECTED = "disconnected"  # the connection or the script ended without a status
     PROTOCOL = "protocol"  # the SSH handshake failed in another way
     NO_PIN = "no_pin"  # we hold no host key for this worker: never connect blind
+    NOT_ALLOWED = "not_allowed"  # the address is outside the allowed networks
     HOST_KEY = "host_key"  # the worker presented a host key other than the pinned one
     AUTH = "auth"  # the worker refused the admin key
     SCRIPT = "script"  # the script ran and exited non-zero

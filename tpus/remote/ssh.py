@@ -17,6 +17,7 @@ non-zero with its reason as the last line of stderr, and is idempotent.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 import select
@@ -25,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 import paramiko
+from django.conf import settings
 
 from tpus.remote import config as remote_config
 from tpus.remote.errors import HostKeyMismatch, RemoteError
@@ -92,6 +94,7 @@ def execute(
     """Connect to ``worker``, run ``script`` with ``data`` on stdin, return its answer.
 
     Raises RemoteError (HostKeyMismatch for a host key other than the pinned one)."""
+    _check_allowed(worker)
     cfg = remote_config.current()
     if dry_run if dry_run is not None else cfg.dry_run:
         log.info("dry run: would run %s on %s with %d bytes", script.name, worker, len(data))
@@ -126,6 +129,25 @@ def execute(
         )
     pairs = [(m[1], m[2]) for ln in stdout.splitlines() if (m := _RESULT_LINE.match(ln))]
     return ScriptResult(worker, script.name, status, stdout, stderr, pairs, elapsed)
+
+
+def _check_allowed(worker: Worker) -> None:
+    """With ``PORTAL_REMOTE_ALLOWED_NETWORKS`` set, refuse any other address before a
+    packet is sent (a deployment's egress rule; the test suite's safety net)."""
+    networks = settings.PORTAL_REMOTE_ALLOWED_NETWORKS
+    if not networks:
+        return
+    try:
+        address = ipaddress.ip_address(worker.address)
+    except ValueError:
+        address = None
+    if address is None or not any(address in ipaddress.ip_network(n) for n in networks):
+        raise RemoteError(
+            f"{worker.address or 'no address'} is outside PORTAL_REMOTE_ALLOWED_NETWORKS",
+            kind=RemoteError.NOT_ALLOWED,
+            retryable=False,
+            worker=str(worker),
+        )
 
 
 def _connect(worker: Worker, cfg: remote_config.RemoteConfig) -> paramiko.SSHClient:

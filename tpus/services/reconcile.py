@@ -252,19 +252,21 @@ def settle_grants(vm_id: int) -> None:
         if s and s.last_error and not s.last_error_retryable
     }
     now = timezone.now()
-    pending = Grant.objects.filter(vm_id=vm_id, state=GrantState.PENDING).select_related(
-        "user__unix_account", "vm__lab"
-    )
-    for grant in pending:
+    # A failed grant is still wanted: once every worker has applied it (the worker came
+    # back, the cause was fixed), it is in force like a pending one.
+    waiting = Grant.objects.filter(
+        vm_id=vm_id, state__in=(GrantState.PENDING, GrantState.FAILED)
+    ).select_related("user__unix_account", "vm__lab")
+    for grant in waiting:
         username = getattr(getattr(grant.user, "unix_account", None), "username", "")
         if username in user_errors:
             _fail(grant, f"The host refused {username}: {user_errors[username]}")
         elif hard_errors:
             _fail(grant, "; ".join(f"{alias}: {err}" for alias, err in sorted(hard_errors.items())))
         elif grant.version <= applied:
-            if Grant.objects.filter(
-                pk=grant.pk, state=GrantState.PENDING, version=grant.version
-            ).update(state=GrantState.ACTIVE, activated_at=now, error=""):
+            if Grant.objects.filter(pk=grant.pk, state=grant.state, version=grant.version).update(
+                state=GrantState.ACTIVE, activated_at=now, error=""
+            ):
                 audit.record(
                     AuditAction.GRANT_ACTIVE,
                     lab=grant.vm.lab,

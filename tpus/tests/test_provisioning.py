@@ -1,0 +1,263 @@
+"""Granting, reconciling and revoking on the real sshd fleet, with the emulator as the
+Cloud TPU API: "add milo to tpu5" ends with milo logging in with plain ssh."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.core import mail
+from django.db import connection
+
+from accounts.keys import add_key
+from accounts.models import User
+from accounts.unix import choose_username
+from tpus.models import AuditEvent, Grant, TpuVm
+from tpus.services import inventory, sshconfig
+from tpus.services.grants import grant_access, revoke_access
+from tpus.services.labs import remove_member
+from tpus.services.reconcile import reconcile_vm
+
+pytestmark = pytest.mark.fleet
+
+PROJECT, ZONE = "vision-lab-1", "us-central1-f"
+# Hosts outlive a test's database: every test takes UIDs no other test uses.
+_uid_blocks = itertools.count(0)
+
+
+@dataclass
+class Pod:
+    fleet: object
+    hosts: list
+    lab: object
+    admin: object
+    milo: object
+    vm: TpuVm
+    key: Path
+    dir: Path
+
+    def fresh(self, user):
+        return User.objects.select_related("unix_account").get(pk=user.pk)
+
+    def write_config(self, user) -> tuple[Path, Path]:
+        user = self.fresh(user)
+        config, known = self.dir / "config", self.dir / "known_hosts"
+        config.write_text(sshconfig.render_config(user))
+        known.write_text(sshconfig.render_known_hosts(sshconfig.vms_for(user)))
+        return config, known
+
+    def ssh(self, host: str, command: str = "true", user=None) -> subprocess.CompletedProcess:
+        """Plain `ssh tpu5` with the portal's config and known_hosts, strict checking."""
+        config, known = self.write_config(user or self.milo)
+        return subprocess.run(
+            ["ssh", "-F", str(config), "-i", str(self.key), "-o", "IdentitiesOnly=yes",
+             "-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes",
+             "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR",
+             host, command],
+            capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def run_as(self, host, uid: int, command: str) -> None:
+        self.fleet.exec(
+            host.name,
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+             "sh", "-c", command],
+        )  # fmt: skip
+
+    def processes_of(self, host, uid: int) -> list[str]:
+        out = self.fleet.exec(
+            host.name, ["sh", "-c", f"ps -e -o pid=,ruid=,stat= | awk '$2 == {uid} && $3 !~ /^Z/'"]
+        ).stdout.decode()
+        return [line for line in out.splitlines() if line.strip()]
+
+
+def _new_key(directory: Path, label: str) -> tuple[Path, str]:
+    path = directory / f"id_{label}"
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{label}@laptop", "-f", str(path)],
+        check=True,
+    )
+    return path, path.with_suffix(".pub").read_text().strip()
+
+
+@pytest.fixture
+def pod(
+    tpu_emulator, fleet, fleet_hosts, fleet_settings, fleet_username, settings, tmp_path,
+    make_lab, make_user, add_member,
+) -> Pod:  # fmt: skip
+    base = 200_000 + (os.getpid() % 500) * 2_000 + next(_uid_blocks) * 20
+    settings.PORTAL_UID_MIN, settings.PORTAL_UID_MAX = base, base + 19
+    hosts = fleet_hosts(4)
+    lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
+    admin = make_user("boss@vision.example")
+    add_member(lab, admin, role="admin")
+    tpu_emulator.controls.add_node(
+        PROJECT, ZONE, "tpu5", accelerator_type="v4-32", workers=4,
+        external_ips=[h.ip for h in hosts],
+        host_keys={
+            i: {line.split()[0]: line for line in fleet.host_keys(h.name)}
+            for i, h in enumerate(hosts)
+        },
+    )  # fmt: skip
+    [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
+    milo = make_user("milo@uni.example")
+    add_member(lab, milo)
+    choose_username(milo, fleet_username)
+    key, public = _new_key(tmp_path, "milo")
+    add_key(milo, public)
+    mail.outbox.clear()
+    return Pod(fleet, hosts, lab, admin, milo, vm, key, tmp_path)
+
+
+def _grant(pod, capture, **options):
+    with capture(execute=True):
+        [grant] = grant_access(pod.admin, pod.lab, pod.milo, [pod.vm], **options)
+    grant.refresh_from_db()
+    return grant
+
+
+def test_adding_milo_to_a_pod_lets_him_log_in_to_every_worker_with_plain_ssh(
+    pod, django_capture_on_commit_callbacks
+):
+    grant = _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    assert grant.state == "active", grant.error
+    username = pod.fresh(pod.milo).unix_account.username
+    for host in ("tpu5", "tpu5-w0", "tpu5-w1", "tpu5-w2", "tpu5-w3"):
+        result = pod.ssh(host, "id -un; hostname")
+        assert result.returncode == 0, (host, result.stderr)
+        assert result.stdout.split()[0] == username
+    # Each alias reaches its own worker.
+    names = {pod.ssh(f"tpu5-w{i}", "hostname").stdout.strip() for i in range(4)}
+    assert len(names) == 4
+    [message] = [m for m in mail.outbox if m.to == ["milo@uni.example"]]
+    assert "You can now use tpu5" in message.subject
+    for host in pod.hosts:
+        assert host.ip in message.body
+    assert "Host tpu5" in message.body
+
+
+def test_sudo_is_granted_only_when_asked(pod, django_capture_on_commit_callbacks):
+    _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    assert pod.ssh("tpu5", "sudo -n true").returncode != 0
+    _grant(pod, django_capture_on_commit_callbacks, sudo=True)
+    assert pod.ssh("tpu5-w3", "sudo -n id -u").stdout.strip() == "0"
+
+
+def test_a_second_reconcile_changes_nothing(pod, django_capture_on_commit_callbacks):
+    _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    report = reconcile_vm(pod.vm.pk)
+    assert report.complete
+    assert report.changed == 0
+    syncs = [w.sync.last_report["values"] for w in pod.vm.workers.select_related("sync")]
+    assert all(v.get("noop") == "1" for v in syncs)
+
+
+def test_revoking_locks_milo_out_and_kills_his_processes(pod, django_capture_on_commit_callbacks):
+    grant = _grant(pod, django_capture_on_commit_callbacks, sudo=True)
+    uid = pod.fresh(pod.milo).unix_account.uid
+    for host in pod.hosts:
+        pod.run_as(host, uid, "nohup sleep 1000 >/dev/null 2>&1 &")
+        assert pod.processes_of(host, uid)
+    config_before = pod.write_config(pod.milo)
+    with django_capture_on_commit_callbacks(execute=True):
+        revoke_access(pod.admin, grant)
+    grant.refresh_from_db()
+    assert grant.state == "revoked"
+    for host in pod.hosts:
+        assert pod.processes_of(host, uid) == []
+    # Even with the config he had before, he cannot log in any more.
+    config, known = config_before
+    result = subprocess.run(
+        ["ssh", "-F", str(config), "-i", str(pod.key), "-o", "IdentitiesOnly=yes",
+         "-o", f"UserKnownHostsFile={known}", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+         "tpu5", "true"],
+        capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert any(m.to == ["milo@uni.example"] and "ended" in m.subject for m in mail.outbox)
+
+
+def test_removing_milo_from_the_lab_revokes_his_access(pod, django_capture_on_commit_callbacks):
+    grant = _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    membership = pod.lab.memberships.get(user=pod.milo)
+    with django_capture_on_commit_callbacks(execute=True):
+        remove_member(pod.admin, membership)
+    grant.refresh_from_db()
+    assert grant.state == "revoked"
+    assert pod.ssh("tpu5").returncode != 0
+
+
+def test_a_new_key_reaches_every_worker(pod, django_capture_on_commit_callbacks):
+    _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    new_key, public = _new_key(pod.dir, "milo2")
+    with django_capture_on_commit_callbacks(execute=True):
+        add_key(pod.milo, public)
+    pod.key = new_key
+    assert pod.ssh("tpu5-w2").returncode == 0
+
+
+def test_a_worker_that_is_down_catches_up_when_it_returns(pod, django_capture_on_commit_callbacks):
+    down = pod.hosts[2]
+    pod.fleet.down(down.name, hang=False)
+    grant = _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    assert grant.state == "failed"
+    assert "tpu5-w2" in grant.error or "unreachable" in grant.error.lower()
+    # The others are done; nothing is half-written anywhere.
+    assert pod.ssh("tpu5-w0").returncode == 0
+    pod.fleet.start(down.name)
+    report = reconcile_vm(pod.vm.pk)  # what the periodic sweep does
+    assert report.complete
+    grant.refresh_from_db()
+    assert grant.state == "active"
+    assert pod.ssh("tpu5-w2").returncode == 0
+
+
+def test_a_changed_host_key_stops_provisioning_and_alerts_the_admins(
+    pod, django_capture_on_commit_callbacks
+):
+    changed = pod.hosts[1]
+    pod.fleet.rekey(changed.name)
+    grant = _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    assert grant.state == "failed"
+    worker = pod.vm.workers.get(index=1)
+    assert worker.host_key_mismatch_at is not None
+    assert worker.presented_host_key
+    alert = [m for m in mail.outbox if "Host key of tpu5-w1 changed" in m.subject]
+    assert alert and alert[0].to == ["boss@vision.example"]
+    assert AuditEvent.objects.filter(action="vm.host_key_changed").count() == 1
+    # The pin is unchanged: a changed key is never accepted by itself.
+    assert worker.host_keys == pod.vm.workers.get(index=1).host_keys
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fifty_clicks_at_once_give_one_grant_and_one_result(pod):
+    if connection.vendor == "sqlite":
+        pytest.skip("concurrent writers need PostgreSQL (PORTAL_TEST_BACKEND=services)")
+    barrier = threading.Barrier(10)
+    errors = []
+
+    def click():
+        try:
+            barrier.wait()
+            for _ in range(5):
+                grant_access(pod.admin, pod.lab, pod.milo, [pod.vm], sudo=False)
+        except Exception as exc:  # collected, then asserted empty
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=click) for _ in range(10)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert Grant.objects.filter(user=pod.milo, vm=pod.vm).count() == 1
+    reconcile_vm(pod.vm.pk)
+    assert Grant.objects.get(user=pod.milo, vm=pod.vm).state == "active"
+    assert pod.ssh("tpu5").returncode == 0
