@@ -1,6 +1,6 @@
 from django.urls import path
 
-from tpus.views import grants, inventory, labs, ssh
+from tpus.views import grants, hostkeys, inventory, labs, ssh
 
 urlpatterns = [
     path("", labs.dashboard, name="dashboard"),
@@ -53,6 +53,11 @@ urlpatterns = [
     path("labs/<slug:slug>/vms/sync/", inventory.vm_sync, name="vm_sync"),
     path("labs/<slug:slug>/vms/<int:vm_id>/", inventory.vm_detail, name="vm_detail"),
     path("labs/<slug:slug>/vms/<int:vm_id>/progress/", grants.vm_progress, name="vm_progress"),
+    path(
+        "labs/<slug:slug>/vms/<int:vm_id>/workers/<int:index>/keys/",
+        hostkeys.worker_keys,
+        name="worker_keys",
+    ),
     path("labs/<slug:slug>/vms/<int:vm_id>/grant/", grants.grant_create, name="grant_create"),
     path(
         "labs/<slug:slug>/memberships/<int:membership_id>/grant/",

@@ -9,6 +9,7 @@ raises one error type, RemoteError, that says whether a retry can help.
 from tpus.remote.errors import HostKeyMismatch, RemoteError
 from tpus.remote.fanout import WorkerOutcome, run_on_workers, run_script
 from tpus.remote.pins import HostKeyPins, InvalidHostKey
+from tpus.remote.scan import scan_host_keys
 from tpus.remote.scripts import Script
 from tpus.remote.ssh import ScriptResult, Worker
 
@@ -23,4 +24,5 @@ __all__ = [
     "WorkerOutcome",
     "run_on_workers",
     "run_script",
+    "scan_host_keys",
 ]

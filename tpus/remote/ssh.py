@@ -94,7 +94,7 @@ def execute(
     """Connect to ``worker``, run ``script`` with ``data`` on stdin, return its answer.
 
     Raises RemoteError (HostKeyMismatch for a host key other than the pinned one)."""
-    _check_allowed(worker)
+    check_allowed(worker)
     cfg = remote_config.current()
     if dry_run if dry_run is not None else cfg.dry_run:
         log.info("dry run: would run %s on %s with %d bytes", script.name, worker, len(data))
@@ -131,7 +131,7 @@ def execute(
     return ScriptResult(worker, script.name, status, stdout, stderr, pairs, elapsed)
 
 
-def _check_allowed(worker: Worker) -> None:
+def check_allowed(worker: Worker) -> None:
     """With ``PORTAL_REMOTE_ALLOWED_NETWORKS`` set, refuse any other address before a
     packet is sent (a deployment's egress rule; the test suite's safety net)."""
     networks = settings.PORTAL_REMOTE_ALLOWED_NETWORKS

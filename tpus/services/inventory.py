@@ -335,3 +335,33 @@ def detach_disk(admin, disk: DataDisk, vm: TpuVm, *, request=None) -> None:
         data={"disk": disk.pk, "vm": vm.pk},
         request=request,
     )
+
+
+def repin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) -> Worker:
+    """An admin deliberately replaces a worker's pinned keys (the VM was re-created,
+    or it presented a new key that the admin checked). Clears the alert, and the next
+    reconcile reaches the worker again."""
+    if not lines:
+        raise InventoryError("There are no host keys to pin.")
+    previous = list(worker.host_keys)
+    Worker.objects.filter(pk=worker.pk).update(
+        host_keys=sorted(lines),
+        host_keys_source=HostKeySource.ADMIN,
+        host_keys_pinned_at=timezone.now(),
+        host_keys_pinned_by=admin,
+        host_key_mismatch_at=None,
+        presented_host_key="",
+    )
+    worker.refresh_from_db()
+    audit.record(
+        AuditAction.HOST_KEYS_PINNED,
+        actor=admin,
+        lab=worker.vm.lab,
+        summary=f"{worker.alias} (replaced)",
+        data={"worker": worker.pk, "keys": sorted(lines), "previous": previous},
+        request=request,
+    )
+    from tpus.services.access_changes import request_reconcile
+
+    request_reconcile(worker.vm)
+    return worker

@@ -309,6 +309,12 @@ def _urls(cast):
             [401, MISSING, MISSING, OK, OK, OK],
         ),
         (
+            "worker_keys",
+            "get",
+            reverse("worker_keys", args=[lab, vm.pk, 0]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
             "disk_register",
             "get",
             reverse("disk_register", args=[lab]),
