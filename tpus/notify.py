@@ -62,3 +62,9 @@ def ip_changed(notice) -> None:
     from tpus.tasks import send_ip_change_email
 
     _later(send_ip_change_email, notice.pk)
+
+
+def drift_found(worker, usernames: list[str]) -> None:
+    from tpus.tasks import send_drift_alert
+
+    _later(send_drift_alert, worker.pk, usernames)

@@ -225,3 +225,17 @@ def send_ip_change_email(notice_id: int) -> None:
     except Exception:
         IpChangeNotice.objects.filter(pk=notice_id).update(sent_at=None)
         raise
+
+
+@shared_task(**RETRY)
+def send_drift_alert(worker_id: int, usernames: list[str]) -> None:
+    from tpus.models import Worker
+
+    worker = Worker.objects.select_related("vm__lab").filter(pk=worker_id).first()
+    if worker is None:
+        return
+    mail.send(
+        "drift_found",
+        _admin_emails(worker.vm.lab),
+        {"worker": worker, "vm": worker.vm, "lab": worker.vm.lab, "usernames": usernames},
+    )

@@ -207,6 +207,10 @@ def _record(worker: Worker, version: int, *, answer=None, error="", retryable=Fa
     sync, _ = WorkerSync.objects.get_or_create(worker=worker)
     sync.last_attempt_at = now
     if answer is not None:
+        before = set((sync.last_report or {}).get("drift_user", []))
+        new_drift = sorted(set(answer["drift_user"]) - before)
+        if new_drift:
+            _drift_found(worker, new_drift)
         sync.applied_version = max(sync.applied_version, version)
         sync.last_success_at = now
         sync.last_error, sync.last_error_retryable, sync.failures = "", False, 0
@@ -217,6 +221,18 @@ def _record(worker: Worker, version: int, *, answer=None, error="", retryable=Fa
     sync.save()
     if boot_id and boot_id != worker.boot_id:
         Worker.objects.filter(pk=worker.pk).update(boot_id=boot_id[:64])
+
+
+def _drift_found(worker: Worker, usernames: list[str]) -> None:
+    """Accounts in the portal's UID range that the portal did not make: reported to
+    the lab's admins (never deleted: they may hold someone's files)."""
+    audit.record(
+        AuditAction.DRIFT_FOUND,
+        lab=worker.vm.lab,
+        summary=f"{worker.alias}: {', '.join(usernames)}"[:300],
+        data={"worker": worker.pk, "users": usernames},
+    )
+    notify.drift_found(worker, usernames)
 
 
 def _host_key_changed(worker: Worker, error: HostKeyMismatch) -> None:

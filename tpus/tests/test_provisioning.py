@@ -261,3 +261,26 @@ def test_fifty_clicks_at_once_give_one_grant_and_one_result(pod):
     reconcile_vm(pod.vm.pk)
     assert Grant.objects.get(user=pod.milo, vm=pod.vm).state == "active"
     assert pod.ssh("tpu5").returncode == 0
+
+
+def test_an_account_the_portal_did_not_make_is_reported_once(
+    pod, django_capture_on_commit_callbacks, settings
+):
+    _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    stranger_uid = settings.PORTAL_UID_MAX
+    host = pod.hosts[0]
+    pod.fleet.exec(host.name, ["useradd", "-u", str(stranger_uid), "-M", "stranger"])
+    try:
+        with django_capture_on_commit_callbacks(execute=True):
+            reconcile_vm(pod.vm.pk)
+            reconcile_vm(pod.vm.pk)
+        alerts = [m for m in mail.outbox if "Unknown accounts on tpu5-w0" in m.subject]
+        assert len(alerts) == 1
+        assert "stranger" in alerts[0].body
+        # Reported, never removed.
+        assert (
+            pod.fleet.exec(host.name, ["id", "-u", "stranger"]).stdout.strip()
+            == str(stranger_uid).encode()
+        )
+    finally:
+        pod.fleet.exec(host.name, ["userdel", "stranger"], check=False)
