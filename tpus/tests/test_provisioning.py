@@ -284,3 +284,36 @@ def test_an_account_the_portal_did_not_make_is_reported_once(
         )
     finally:
         pod.fleet.exec(host.name, ["userdel", "stranger"], check=False)
+
+
+def test_after_an_ip_change_the_refreshed_config_works_and_the_old_one_cannot_reach_another_host(
+    pod, django_capture_on_commit_callbacks, tpu_emulator
+):
+    from tpus.services.sync import sync_inventory
+
+    _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    config, known = pod.write_config(pod.milo)
+    old_config, old_known = pod.dir / "old_config", pod.dir / "old_known_hosts"
+    old_config.write_text(config.read_text())
+    old_known.write_text(known.read_text())
+    first, other = pod.hosts[0], pod.hosts[1]
+    old_ip = first.ip
+    new_ip = pod.fleet.move(first.name, pod.fleet.free_ip())
+    tpu_emulator.controls.set_ip("tpu5", 0, new_ip)
+    mail.outbox.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        report = sync_inventory()
+    assert report.ip_changes == 1
+    notices = [m for m in mail.outbox if new_ip in m.subject]
+    assert [m.to for m in notices] == [["milo@uni.example"]]
+    assert pod.ssh("tpu5", "hostname").returncode == 0
+    # Another machine now answers at the old address: the pinned key refuses it.
+    pod.fleet.move(other.name, old_ip)
+    result = subprocess.run(
+        ["ssh", "-F", str(old_config), "-i", str(pod.key), "-o", "IdentitiesOnly=yes",
+         "-o", f"UserKnownHostsFile={old_known}", "-o", "BatchMode=yes",
+         "-o", "ConnectTimeout=5", "tpu5", "true"],
+        capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "IDENTIFICATION HAS CHANGED" in result.stderr or "verification failed" in result.stderr
