@@ -3,6 +3,7 @@ configured broker, and headless Chromium driven by Playwright."""
 
 from __future__ import annotations
 
+import contextlib
 import email
 import email.policy
 import os
@@ -158,11 +159,13 @@ def celery_worker_process(transactional_db, smtp_settings, settings):
         yield proc
     finally:
         app.conf.task_always_eager = previous
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # a test may have killed it
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
 

@@ -180,6 +180,9 @@ PORTAL_SYNC_SECONDS = env.integer("PORTAL_SYNC_SECONDS", 60, minimum=5)
 PORTAL_RECONCILE_SWEEP_SECONDS = env.integer("PORTAL_RECONCILE_SWEEP_SECONDS", 300, minimum=10)
 PORTAL_DRIFT_CHECK_SECONDS = env.integer("PORTAL_DRIFT_CHECK_SECONDS", 3600, minimum=60)
 PORTAL_EXPIRY_CHECK_SECONDS = env.integer("PORTAL_EXPIRY_CHECK_SECONDS", 600, minimum=10)
+# One reconcile per VM at a time; if the process holding a VM dies, the claim lapses
+# after this long (longer than any run: connect + script timeouts, with a margin).
+PORTAL_RECONCILE_CLAIM_SECONDS = env.integer("PORTAL_RECONCILE_CLAIM_SECONDS", 420, minimum=1)
 
 # --- Remote hosts (TPU VM workers over SSH, tpus/remote) -------------------------------
 # The portal logs in to every worker as PORTAL_ADMIN_SSH_USER (passwordless sudo) with

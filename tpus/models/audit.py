@@ -38,6 +38,7 @@ class AuditAction(models.TextChoices):
     HOST_KEY_CHANGED = "vm.host_key_changed", "Host key changed"
     DRIFT_FOUND = "vm.drift", "Unknown accounts found on a worker"
     IP_CHANGED = "vm.ip_changed", "External IP changed"
+    WORKER_REBOOTED = "vm.worker_rebooted", "Worker rebooted"
     SSH_KEY_ADDED = "ssh_key.added", "SSH key added"
     SSH_KEY_DELETED = "ssh_key.deleted", "SSH key deleted"
     UNIX_USERNAME_CHOSEN = "unix_account.username_chosen", "Unix username chosen"

@@ -177,6 +177,8 @@ def _import_one(admin, lab: Lab, node: NodeInfo, *, request=None) -> TpuVm:
         _pin_from_guest_attributes(vm, node)
     except CloudError as exc:
         log.warning("guest attributes of %s unavailable: %s", vm, exc)
+    if vm.attachments.exists() or vm.grants.exists():
+        _hosts_must_follow(vm)
     audit.record(
         AuditAction.VM_IMPORTED,
         actor=admin,
@@ -262,6 +264,13 @@ def pin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) -> W
     return worker
 
 
+def _hosts_must_follow(vm: TpuVm) -> None:
+    """Mounts or accounts on the VM's workers must change: reconcile after commit."""
+    from tpus.services.access_changes import request_reconcile
+
+    request_reconcile(vm)
+
+
 def register_disk(
     admin, lab: Lab, *, name: str, zone: str, size_gb: int | None, mount_point: str, request=None
 ) -> DataDisk:
@@ -306,6 +315,7 @@ def attach_disk(admin, disk: DataDisk, vm: TpuVm, mode: str, *, request=None) ->
     with transaction.atomic():
         apply_disks(vm, node)
     attachment = DiskAttachment.objects.get(disk=disk, vm=vm)
+    _hosts_must_follow(vm)
     audit.record(
         AuditAction.DISK_ATTACHED,
         actor=admin,
@@ -327,6 +337,7 @@ def detach_disk(admin, disk: DataDisk, vm: TpuVm, *, request=None) -> None:
         raise InventoryError(f"The Cloud TPU API refused: {exc}") from None
     with transaction.atomic():
         apply_disks(vm, node)
+    _hosts_must_follow(vm)
     audit.record(
         AuditAction.DISK_DETACHED,
         actor=admin,
@@ -361,7 +372,5 @@ def repin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) ->
         data={"worker": worker.pk, "keys": sorted(lines), "previous": previous},
         request=request,
     )
-    from tpus.services.access_changes import request_reconcile
-
-    request_reconcile(worker.vm)
+    _hosts_must_follow(worker.vm)
     return worker

@@ -28,9 +28,6 @@ from tpus.remote.desired import DesiredMount, DesiredState, DesiredUser, encode
 
 log = logging.getLogger(__name__)
 
-# How long a claim on a VM lasts if its holder dies without releasing it.
-CLAIM_SECONDS = 600
-
 
 @dataclass
 class ReconcileReport:
@@ -101,7 +98,10 @@ def _claim(vm_id: int) -> bool:
     return bool(
         TpuVm.objects.filter(pk=vm_id)
         .filter(Q(reconcile_claimed_until__isnull=True) | Q(reconcile_claimed_until__lt=now))
-        .update(reconcile_claimed_until=now + dt.timedelta(seconds=CLAIM_SECONDS))
+        .update(
+            reconcile_claimed_until=now
+            + dt.timedelta(seconds=settings.PORTAL_RECONCILE_CLAIM_SECONDS)
+        )
     )
 
 
@@ -221,6 +221,13 @@ def _record(worker: Worker, version: int, *, answer=None, error="", retryable=Fa
     sync.save()
     if boot_id and boot_id != worker.boot_id:
         Worker.objects.filter(pk=worker.pk).update(boot_id=boot_id[:64])
+        if worker.boot_id:
+            audit.record(
+                AuditAction.WORKER_REBOOTED,
+                lab=worker.vm.lab,
+                summary=f"{worker.alias} rebooted since the last reconcile",
+                data={"worker": worker.pk, "boot_id": boot_id[:64]},
+            )
 
 
 def _drift_found(worker: Worker, usernames: list[str]) -> None:
