@@ -17,6 +17,7 @@ def _members_with_accounts(lab):
             memberships__state=MembershipState.APPROVED,
             unix_account__isnull=False,
         )
+        .exclude(unix_account__username="")
         .select_related("unix_account")
         .order_by("unix_account__username")
     )

@@ -44,7 +44,7 @@ def _check_grantable(lab: Lab, user, vms: list[TpuVm], expires_on: dt.date | Non
     if membership.policy_version_accepted != lab.policy_version:
         raise GrantError(f"{user.email} has not accepted the lab's current policy yet.")
     account = getattr(user, "unix_account", None)
-    if account is None:
+    if account is None or not account.username:
         raise GrantError(f"{user.email} has not chosen a unix username yet.")
     today = timezone.localdate()
     if expires_on is not None and expires_on <= today:

@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from accounts.models import UnixAccount
 from tpus import audit, notify
 from tpus.models import AuditAction, DiskAttachment, Grant, TpuVm, Worker, WorkerSync
 from tpus.models.grants import WANTED_STATES, GrantState
@@ -60,7 +61,7 @@ def desired_state(vm: TpuVm) -> DesiredState:
     users = []
     for grant in grants:
         account = getattr(grant.user, "unix_account", None)
-        if account is None:
+        if account is None or not account.username:
             continue
         active = grant.state in WANTED_STATES and grant.user.is_active
         keys = tuple(
@@ -117,7 +118,7 @@ def _remote(worker: Worker) -> RemoteWorker:
     )
 
 
-def reconcile_vm(vm_id: int, *, actor=None) -> ReconcileReport:
+def reconcile_vm(vm_id: int) -> ReconcileReport:
     """Apply the VM's desired state to every worker, then settle its grants. Runs
     again if the desired state changed while it ran."""
     report = ReconcileReport(vm_id)
@@ -142,6 +143,10 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
         version = vm.desired_version
         state = desired_state(vm)
         workers = list(vm.workers.order_by("index"))
+        # From now on these names exist on hosts: they can no longer be changed.
+        UnixAccount.objects.filter(
+            username__in=[u.username for u in state.users], provisioned_at=None
+        ).update(provisioned_at=timezone.now())
     report.version = version
     report.ok, report.retryable, report.failed = [], {}, {}
     data = encode(state)

@@ -110,6 +110,7 @@ def pod(
     choose_username(milo, fleet_username)
     key, public = _new_key(tmp_path, "milo")
     add_key(milo, public)
+    milo = User.objects.get(pk=milo.pk)  # with the username just chosen
     mail.outbox.clear()
     return Pod(fleet, hosts, lab, admin, milo, vm, key, tmp_path)
 

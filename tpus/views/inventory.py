@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Count, Prefetch
+from django.db.models import Count, Prefetch, Q
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
@@ -13,6 +13,7 @@ from tpus.cloud import CloudError
 from tpus.forms_grants import GrantForm
 from tpus.forms_inventory import AttachForm, DiskForm, ImportForm, ManualVmForm
 from tpus.models import DiskAttachment, IpChange
+from tpus.models.grants import WANTED_STATES
 from tpus.services import inventory, sshconfig
 from tpus.services.inventory import InventoryError
 from tpus.views.grants import vm_progress_context
@@ -21,7 +22,10 @@ from tpus.views.grants import vm_progress_context
 @login_required
 def vm_list(request, slug):
     lab = access.get_admin_lab(request.user, slug)
-    vms = lab.vms.annotate(worker_count=Count("workers")).order_by("name")
+    vms = lab.vms.annotate(
+        worker_count=Count("workers", distinct=True),
+        people=Count("grants", filter=Q(grants__state__in=WANTED_STATES), distinct=True),
+    ).order_by("name")
     disks = lab.disks.prefetch_related(
         Prefetch("attachments", queryset=DiskAttachment.objects.select_related("vm"))
     )
