@@ -10,7 +10,7 @@ from accounts import keys, services, unix
 from accounts.access import get_own_key, get_own_token
 from accounts.models import UnixAccount
 from accounts.sshkeys import KeyRejected
-from portal.schemas import PlainText
+from portal.schemas import Error, PlainText
 
 router = Router(tags=["me"])
 
@@ -37,10 +37,6 @@ class TokenIn(Schema):
 
 class NewTokenOut(TokenOut):
     token: str
-
-
-class Error(Schema):
-    detail: str
 
 
 @router.get("/me", response=MeOut, summary="The signed-in person")

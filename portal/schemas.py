@@ -3,6 +3,7 @@
 from typing import Annotated
 
 from django.core.exceptions import ValidationError
+from ninja import Schema
 from pydantic import AfterValidator, StringConstraints
 
 from portal.validators import validate_multiline_text, validate_plain_text
@@ -35,3 +36,9 @@ def MultilineText(max_length: int, min_length: int = 0):
         StringConstraints(strip_whitespace=True, min_length=min_length, max_length=max_length),
         AfterValidator(_pydantic(validate_multiline_text)),
     ]
+
+
+class Error(Schema):
+    """Every refusal the API gives: a sentence for people."""
+
+    detail: str

@@ -7,17 +7,13 @@ from datetime import date, datetime
 
 from ninja import Router, Schema, Status
 
-from portal.schemas import MultilineText
+from portal.schemas import Error, MultilineText
 from tpus import access
 from tpus.models.labs import MembershipState
 from tpus.services import labs as lab_services
 from tpus.services.labs import PURPOSE_MAX, LabError
 
 router = Router(tags=["labs"])
-
-
-class Error(Schema):
-    detail: str
 
 
 class LabOut(Schema):

@@ -8,6 +8,7 @@ from datetime import date, datetime
 from django.http import HttpResponse
 from ninja import Router, Schema, Status
 
+from portal.schemas import Error
 from tpus import access
 from tpus.models import IpChange
 from tpus.services import grants as grant_services
@@ -15,10 +16,6 @@ from tpus.services import sshconfig
 from tpus.services.grants import GrantError
 
 router = Router(tags=["access"])
-
-
-class Error(Schema):
-    detail: str
 
 
 class GrantOut(Schema):

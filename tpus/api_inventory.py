@@ -6,6 +6,7 @@ from datetime import datetime
 
 from ninja import Router, Schema, Status
 
+from portal.schemas import Error
 from tpus import access
 from tpus.cloud import CloudError
 from tpus.models.inventory import DiskMode
@@ -13,10 +14,6 @@ from tpus.services import inventory
 from tpus.services.inventory import InventoryError
 
 router = Router(tags=["tpu vms"])
-
-
-class Error(Schema):
-    detail: str
 
 
 class WorkerOut(Schema):
