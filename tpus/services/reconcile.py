@@ -20,9 +20,18 @@ from django.utils import timezone
 
 from accounts.models import UnixAccount
 from tpus import audit, notify
-from tpus.models import AuditAction, DiskAttachment, Grant, TpuVm, Worker, WorkerSync
+from tpus.models import (
+    AuditAction,
+    DiskAttachment,
+    Grant,
+    Membership,
+    TpuVm,
+    Worker,
+    WorkerSync,
+)
 from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.inventory import DiskMode
+from tpus.models.labs import MembershipState
 from tpus.remote import HostKeyMismatch, HostKeyPins, run_on_workers
 from tpus.remote import Worker as RemoteWorker
 from tpus.remote.desired import DesiredMount, DesiredState, DesiredUser, encode
@@ -58,12 +67,28 @@ def desired_state(vm: TpuVm) -> DesiredState:
         .prefetch_related("user__ssh_keys")
         .order_by("user__unix_account__uid")
     )
+    # Authorization is checked again here, whatever the grant rows say: only an active
+    # person who is still an approved member, within the grant's and the lab's dates,
+    # can log in.
+    members = set(
+        Membership.objects.filter(lab_id=vm.lab_id, state=MembershipState.APPROVED).values_list(
+            "user_id", flat=True
+        )
+    )
+    today = timezone.localdate()
+    lab_open = vm.lab.grant_end_date is None or vm.lab.grant_end_date >= today
     users = []
     for grant in grants:
         account = getattr(grant.user, "unix_account", None)
         if account is None or not account.username:
             continue
-        active = grant.state in WANTED_STATES and grant.user.is_active
+        active = (
+            grant.state in WANTED_STATES
+            and grant.user.is_active
+            and grant.user_id in members
+            and lab_open
+            and (grant.expires_on is None or grant.expires_on >= today)
+        )
         keys = tuple(
             key.authorized_keys_line(key_comment(key))
             for key in sorted(grant.user.ssh_keys.all(), key=lambda k: k.pk)

@@ -318,3 +318,15 @@ def test_after_an_ip_change_the_refreshed_config_works_and_the_old_one_cannot_re
     )  # fmt: skip
     assert result.returncode != 0
     assert "IDENTIFICATION HAS CHANGED" in result.stderr or "verification failed" in result.stderr
+
+
+def test_the_reconcile_checks_membership_again_whatever_the_grant_says(
+    pod, django_capture_on_commit_callbacks
+):
+    grant = _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+    # Someone removed milo behind the services' back (say, in the database console).
+    pod.lab.memberships.filter(user=pod.milo).update(state="removed")
+    reconcile_vm(pod.vm.pk)
+    grant.refresh_from_db()
+    assert grant.state == "active"  # the row is unchanged...
+    assert pod.ssh("tpu5").returncode != 0  # ...but the hosts lock him out
