@@ -1,5 +1,6 @@
-"""Fixtures every app's tests share: users, labs, and a cast of people in each role.
-App-specific fixtures live in the app's own conftest.py."""
+"""Fixtures every app's tests share: users, labs, a cast of people in each role, and
+the Cloud TPU API emulator (the journeys use it too). App-specific fixtures live in
+the app's own conftest.py."""
 
 from __future__ import annotations
 
@@ -35,6 +36,27 @@ def _fresh_cache():
     _clear_cache()
     yield
     _clear_cache()
+
+
+@pytest.fixture
+def tpu_emulator(tmp_path, settings):
+    """A Cloud TPU API emulator on a free 127.0.0.1 port with an empty lab.
+
+    Yields a ``RunningEmulator``: ``.controls`` sets the scene (``add_node``,
+    ``maintenance``, ``fail``...), ``.client`` is a portal ``CloudTPU`` with fast
+    retries and polling, and the portal's settings point at it, so ``cloud_tpu()``
+    in the code under test talks to it too.
+    """
+    from tpus.emulator.testing import start_emulator
+
+    emulator = start_emulator(tmp_path / "tpu-emulator.json")
+    settings.TPU_API_ENDPOINT = emulator.endpoint
+    settings.TPU_API_INSECURE = True
+    settings.TPU_API_CREDENTIALS_FILE = ""
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
 
 
 @pytest.fixture

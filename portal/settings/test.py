@@ -77,8 +77,9 @@ STATIC_ROOT = VAR_DIR / "static"
 STATIC_ROOT.mkdir(exist_ok=True)
 
 # Tests never reach Google: unless a test starts the emulator, the Cloud TPU API is a
-# closed local port and every call fails fast as UNAVAILABLE.
-TPU_API_ENDPOINT = "127.0.0.1:9"
+# closed local port and every call fails fast as UNAVAILABLE. A worker started by an
+# end-to-end test is pointed at that test's emulator.
+TPU_API_ENDPOINT = env.string("PORTAL_TEST_TPU_API_ENDPOINT", "127.0.0.1:9")
 TPU_API_INSECURE = True
 TPU_API_CREDENTIALS_FILE = ""
 

@@ -188,6 +188,16 @@ def test_the_refresh_url_works_until_it_is_rotated(client, scene):
     assert client.get(new).status_code == 404
 
 
+def test_the_first_refresh_url_is_not_announced_as_a_replacement(client, scene):
+    _, _, (milo, _) = scene
+    client.force_login(milo)
+    first = client.post("/ssh/feed/rotate/", follow=True).content.decode()
+    assert "Your refresh URL is ready" in first
+    assert "old one" not in first
+    again = client.post("/ssh/feed/rotate/", follow=True).content.decode()
+    assert "the old one no longer works" in again
+
+
 def test_the_ip_change_email_carries_the_refresh_command(scene, django_capture_on_commit_callbacks):
     emulator, _, (milo, _) = scene
     sshconfig.rotate_feed(milo)

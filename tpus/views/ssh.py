@@ -62,8 +62,12 @@ def ssh_page(request):
 @login_required
 @require_POST
 def ssh_feed_rotate(request):
+    had_one = sshconfig.feed_urls(request.user) is not None
     sshconfig.rotate_feed(request.user)
-    messages.success(request, "Your refresh URL is new; the old one no longer works.")
+    if had_one:
+        messages.success(request, "Your refresh URL is new; the old one no longer works.")
+    else:
+        messages.success(request, "Your refresh URL is ready: run the command below.")
     return redirect("ssh_page")
 
 
