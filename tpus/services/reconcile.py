@@ -174,7 +174,16 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
         ).update(provisioned_at=timezone.now())
     report.version = version
     report.ok, report.retryable, report.failed = [], {}, {}
-    data = encode(state)
+    try:
+        data = encode(state)
+    except ValueError as exc:
+        # The database holds something hosts must never see (a UID outside the
+        # configured range, say): contact no worker; the grants fail with the reason.
+        for worker in workers:
+            report.failed[worker.index] = str(exc)
+            _record(worker, version, error=str(exc), retryable=False)
+        settle_grants(vm_id)
+        return
     reachable = []
     for worker in workers:
         skipped = _why_skipped(worker)

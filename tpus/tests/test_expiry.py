@@ -98,3 +98,21 @@ def test_a_grant_that_cannot_be_given_says_why_and_changes_nothing(scene, change
     assert not Grant.objects.exists()
     vm.refresh_from_db()
     assert vm.desired_version == 0
+
+
+def test_a_state_hosts_must_never_see_fails_the_grant_without_contacting_anyone(
+    scene, settings, monkeypatch
+):
+    from tpus.remote import ssh
+    from tpus.services.reconcile import reconcile_vm
+
+    lab, admin, vm, milo = scene
+    [grant] = grant_access(admin, lab, milo, [vm], sudo=False)
+    settings.PORTAL_UID_MAX = settings.PORTAL_UID_MIN  # milo's UID is now outside it
+    milo.unix_account.uid = settings.PORTAL_UID_MIN + 5
+    milo.unix_account.save()
+    monkeypatch.setattr(ssh, "execute", lambda *a, **k: pytest.fail("contacted a worker"))
+    reconcile_vm(vm.pk)
+    grant.refresh_from_db()
+    assert grant.state == "failed"
+    assert "outside" in grant.error
