@@ -5,7 +5,7 @@ UIDs and fingerprints are never edited by hand."""
 from django.contrib import admin
 
 from accounts.keys import delete_key
-from accounts.models import SSHKey, UidAllocation, UnixAccount
+from accounts.models import SSHKey, UidAllocation, UnixAccount, User
 
 
 @admin.register(SSHKey)
@@ -63,3 +63,37 @@ class UidAllocationAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+@admin.register(User)
+class UserAdmin(admin.ModelAdmin):
+    """Site admins find people and can deactivate them: a deactivated person cannot
+    sign in, their API tokens stop working, and the next reconcile of each VM they
+    use locks their account there."""
+
+    list_display = ["email", "full_name", "is_active", "is_superuser", "date_joined", "last_login"]
+    list_filter = ["is_active", "is_superuser"]
+    search_fields = ["email", "full_name", "unix_account__username"]
+    readonly_fields = ["email", "date_joined", "last_login"]
+    fields = [
+        "email",
+        "full_name",
+        "is_active",
+        "is_staff",
+        "is_superuser",
+        "date_joined",
+        "last_login",
+    ]
+    actions = ["deactivate"]
+
+    def has_add_permission(self, request):
+        return False  # people sign up themselves, with a verified email
+
+    @admin.action(description="Deactivate, and lock their accounts on every VM")
+    def deactivate(self, request, queryset):
+        from tpus.services.access_changes import user_keys_changed
+
+        for user in queryset.filter(is_active=True):
+            user.is_active = False
+            user.save(update_fields=["is_active"])
+            user_keys_changed(user)

@@ -1,0 +1,87 @@
+"""The site admin's read views of labs, VMs, grants and the audit log. Changes go
+through the portal's own pages and services, which check and record them; the admin
+only offers what is safe to do from here."""
+
+from django.contrib import admin
+
+from tpus.models import AuditEvent, DataDisk, Grant, IpChange, Lab, Membership, TpuVm, Worker
+from tpus.services.grants import revoke_access
+
+
+class ReadOnly(admin.ModelAdmin):
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Lab)
+class LabAdmin(ReadOnly):
+    list_display = ["name", "slug", "gcp_project_id", "grant_end_date", "created_at"]
+    search_fields = ["name", "slug", "gcp_project_id"]
+
+
+@admin.register(Membership)
+class MembershipAdmin(ReadOnly):
+    list_display = ["user", "lab", "role", "state", "requested_at", "decided_at"]
+    list_filter = ["state", "role", "lab"]
+    search_fields = ["user__email", "lab__name"]
+    list_select_related = ["user", "lab"]
+
+
+class WorkerInline(admin.TabularInline):
+    model = Worker
+    fields = ["index", "external_ip", "internal_ip", "host_keys_source", "host_key_mismatch_at"]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(TpuVm)
+class TpuVmAdmin(ReadOnly):
+    list_display = ["name", "lab", "zone", "accelerator_type", "state", "health", "last_seen_at"]
+    list_filter = ["state", "health", "lab"]
+    search_fields = ["name", "lab__name"]
+    list_select_related = ["lab"]
+    inlines = [WorkerInline]
+
+
+@admin.register(DataDisk)
+class DataDiskAdmin(ReadOnly):
+    list_display = ["name", "lab", "zone", "size_gb", "mount_point"]
+    list_select_related = ["lab"]
+
+
+@admin.register(Grant)
+class GrantAdmin(ReadOnly):
+    list_display = ["user", "vm", "sudo", "expires_on", "state", "changed_at"]
+    list_filter = ["state", "sudo"]
+    search_fields = ["user__email", "vm__name"]
+    list_select_related = ["user", "vm"]
+    actions = ["revoke"]
+
+    @admin.action(description="Revoke (keys removed, account locked, processes killed)")
+    def revoke(self, request, queryset):
+        for grant in queryset:
+            revoke_access(request.user, grant, reason="revoked by a site admin", request=request)
+
+
+@admin.register(IpChange)
+class IpChangeAdmin(ReadOnly):
+    list_display = ["worker", "old_ip", "new_ip", "seen_at"]
+    list_select_related = ["worker__vm"]
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(ReadOnly):
+    list_display = ["created_at", "lab", "actor", "action", "target_user", "summary"]
+    list_filter = ["action"]
+    search_fields = ["summary", "actor__email", "target_user__email"]
+    list_select_related = ["lab", "actor", "target_user"]
