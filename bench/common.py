@@ -18,7 +18,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-POSTGRES_ADMIN_URL = os.environ.get("BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+POSTGRES_ADMIN_URL = os.environ.get(
+    "BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -70,7 +72,7 @@ class Stack:
 
     def _start(self, role: str, args: list[str], ready: str, timeout: float = 60.0):
         log_path = self.dir / f"celery-{role}.log"
-        log = open(log_path, "w")  # noqa: SIM115 (closed in close())
+        log = open(log_path, "w")
         proc = subprocess.Popen(
             [PYTHON, "-m", "celery", "-A", "bench.celeryapp", role, *args],
             cwd=ROOT,
@@ -101,7 +103,11 @@ class Stack:
     def start_beat(self) -> subprocess.Popen:
         return self._start(
             "beat",
-            ["--loglevel=INFO", "-s", str(Path(self.env["PORTAL_TEST_VAR_DIR"]) / "celerybeat-schedule")],
+            [
+                "--loglevel=INFO",
+                "-s",
+                str(Path(self.env["PORTAL_TEST_VAR_DIR"]) / "celerybeat-schedule"),
+            ],
             ready="beat: Starting",
         )
 
@@ -141,7 +147,7 @@ class Stack:
             names += list(client.scan_iter(match=f"*{self.tag}*", count=1000))
             if names:
                 client.delete(*names)
-        except Exception as exc:  # noqa: BLE001 (cleanup must not hide the run's result)
+        except Exception as exc:
             print(f"(could not clear Redis keys: {exc})", file=sys.stderr)
 
 
@@ -207,4 +213,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{os.cpu_count()} cores ({model or platform.machine()}), {platform.platform()}"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"{os.cpu_count()} cores ({model or platform.machine()}), {platform.platform()}; "
+        f"load average now {load}"
+    )

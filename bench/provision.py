@@ -35,9 +35,8 @@ from pathlib import Path
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from cryptography.hazmat.primitives import serialization  # noqa: E402
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
-
 from django.utils import timezone
 
 from bench.common import Stack, machine, median, table
@@ -105,9 +104,7 @@ class Bench:
         self.hosts = [self.fleet.host(f"h{i}") for i in range(1, hosts_needed + 1)]
         self.known_hosts = self.dir / "known_hosts"
         self.known_hosts.write_text(
-            "".join(
-                f"{h.ip} {key}\n" for h in self.hosts for key in self.fleet.host_keys(h.name)
-            )
+            "".join(f"{h.ip} {key}\n" for h in self.hosts for key in self.fleet.host_keys(h.name))
         )
         from tpus.emulator.testing import start_emulator
 
@@ -222,10 +219,8 @@ class Bench:
     def _phases(self, t0: float, t1: float, t2: float, vm_id: int) -> dict:
         """Where the click's time went, from the worker's probes."""
         events = self.stack.events.between(t0, t2)
-        start = next(
-            (e for e in events if e["kind"] == "task_start" and e["task"] == "tpus.tasks.reconcile_vm"),
-            None,
-        )  # fmt: skip
+        starts = [e for e in events if e["kind"] == "task_start"]
+        start = next((e for e in starts if e["task"] == "tpus.tasks.reconcile_vm"), None)
         fanout = [e for e in events if e["kind"] == "fanout"]
         if start is None or not fanout:
             return {}
@@ -360,6 +355,59 @@ class Bench:
             ])  # fmt: skip
         return rows
 
+    # --- where a worker's time goes ----------------------------------------------------
+
+    def profile(self) -> list[list]:
+        """The parts of one reconcile, each alone: SSH connect, the door with a trivial
+        script, the reconcile script through the door and inside the host without SSH,
+        then both fanned out over the largest VM. CPU columns: this process's own CPU
+        (the paramiko client side) and the whole machine's busy CPU (/proc/stat), so
+        that the fleet's sshds and scripts sharing the cores show."""
+        from tpus.remote import config as remote_config
+        from tpus.remote import run_on_workers, run_script, ssh
+        from tpus.remote.desired import encode
+        from tpus.remote.scripts import load
+        from tpus.services.reconcile import _remote, desired_state
+
+        size = max(self.args.sizes)
+        vm = self.vms[size]
+        workers = list(vm.workers.order_by("index"))
+        remote = [_remote(w) for w in workers]
+        data = encode(desired_state(vm))
+        host = self.vm_hosts[size][0]
+        script = load("reconcile.sh")
+
+        def connect_only():
+            ssh._connect(remote[0], remote_config.current()).close()
+
+        def inside_host():
+            self.fleet.exec(
+                host.name, ["sh", "-c", script.body.decode(), "reconcile.sh"], input=data
+            )
+
+        steps = [
+            ("paramiko connect + auth + close, 1 worker", connect_only),
+            ("door: whoami.sh, 1 worker", lambda: run_script(remote[0], "whoami.sh")),
+            ("door: reconcile.sh no-op, 1 worker", lambda: run_script(remote[0], script, data)),
+            ("reconcile.sh no-op inside the host, no SSH (nsenter)", inside_host),
+            (f"door: whoami.sh on {size} workers at once",
+             lambda: run_on_workers(remote, "whoami.sh")),
+            (f"door: reconcile.sh no-op on {size} workers at once",
+             lambda: run_on_workers(remote, script, data)),
+        ]  # fmt: skip
+        rows = []
+        for label, step in steps:
+            walls, own, machine_busy = [], [], []
+            for _ in range(5):
+                busy0, cpu0, t0 = _machine_busy(), time.process_time(), time.perf_counter()
+                step()
+                wall = time.perf_counter() - t0
+                walls.append(wall)
+                own.append(time.process_time() - cpu0)
+                machine_busy.append(_machine_busy() - busy0)
+            rows.append([label, median(walls), median(own), median(machine_busy)])
+        return rows
+
     def _sshd_counts(self, host: str) -> tuple[int, int]:
         """(connections, commands) the host's sshd has logged (LogLevel VERBOSE)."""
         log = self.fleet.log(host)
@@ -384,12 +432,10 @@ class Bench:
                 if not self.args.skip_ansible:
                     samples[size].ansible.append(self.ansible(size, rep))
                 samples[size].serial.append(self.serial(size, rep))
-                print(
-                    f"  {size:>2} workers, rep {rep}: portal {elapsed:.3f} s"
-                    + (f", ansible {samples[size].ansible[-1]:.3f} s" if samples[size].ansible else "")
-                    + f", serial ssh {samples[size].serial[-1]:.3f} s",
-                    flush=True,
-                )  # fmt: skip
+                s = samples[size]
+                line = f"  {size:>2} workers, rep {rep}: portal {elapsed:.3f} s"
+                line += f", ansible {s.ansible[-1]:.3f} s" if s.ansible else ""
+                print(f"{line}, serial ssh {s.serial[-1]:.3f} s", flush=True)
         self.report(samples)
 
     def report(self, samples: dict[int, Sample]) -> None:
@@ -434,6 +480,15 @@ class Bench:
                 self.noop(),
             )
         )  # fmt: skip
+        if self.args.profile:
+            print()
+            print("one worker's reconcile, part by part (medians of 5; seconds)")
+            print(
+                table(
+                    ["step", "wall", "portal process CPU", "machine CPU (all cores)"],
+                    self.profile(),
+                )
+            )
         targets = samples.get(32)
         if targets and targets.ansible:
             portal, ratio = median(targets.portal), median(targets.portal) / median(targets.ansible)
@@ -465,6 +520,13 @@ class Bench:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _machine_busy() -> float:
+    """CPU seconds the whole machine has spent busy (all cores), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 ANSIBLE_PLAYBOOK = """\
 - hosts: fleet
   gather_facts: false
@@ -489,6 +551,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1,8,32", help="worker counts (default 1,8,32)")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per size (3..10)")
     parser.add_argument("--skip-ansible", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="also time a worker's reconcile part by part"
+    )
     parser.add_argument(
         "--no-ansible-pipelining", dest="ansible_pipelining", action="store_false",
         help="run ansible with its default (pipelining off)",

@@ -7,9 +7,9 @@ import os
 
 os.environ.setdefault("PORTAL_TEST_BACKEND", "services")
 
-from portal import env  # noqa: E402
-from portal.settings.test import *  # noqa: E402, F403
-from portal.settings.test import (  # noqa: E402
+from portal import env
+from portal.settings.test import *  # noqa: F403
+from portal.settings.test import (
     CELERY_TASK_DEFAULT_QUEUE,
     PORTAL_REMOTE_ALLOWED_NETWORKS,
     TPU_API_ENDPOINT,
