@@ -1,0 +1,83 @@
+"""The portal's Celery app with timing probes, for the benchmarks' worker and beat.
+
+``celery -A bench.celeryapp worker`` runs the unchanged tasks; when ``BENCH_EVENTS``
+names a file, each task's start and end and, inside a reconcile, the SSH connect, the
+script run, the fan-out and the settling of grants are appended to it as JSON lines
+(wall-clock ``time.time()``, so the benchmark can line them up with its own clock).
+The probes wrap functions; they change no behaviour.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+
+from celery.signals import task_postrun, task_prerun
+
+from portal.celery import app
+
+__all__ = ["app"]
+
+_EVENTS = os.environ.get("BENCH_EVENTS", "")
+_patched = threading.Lock()
+_done = False
+
+
+def emit(kind: str, **data) -> None:
+    if not _EVENTS:
+        return
+    line = json.dumps({"kind": kind, "pid": os.getpid(), **data}) + "\n"
+    # One short write with O_APPEND: lines from several processes do not interleave.
+    fd = os.open(_EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _timed(module, name: str, kind: str, describe=None) -> None:
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        start = time.time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            extra = describe(*args) if describe else {}
+            emit(kind, start=start, end=time.time(), **extra)
+
+    setattr(module, name, wrapper)
+
+
+def _install_probes() -> None:
+    """Wrap the reconcile's phases (once per process, after Django is ready)."""
+    global _done
+    with _patched:
+        if _done:
+            return
+        from tpus.remote import ssh
+        from tpus.services import reconcile
+
+        _timed(ssh, "_connect", "connect", lambda worker, cfg: {"worker": str(worker)})
+        _timed(ssh, "_run", "run", lambda client, cmd, payload, timeout, worker: {
+            "worker": str(worker)
+        })  # fmt: skip
+        _timed(reconcile, "run_on_workers", "fanout", lambda workers, *a: {"n": len(workers)})
+        _timed(reconcile, "settle_grants", "settle", lambda vm_id: {"vm": vm_id})
+        _timed(reconcile, "_run_once", "run_once", lambda vm_id, report: {"vm": vm_id})
+        _done = True
+
+
+@task_prerun.connect
+def _task_started(task_id=None, task=None, args=None, **_):
+    _install_probes()
+    emit("task_start", t=time.time(), task=task.name, args=list(args or ()), id=task_id)
+
+
+@task_postrun.connect
+def _task_ended(task_id=None, task=None, args=None, **_):
+    emit("task_end", t=time.time(), task=task.name, args=list(args or ()), id=task_id)
