@@ -60,26 +60,23 @@ def sync_inventory(labs=None) -> SyncReport:
 
 
 def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncReport) -> None:
+    """Write only what changed: an unchanged VM costs no query beyond the shared
+    ``last_seen_at`` update, so a poll stays cheap as the lab grows."""
     now = timezone.now()
     vms = TpuVm.objects.filter(lab=lab, zone=zone, source=VmSource.IMPORTED)
+    seen = []
     for vm in vms.prefetch_related("workers"):
         node = nodes.get(vm.name)
+        if node is None:
+            _mark_missing(lab, vm, now, report)
+            continue
+        seen.append(vm.pk)
+        before = (vm.state, vm.health)
+        changed = apply_node(vm, node)
+        came_back = vm.missing_since is not None
+        if not changed and not came_back and not _workers_differ(vm, node):
+            continue
         with transaction.atomic():
-            if node is None:
-                if vm.missing_since is None:
-                    TpuVm.objects.filter(pk=vm.pk).update(missing_since=now)
-                    report.missing += 1
-                    audit.record(
-                        AuditAction.VM_MISSING,
-                        lab=lab,
-                        summary=f"{vm.name} is no longer listed by the Cloud TPU API",
-                        data={"vm": vm.pk},
-                    )
-                continue
-            before = (vm.state, vm.health)
-            changed = apply_node(vm, node)
-            vm.last_seen_at = now
-            came_back = vm.missing_since is not None
             vm.missing_since = None
             vm.save()
             moved = _sync_workers(vm, node)
@@ -99,6 +96,35 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
                     summary=f"{vm.name}: {before[0]}/{before[1]} → {vm.state}/{vm.health}",
                     data={"vm": vm.pk, "from": list(before), "to": [vm.state, vm.health]},
                 )
+    TpuVm.objects.filter(pk__in=seen).update(last_seen_at=now)
+
+
+def _mark_missing(lab: Lab, vm: TpuVm, now, report: SyncReport) -> None:
+    if vm.missing_since is not None:
+        return
+    with transaction.atomic():
+        if TpuVm.objects.filter(pk=vm.pk, missing_since=None).update(missing_since=now):
+            report.missing += 1
+            audit.record(
+                AuditAction.VM_MISSING,
+                lab=lab,
+                summary=f"{vm.name} is no longer listed by the Cloud TPU API",
+                data={"vm": vm.pk},
+            )
+
+
+def _workers_differ(vm: TpuVm, node: NodeInfo) -> bool:
+    """Whether any worker's addresses (or the set of workers) differ from the API's."""
+    known = {w.index: (w.internal_ip, w.external_ip) for w in vm.workers.all()}
+    for info in node.workers:
+        if info.index not in known:
+            return True
+        internal, external = known[info.index]
+        if (info.internal_ip and info.internal_ip != internal) or (
+            info.external_ip and info.external_ip != external
+        ):
+            return True
+    return False
 
 
 def _sync_workers(vm: TpuVm, node: NodeInfo) -> list[IpChange]:

@@ -211,3 +211,25 @@ def test_a_bad_disk_is_refused_with_a_reason(lab, admin, name, zone, mount, mess
     with pytest.raises(inventory.InventoryError, match=message):
         inventory.register_disk(admin, lab, name=name, zone=zone, size_gb=1, mount_point=mount)
     assert not DataDisk.objects.exists()
+
+
+def test_a_quiet_poll_costs_the_same_queries_however_many_vms(tpu_emulator, lab, admin):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def add(start, count):
+        with tpu_emulator.controls.batch():
+            for i in range(start, start + count):
+                tpu_emulator.controls.add_node(PROJECT, ZONE, f"tpu{i}", workers=2)
+        inventory.import_vms(admin, lab, [f"{ZONE}/tpu{i}" for i in range(start, start + count)])
+
+    def queries():
+        sync.sync_inventory()  # settle anything the import left
+        with CaptureQueriesContext(connection) as context:
+            sync.sync_inventory()
+        return len(context)
+
+    add(0, 10)
+    small = queries()
+    add(10, 40)
+    assert queries() == small
