@@ -249,7 +249,9 @@ def _run(
             if channel.recv_stderr_ready():
                 _keep(err, channel.recv_stderr(65536))
                 continue
-            if channel.exit_status_ready() or channel.closed:
+            # The exit status can overtake the last of the output (it waits for window
+            # space we free by reading): stop only once the host also sent EOF.
+            if channel.closed or (channel.exit_status_ready() and channel.eof_received):
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
