@@ -167,7 +167,7 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
         vm = TpuVm.objects.select_related("lab").get(pk=vm_id)
         version = vm.desired_version
         state = desired_state(vm)
-        workers = list(vm.workers.order_by("index"))
+        workers = list(vm.workers.select_related("sync").order_by("index"))
         # From now on these names exist on hosts: they can no longer be changed.
         UnixAccount.objects.filter(
             username__in=[u.username for u in state.users], provisioned_at=None
@@ -243,7 +243,10 @@ def _why_skipped(worker: Worker) -> tuple[str, bool] | None:
 def _record(worker: Worker, version: int, *, answer=None, error="", retryable=False, boot_id=""):
     """Store what one worker did in this run."""
     now = timezone.now()
-    sync, _ = WorkerSync.objects.get_or_create(worker=worker)
+    try:
+        sync = worker.sync  # loaded with the worker
+    except WorkerSync.DoesNotExist:
+        sync, _ = WorkerSync.objects.get_or_create(worker=worker)
     sync.last_attempt_at = now
     if answer is not None:
         before = set((sync.last_report or {}).get("drift_user", []))
