@@ -569,6 +569,27 @@ def test_a_drop_in_that_was_written_but_never_loaded_is_loaded_by_the_next_run(t
     assert again.values["sshd_reloaded"] == "0" and again.values["noop"] == "1"
 
 
+def test_an_in_place_edit_of_another_sshd_file_is_checked_by_the_next_run(target):
+    name, uid = new_name(), next(_uids)
+    key, public = target.new_key("edit")
+    other = "/etc/ssh/sshd_config.d/10-other.conf"
+    target.sh(f"echo '# nothing yet' > {other}")
+    try:
+        target.reconcile(state(user(name, uid, public)))
+        assert target.reconcile(state(user(name, uid, public))).values["noop"] == "1"
+        # Same file, same inode, same folder: only its own times and size change.
+        target.sh(f"echo 'AuthorizedKeysFile .ssh/elsewhere' >> {other}")
+
+        with pytest.raises(RemoteError) as caught:
+            target.reconcile(state(user(name, uid, public)))
+
+        assert "sshd does not use the portal's key files" in str(caught.value)
+    finally:
+        target.sh(f"rm -f {other}")
+    assert target.reconcile(state(user(name, uid, public))).values["noop"] == "1"
+    assert target.ssh(name, key).returncode == 0
+
+
 # --- data disks ---------------------------------------------------------------------
 
 
