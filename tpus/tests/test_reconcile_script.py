@@ -192,6 +192,27 @@ def test_sudo_on_lets_the_user_sudo_and_sudo_off_removes_the_file(target):
     assert denied.returncode != 0 and "password is required" in denied.stderr
 
 
+def test_portal_files_changed_by_hand_are_put_back_even_at_the_same_size(target):
+    name, uid = new_name(), next(_uids)
+    _, public = target.new_key("hand")
+    sudoers = f"/etc/sudoers.d/tpu-portal-{name}"
+    desired = state(user(name, uid, public, sudo=True))
+    target.reconcile(desired)
+    keys = target.sh(f"cat {KEYS_DIR}/{name}")
+    # Same sizes, other bytes: only the content tells them apart.
+    target.sh(f"sed -i 's/@laptop/@laptoq/' {KEYS_DIR}/{name}; sed -i 's/ALL$/ALX/' {sudoers}")
+
+    result = target.reconcile(desired)
+
+    assert (result.values["keys_written"], result.values["sudo_files"]) == ("1", "1")
+    assert target.sh(f"cat {KEYS_DIR}/{name}") == keys
+    assert target.sh(f"cat {sudoers}") == f"{name} ALL=(ALL:ALL) NOPASSWD:ALL\n"
+    target.sh(f"chmod 600 {KEYS_DIR}/{name}")
+    assert target.reconcile(desired).values["keys_written"] == "1"
+    assert target.sh(f"stat -c %a {KEYS_DIR}/{name}").strip() == "644"
+    assert target.reconcile(desired).values["noop"] == "1"
+
+
 # --- revoke -------------------------------------------------------------------------
 
 

@@ -366,7 +366,8 @@ remove_portal_files() {
 #   pw_found pw_uid pw_gid pw_shell          `getent passwd NAME` (first entry wins)
 #   gr_found gr_gid                          `getent group NAME`
 #   sh_found sh_password sh_expire           `getent shadow NAME` (fields 2 and 8)
-#   keys_meta sudo_meta           "MODE UID GID TYPE" of the keys and sudoers files
+#   keys_fit sudo_fit             1: the keys / sudoers file is a plain file of root's
+#                                 with the right mode and the size of what it should hold
 # Only a user's own steps change their entries, and names and uids are unique in the
 # input, so what was read stays true for every user still to come. A name the listing
 # does not have (an NSS source that does not enumerate, or an account still to be
@@ -374,19 +375,59 @@ remove_portal_files() {
 getent passwd >"$work/passwd" || true
 getent group >"$work/group" || true
 getent shadow >"$work/shadow" || true
-stat -c '%a %u %g %F|%n' -- "$KEYS_DIR"/* "$SUDOERS_DIR"/tpu-portal-* \
+SUDO_RULE=' ALL=(ALL:ALL) NOPASSWD:ALL'
+stat -c '%a %u %g %s %F|%n' -- "$KEYS_DIR"/* "$SUDOERS_DIR"/tpu-portal-* "$work"/keys.* \
     >"$work/files" 2>/dev/null || true
-awk -v keys="$KEYS_DIR/" -v sudoers="$SUDOERS_DIR/tpu-portal-" '
+# For the files that fit, the same awk writes what they should hold, one after the
+# other, to want-all, and their paths on one line to have-list (names are checked
+# [a-z0-9-], so the list splits safely on spaces).
+: >"$work/want-all"
+awk -v keys="$KEYS_DIR/" -v sudoers="$SUDOERS_DIR/tpu-portal-" -v work="$work/" \
+    -v rule="$SUDO_RULE" '
+    function fits(path, mode, size, m) {
+        if (!(path in meta)) return 0
+        split(meta[path], m, " ")
+        return m[1] == mode && m[2] == 0 && m[3] == 0 && m[4] == size &&
+            m[5] == "regular" && m[6] == "file" && m[7] == ""
+    }
     FILENAME == ARGV[1] { split($0, f, ":"); if (!(f[1] in pw)) pw[f[1]] = f[3] ":" f[4] ":" f[7]; next }
     FILENAME == ARGV[2] { split($0, f, ":"); if (!(f[1] in gr)) gr[f[1]] = f[3]; next }
     FILENAME == ARGV[3] { split($0, f, ":"); if (!(f[1] in sh)) sh[f[1]] = f[2] ":" f[8]; next }
     FILENAME == ARGV[4] { i = index($0, "|"); meta[substr($0, i + 1)] = substr($0, 1, i - 1); next }
     {
-        n = $1
+        n = $1; keys_fit = 0; sudo_fit = 0
+        split(meta[work "keys." n], want, " ")
+        if ($3 == 1 && want[4] > 0 && fits(keys n, 644, want[4])) {
+            keys_fit = 1
+            have = have " " keys n
+            while ((getline line < (work "keys." n)) > 0) print line > (work "want-all")
+            close(work "keys." n)
+        }
+        if ($3 == 1 && $4 == 1 && fits(sudoers n, 440, length(n rule) + 1)) {
+            sudo_fit = 1
+            have = have " " sudoers n
+            print n rule > (work "want-all")
+        }
         print n ":" $2 ":" $3 ":" $4 ":" (n in pw ? "1:" pw[n] : "0:::") ":" \
             (n in gr ? "1:" gr[n] : "0:") ":" (n in sh ? "1:" sh[n] : "0::") ":" \
-            meta[keys n] ":" meta[sudoers n]
-    }' "$work/passwd" "$work/group" "$work/shadow" "$work/files" "$work/users" >"$work/facts"
+            keys_fit ":" sudo_fit
+    }
+    END { print have > (work "have-list") }
+    ' "$work/passwd" "$work/group" "$work/shadow" "$work/files" "$work/users" >"$work/facts"
+# Each of those files has the size of its part of want-all; so if their contents laid
+# end to end equal want-all, every one of them holds exactly what it should: one cmp
+# for all of them. Otherwise each is compared on its own below.
+contents_same=0
+read -r have_list <"$work/have-list" || true
+if [ -n "$have_list" ]; then
+    set -f
+    # shellcheck disable=SC2086  # paths of checked names, split on spaces on purpose
+    if cat -- $have_list >"$work/have-all" 2>/dev/null &&
+        cmp -s -- "$work/want-all" "$work/have-all"; then
+        contents_same=1
+    fi
+    set +f
+fi
 
 # Ask NSS directly about an account the listing did not have (sets the pw_ variables),
 # and who holds its uid.
@@ -508,10 +549,10 @@ converge_active() {
     [ "$rc" != 2 ] || return 0
 
     if [ -s "$work/keys.$name" ]; then
-        # The listing said the file is plain, root's and 0644: then only the content
-        # can differ, and one cmp tells. Otherwise replace_file looks again.
-        if [ "$keys_meta" = "644 0 0 regular file" ] &&
-            cmp -s -- "$work/keys.$name" "$KEYS_DIR/$name"; then
+        # The listing said the file is plain, root's, 0644 and of the right size: then
+        # only the content can differ. Otherwise replace_file looks again.
+        if [ "$keys_fit" = 1 ] && { [ "$contents_same" = 1 ] ||
+            cmp -s -- "$work/keys.$name" "$KEYS_DIR/$name"; }; then
             :
         elif replace_file "$KEYS_DIR/$name" "$work/keys.$name" 644; then
             keys_written=$((keys_written + 1))
@@ -521,9 +562,10 @@ converge_active() {
     fi
 
     if [ "$sudo" = 1 ]; then
-        echo "$name ALL=(ALL:ALL) NOPASSWD:ALL" >"$work/sudo"
+        echo "$name$SUDO_RULE" >"$work/sudo"
         target=$SUDOERS_DIR/tpu-portal-$name
-        if ! { [ "$sudo_meta" = "440 0 0 regular file" ] && cmp -s -- "$work/sudo" "$target"; }; then
+        if ! { [ "$sudo_fit" = 1 ] && { [ "$contents_same" = 1 ] ||
+            cmp -s -- "$work/sudo" "$target"; }; }; then
             # The temporary name has a '.', so sudo ignores it until it is checked
             # and renamed.
             inflight=$(mktemp "$SUDOERS_DIR/.tpu-portal.XXXXXX")
@@ -562,7 +604,7 @@ converge_revoked() {
 
 : >"$work/revoked"
 while IFS=: read -r name uid active sudo pw_found pw_uid pw_gid pw_shell \
-    gr_found gr_gid sh_found sh_password sh_expire keys_meta sudo_meta <&3; do
+    gr_found gr_gid sh_found sh_password sh_expire keys_fit sudo_fit <&3; do
     created=0
     if [ "$active" = 1 ]; then
         converge_active
