@@ -192,6 +192,27 @@ def test_sudo_on_lets_the_user_sudo_and_sudo_off_removes_the_file(target):
     assert denied.returncode != 0 and "password is required" in denied.stderr
 
 
+def test_portal_files_changed_by_hand_are_put_back_even_at_the_same_size(target):
+    name, uid = new_name(), next(_uids)
+    _, public = target.new_key("hand")
+    sudoers = f"/etc/sudoers.d/tpu-portal-{name}"
+    desired = state(user(name, uid, public, sudo=True))
+    target.reconcile(desired)
+    keys = target.sh(f"cat {KEYS_DIR}/{name}")
+    # Same sizes, other bytes: only the content tells them apart.
+    target.sh(f"sed -i 's/@laptop/@laptoq/' {KEYS_DIR}/{name}; sed -i 's/ALL$/ALX/' {sudoers}")
+
+    result = target.reconcile(desired)
+
+    assert (result.values["keys_written"], result.values["sudo_files"]) == ("1", "1")
+    assert target.sh(f"cat {KEYS_DIR}/{name}") == keys
+    assert target.sh(f"cat {sudoers}") == f"{name} ALL=(ALL:ALL) NOPASSWD:ALL\n"
+    target.sh(f"chmod 600 {KEYS_DIR}/{name}")
+    assert target.reconcile(desired).values["keys_written"] == "1"
+    assert target.sh(f"stat -c %a {KEYS_DIR}/{name}").strip() == "644"
+    assert target.reconcile(desired).values["noop"] == "1"
+
+
 # --- revoke -------------------------------------------------------------------------
 
 
@@ -567,6 +588,27 @@ def test_a_drop_in_that_was_written_but_never_loaded_is_loaded_by_the_next_run(t
     assert target.ssh(name, key).returncode == 0
     again = target.reconcile(state(user(name, uid, public)))
     assert again.values["sshd_reloaded"] == "0" and again.values["noop"] == "1"
+
+
+def test_an_in_place_edit_of_another_sshd_file_is_checked_by_the_next_run(target):
+    name, uid = new_name(), next(_uids)
+    key, public = target.new_key("edit")
+    other = "/etc/ssh/sshd_config.d/10-other.conf"
+    target.sh(f"echo '# nothing yet' > {other}")
+    try:
+        target.reconcile(state(user(name, uid, public)))
+        assert target.reconcile(state(user(name, uid, public))).values["noop"] == "1"
+        # Same file, same inode, same folder: only its own times and size change.
+        target.sh(f"echo 'AuthorizedKeysFile .ssh/elsewhere' >> {other}")
+
+        with pytest.raises(RemoteError) as caught:
+            target.reconcile(state(user(name, uid, public)))
+
+        assert "sshd does not use the portal's key files" in str(caught.value)
+    finally:
+        target.sh(f"rm -f {other}")
+    assert target.reconcile(state(user(name, uid, public))).values["noop"] == "1"
+    assert target.ssh(name, key).returncode == 0
 
 
 # --- data disks ---------------------------------------------------------------------

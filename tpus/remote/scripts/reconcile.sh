@@ -72,10 +72,15 @@ mount_error() {
 input=$work/input
 head -c $((MAX_INPUT + 1)) >"$input"
 [ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the desired state is larger than $MAX_INPUT bytes"
-[ "$(head -n 1 "$input")" = "tpu-portal-desired 1" ] ||
-    die "the input does not start with 'tpu-portal-desired 1'"
-[ "$(tail -c 1 "$input" | od -An -tx1 | tr -d ' ')" = 0a ] &&
-    [ "$(tail -n 1 "$input")" = end ] ||
+first=""
+IFS= read -r first <"$input" || true
+[ "$first" = "tpu-portal-desired 1" ] || die "the input does not start with 'tpu-portal-desired 1'"
+# The last five bytes must be "\nend\n" (the header makes the input longer than that).
+# The '.' keeps $(...) from dropping the final newline; dash drops NUL bytes there, so
+# a NUL among them leaves fewer than five characters and the test fails, as it should.
+nl='
+'
+[ "$(tail -c 5 "$input" && echo .)" = "${nl}end${nl}." ] ||
     die "the input does not end with 'end': it was cut short, nothing was changed"
 
 # Each line must be one of these records, whole (-x), nothing else: no options before
@@ -83,31 +88,34 @@ head -c $((MAX_INPUT + 1)) >"$input"
 KEY_TYPES='(ssh-ed25519|sk-ssh-ed25519@openssh\.com|ecdsa-sha2-nistp(256|384|521)|sk-ecdsa-sha2-nistp256@openssh\.com|ssh-rsa)'
 NAME='[a-z][a-z0-9-]{0,30}'
 NUMBER='[1-9][0-9]{0,9}'
-bad=$(grep -a -n -v -x -E \
+bad=$(grep -a -n -v -x -E -m 1 \
     -e 'tpu-portal-desired 1' \
     -e "range $NUMBER $NUMBER" \
     -e "user $NAME $NUMBER [01] [01]" \
     -e "key $NAME $KEY_TYPES [A-Za-z0-9+/]+={0,2}( [A-Za-z0-9._@:+=/-]{1,100})?" \
     -e 'mount [a-z]([a-z0-9-]{0,61}[a-z0-9])? (/[A-Za-z0-9._-]+)+ (ro|rw)' \
     -e 'end' \
-    "$input" | head -n 1 | cut -d : -f 1) || true
-[ -z "$bad" ] || die "line $bad of the input is not a valid record; nothing was changed"
+    "$input") || true
+[ -z "$bad" ] || die "line ${bad%%:*} of the input is not a valid record; nothing was changed"
 long=$(awk -v max="$MAX_LINE" 'length($0) > max { print NR; exit }' "$input")
 [ -z "$long" ] || die "line $long of the input is too long; nothing was changed"
-[ "$(grep -c -x 'tpu-portal-desired 1' "$input")" = 1 ] || die "the header appears twice"
-[ "$(grep -c -x end "$input")" = 1 ] || die "'end' appears before the end"
-[ "$(sed -n 2p "$input" | cut -d ' ' -f 1)" = range ] || die "line 2 must be the UID range"
-[ "$(grep -c '^range ' "$input")" = 1 ] || die "the UID range appears twice"
 
-# Split the records into files of our own private folder, checking each field again.
-mkdir "$work/keys"
+# Split the records into files of our own private folder, checking each field again
+# and where each record may stand. Duplicates are found with lists kept in variables
+# (" 30001 30002 "): every field was checked above to hold no space and no pattern
+# character, and "$x" in a case pattern matches literally.
 : >"$work/users"
 : >"$work/mounts"
-uid_min="" uid_max=""
+uid_min="" uid_max="" line_no=0 ended=0 uids=" " devices=" " points=" "
 while IFS=' ' read -r kind f1 f2 f3 f4 rest <&3; do
+    line_no=$((line_no + 1))
+    [ "$ended" = 0 ] || die "'end' appears before the end"
+    if [ "$line_no" = 2 ] && [ "$kind" != range ]; then die "line 2 must be the UID range"; fi
     case $kind in
-    tpu-portal-desired | end) ;;
+    tpu-portal-desired) [ "$line_no" = 1 ] || die "the header appears twice" ;;
+    end) ended=1 ;;
     range)
+        [ "$line_no" = 2 ] || die "the UID range appears twice"
         case $f1$f2 in *[!0-9]*) die "bad UID range" ;; esac
         uid_min=$f1 uid_max=$f2
         [ "$uid_min" -ge 1000 ] && [ "$uid_min" -le "$uid_max" ] &&
@@ -121,8 +129,11 @@ while IFS=' ' read -r kind f1 f2 f3 f4 rest <&3; do
         [ "$f2" -ge "$uid_min" ] && [ "$f2" -le "$uid_max" ] &&
             [ "$f2" != 65534 ] && [ "$f2" != 65535 ] ||
             die "uid $f2 of $f1 is outside the UID range"
-        if [ -e "$work/keys/$f1" ]; then die "$f1 is listed twice"; fi
-        : >"$work/keys/$f1"
+        if [ -e "$work/keys.$f1" ]; then die "$f1 is listed twice"; fi
+        # Numbers have no leading zeros (checked above), so equal text is equal uid.
+        case $uids in *" $f2 "*) die "a uid is listed twice" ;; esac
+        uids="$uids$f2 "
+        : >"$work/keys.$f1"
         echo "$f1 $f2 $f3 $f4" >>"$work/users"
         ;;
     key)
@@ -130,11 +141,11 @@ while IFS=' ' read -r kind f1 f2 f3 f4 rest <&3; do
         case $f3 in *[!A-Za-z0-9+/=]*) die "bad key data for $f1" ;; esac
         case $f4 in *[!A-Za-z0-9._@:+=/-]*) die "bad key comment for $f1" ;; esac
         [ -z "$rest" ] || die "a key line for $f1 has extra fields"
-        [ -f "$work/keys/$f1" ] || die "a key for $f1 comes before (or without) its user"
+        [ -f "$work/keys.$f1" ] || die "a key for $f1 comes before (or without) its user"
         if [ -n "$f4" ]; then
-            echo "$f2 $f3 $f4" >>"$work/keys/$f1"
+            echo "$f2 $f3 $f4" >>"$work/keys.$f1"
         else
-            echo "$f2 $f3" >>"$work/keys/$f1"
+            echo "$f2 $f3" >>"$work/keys.$f1"
         fi
         ;;
     mount)
@@ -152,15 +163,16 @@ while IFS=' ' read -r kind f1 f2 f3 f4 rest <&3; do
         esac
         case $f2 in *[!A-Za-z0-9._/-]*) die "bad mount point" ;; esac
         case $f3 in ro | rw) ;; *) die "bad mount mode" ;; esac
+        case $devices in *" $f1 "*) die "a device is listed twice" ;; esac
+        case $points in *" $f2 "*) die "a mount point is listed twice" ;; esac
+        devices="$devices$f1 " points="$points$f2 "
         echo "$f1 $f2 $f3" >>"$work/mounts"
         ;;
     *) die "unknown record" ;;
     esac
 done 3<"$input"
+[ "$ended" = 1 ] || die "the input does not end with 'end'"
 [ -n "$uid_min" ] || die "no UID range"
-[ -z "$(cut -d ' ' -f 2 "$work/users" | sort | uniq -d)" ] || die "a uid is listed twice"
-[ -z "$(cut -d ' ' -f 1 "$work/mounts" | sort | uniq -d)" ] || die "a device is listed twice"
-[ -z "$(cut -d ' ' -f 2 "$work/mounts" | sort | uniq -d)" ] || die "a mount point is listed twice"
 
 # One reconcile at a time on this host (the portal also locks per VM). /run is
 # root-owned, unlike /run/lock, so no one can plant a symlink at this path.
@@ -230,57 +242,77 @@ fi
 # The user's own ~/.ssh/authorized_keys keeps working (keys a collaborator adds by
 # hand); the portal's file comes last. sshd uses the first value it reads for an
 # option, and Debian's sshd_config includes sshd_config.d/*.conf at its top.
-cat >"$work/dropin" <<'EOF'
-# Managed by TPU Portal. Collaborators' keys are kept in root-owned files, so the
+DROPIN_TEXT='# Managed by TPU Portal. Collaborators'"'"' keys are kept in root-owned files, so the
 # portal never writes inside a home directory.
-AuthorizedKeysFile .ssh/authorized_keys .ssh/authorized_keys2 /etc/ssh/tpu-portal-keys/%u
-EOF
-reload=0
-if ! same_file "$DROPIN" "$work/dropin" 644; then
-    mkdir -p /etc/ssh/sshd_config.d
-    if ! reason=$(/usr/sbin/sshd -t 2>&1); then
-        die "the sshd configuration is already invalid; not touching it: $(oneline "$reason")"
-    fi
-    had_dropin=0
-    if [ -f "$DROPIN" ]; then
-        cp -p -- "$DROPIN" "$work/dropin.before"
-        had_dropin=1
-    fi
-    replace_file "$DROPIN" "$work/dropin" 644 || true
-    if ! reason=$(/usr/sbin/sshd -t 2>&1); then
-        if [ "$had_dropin" = 1 ]; then
-            replace_file "$DROPIN" "$work/dropin.before" 644 || true
-        else
-            rm -f -- "$DROPIN"
+AuthorizedKeysFile .ssh/authorized_keys .ssh/authorized_keys2 /etc/ssh/tpu-portal-keys/%u'
+printf '%s\n' "$DROPIN_TEXT" >"$work/dropin"
+
+# Checking the sshd configuration (sshd -t, sshd -T) costs more than the rest of a
+# no-op run. It is done in full whenever anything sshd reads may have changed since
+# the last run that passed it: the stamp holds the drop-in this script wants and, for
+# the sshd binary, sshd_config, the sshd_config.d folder and every file in it, the
+# inode, size, modification and change times (in ns), mode and owner. Any edit,
+# rename, chmod or new file changes one of these. The facts are taken *before* the
+# check, so a change made while it runs is seen by the next run. The stamp lives in
+# /run (root-only, emptied at boot: the first run after a boot checks in full).
+SSHD_STAMP=/run/tpu-portal-sshd.checked
+{
+    printf '%s\n' "$DROPIN_TEXT"
+    stat -L -c '%n %F %i %s %.9Y %.9Z %a %u %g' -- /usr/sbin/sshd /etc/ssh/sshd_config \
+        /etc/ssh/sshd_config.d /etc/ssh/sshd_config.d/* 2>/dev/null || true
+} >"$work/sshd-facts"
+if [ -f "$SSHD_STAMP" ] && [ ! -L "$SSHD_STAMP" ] && cmp -s -- "$work/sshd-facts" "$SSHD_STAMP"; then
+    : # checked before, nothing sshd reads has changed since
+else
+    reload=0
+    if ! same_file "$DROPIN" "$work/dropin" 644; then
+        mkdir -p /etc/ssh/sshd_config.d
+        if ! reason=$(/usr/sbin/sshd -t 2>&1); then
+            die "the sshd configuration is already invalid; not touching it: $(oneline "$reason")"
         fi
-        die "sshd -t refused the configuration with the portal's drop-in (removed again): $(oneline "$reason")"
+        had_dropin=0
+        if [ -f "$DROPIN" ]; then
+            cp -p -- "$DROPIN" "$work/dropin.before"
+            had_dropin=1
+        fi
+        replace_file "$DROPIN" "$work/dropin" 644 || true
+        if ! reason=$(/usr/sbin/sshd -t 2>&1); then
+            if [ "$had_dropin" = 1 ]; then
+                replace_file "$DROPIN" "$work/dropin.before" 644 || true
+            else
+                rm -f -- "$DROPIN"
+            fi
+            die "sshd -t refused the configuration with the portal's drop-in (removed again): $(oneline "$reason")"
+        fi
+        changed=$((changed + 1))
+        reload=1
     fi
-    changed=$((changed + 1))
-    reload=1
+    # sshd writes its pid file whenever it (re)starts, after reading its configuration.
+    # A pid file older than the drop-in means a run wrote it but stopped before the
+    # reload (that run wrote no stamp, so this check runs).
+    if [ -s /run/sshd.pid ] && [ -z "$(find /run/sshd.pid -newer "$DROPIN" 2>/dev/null)" ]; then
+        reload=1
+    fi
+    # Someone's earlier drop-in (or a line above the Include) could set AuthorizedKeysFile
+    # first; then the portal's keys would be ignored, so say so rather than pretend.
+    if ! settings=$(/usr/sbin/sshd -T 2>&1); then
+        die "sshd -T fails, the sshd configuration is broken: $(oneline "$(echo "$settings" | tail -n 1)")"
+    fi
+    effective=$(echo "$settings" | grep -i '^authorizedkeysfile ' || true)
+    case " $effective " in
+    *" /etc/ssh/tpu-portal-keys/%u "*) ;;
+    *) die "sshd does not use the portal's key files (AuthorizedKeysFile is set elsewhere first): $(oneline "$effective")" ;;
+    esac
+    if [ "$reload" = 1 ]; then reload_sshd; fi
+    inflight=$(mktemp /run/.tpu-portal.XXXXXX)
+    cat -- "$work/sshd-facts" >"$inflight"
+    mv -f -- "$inflight" "$SSHD_STAMP"
+    inflight=""
 fi
-# sshd writes its pid file whenever it (re)starts, after reading its configuration. A
-# pid file older than the drop-in means a run wrote it but stopped before the reload.
-if [ -s /run/sshd.pid ] && [ -z "$(find /run/sshd.pid -newer "$DROPIN" 2>/dev/null)" ]; then
-    reload=1
-fi
-# Someone's earlier drop-in (or a line above the Include) could set AuthorizedKeysFile
-# first; then the portal's keys would be ignored, so say so rather than pretend.
-if ! settings=$(/usr/sbin/sshd -T 2>&1); then
-    die "sshd -T fails, the sshd configuration is broken: $(oneline "$(echo "$settings" | tail -n 1)")"
-fi
-effective=$(echo "$settings" | grep -i '^authorizedkeysfile ' || true)
-case " $effective " in
-*" /etc/ssh/tpu-portal-keys/%u "*) ;;
-*) die "sshd does not use the portal's key files (AuthorizedKeysFile is set elsewhere first): $(oneline "$effective")" ;;
-esac
-if [ "$reload" = 1 ]; then reload_sshd; fi
 
 # ---------------------------------------------------------------------------------
 # 3. Users.
 # ---------------------------------------------------------------------------------
-: >"$work/keep-keys"
-: >"$work/keep-sudo"
-
 # The live processes (not zombies) that belong to uid $1: by real or effective uid,
 # or by login uid, which survives `sudo` and `su` started from the user's session.
 pids_of_uid() {
@@ -326,36 +358,133 @@ remove_portal_files() {
     fi
 }
 
-# The account $1 with uid $2 and group $1 (gid $2) exists, or the reason it cannot.
-# Never re-numbers anything: a name or number that belongs to someone else stops here.
-ensure_account() {
-    local name uid password expire entry have other group out shell gid
-    name=$1 uid=$2 password=$3 expire=$4
+# What the host knows about the listed users is read once, not asked per user: the
+# account databases as getent lists them and the type, mode and owner of the portal's
+# own files, joined with the list by one awk. The loop at the end of this section reads
+# one line per user into these variables, which the functions below use:
+#   name uid active sudo          the input
+#   pw_found pw_uid pw_gid pw_shell          `getent passwd NAME` (first entry wins)
+#   gr_found gr_gid                          `getent group NAME`
+#   sh_found sh_password sh_expire           `getent shadow NAME` (fields 2 and 8)
+#   keys_fit sudo_fit             1: the keys / sudoers file is a plain file of root's
+#                                 with the right mode and the size of what it should hold
+# Only a user's own steps change their entries, and names and uids are unique in the
+# input, so what was read stays true for every user still to come. A name the listing
+# does not have (an NSS source that does not enumerate, or an account still to be
+# made) is asked of getent directly, with its uid, as before any account is created.
+getent passwd >"$work/passwd" || true
+getent group >"$work/group" || true
+getent shadow >"$work/shadow" || true
+SUDO_RULE=' ALL=(ALL:ALL) NOPASSWD:ALL'
+stat -c '%a %u %g %s %F|%n' -- "$KEYS_DIR"/* "$SUDOERS_DIR"/tpu-portal-* "$work"/keys.* \
+    >"$work/files" 2>/dev/null || true
+# For the files that fit, the same awk writes what they should hold, one after the
+# other, to want-all, and their paths on one line to have-list (names are checked
+# [a-z0-9-], so the list splits safely on spaces).
+: >"$work/want-all"
+awk -v keys="$KEYS_DIR/" -v sudoers="$SUDOERS_DIR/tpu-portal-" -v work="$work/" \
+    -v rule="$SUDO_RULE" '
+    function fits(path, mode, size, m) {
+        if (!(path in meta)) return 0
+        split(meta[path], m, " ")
+        return m[1] == mode && m[2] == 0 && m[3] == 0 && m[4] == size &&
+            m[5] == "regular" && m[6] == "file" && m[7] == ""
+    }
+    FILENAME == ARGV[1] { split($0, f, ":"); if (!(f[1] in pw)) pw[f[1]] = f[3] ":" f[4] ":" f[7]; next }
+    FILENAME == ARGV[2] { split($0, f, ":"); if (!(f[1] in gr)) gr[f[1]] = f[3]; next }
+    FILENAME == ARGV[3] { split($0, f, ":"); if (!(f[1] in sh)) sh[f[1]] = f[2] ":" f[8]; next }
+    FILENAME == ARGV[4] { i = index($0, "|"); meta[substr($0, i + 1)] = substr($0, 1, i - 1); next }
+    {
+        n = $1; keys_fit = 0; sudo_fit = 0
+        split(meta[work "keys." n], want, " ")
+        if ($3 == 1 && want[4] > 0 && fits(keys n, 644, want[4])) {
+            keys_fit = 1
+            have = have " " keys n
+            while ((getline line < (work "keys." n)) > 0) print line > (work "want-all")
+            close(work "keys." n)
+        }
+        if ($3 == 1 && $4 == 1 && fits(sudoers n, 440, length(n rule) + 1)) {
+            sudo_fit = 1
+            have = have " " sudoers n
+            print n rule > (work "want-all")
+        }
+        print n ":" $2 ":" $3 ":" $4 ":" (n in pw ? "1:" pw[n] : "0:::") ":" \
+            (n in gr ? "1:" gr[n] : "0:") ":" (n in sh ? "1:" sh[n] : "0::") ":" \
+            keys_fit ":" sudo_fit
+    }
+    END { print have > (work "have-list") }
+    ' "$work/passwd" "$work/group" "$work/shadow" "$work/files" "$work/users" >"$work/facts"
+# Each of those files has the size of its part of want-all; so if their contents laid
+# end to end equal want-all, every one of them holds exactly what it should: one cmp
+# for all of them. Otherwise each is compared on its own below.
+contents_same=0
+read -r have_list <"$work/have-list" || true
+if [ -n "$have_list" ]; then
+    set -f
+    # shellcheck disable=SC2086  # paths of checked names, split on spaces on purpose
+    if cat -- $have_list >"$work/have-all" 2>/dev/null &&
+        cmp -s -- "$work/want-all" "$work/have-all"; then
+        contents_same=1
+    fi
+    set +f
+fi
+
+# Ask NSS directly about an account the listing did not have (sets the pw_ variables),
+# and who holds its uid.
+lookup_account() {
+    local entry x
+    pw_found=0 pw_uid="" pw_gid="" pw_shell=""
     entry=$(getent passwd "$name" || true)
     if [ -n "$entry" ]; then
-        have=$(echo "$entry" | cut -d : -f 3)
-        [ "$have" = "$uid" ] || {
-            user_error "$name" "the account exists with uid $have, the portal says $uid"
+        pw_found=1
+        IFS=: read -r x x pw_uid pw_gid x x pw_shell <<END
+$entry
+END
+    fi
+    uid_owner=$(getent passwd "$uid" | cut -d : -f 1 || true)
+}
+
+# The same for a group (sets the gr_ variables), and who holds the gid.
+lookup_group() {
+    local entry x
+    gr_found=0 gr_gid=""
+    entry=$(getent group "$name" || true)
+    if [ -n "$entry" ]; then
+        gr_found=1
+        IFS=: read -r x x gr_gid x <<END
+$entry
+END
+    fi
+    gid_owner=$(getent group "$uid" | cut -d : -f 1 || true)
+}
+
+# The account $name with uid $uid and group $name (gid $uid) exists, or the reason it
+# cannot; $1 and $2 are the password and expiry fields for a new account. Never
+# re-numbers anything: a name or number that belongs to someone else stops here.
+ensure_account() {
+    local out
+    uid_owner="" gid_owner=""
+    if [ "$pw_found" = 0 ]; then lookup_account; fi
+    if [ "$pw_found" = 1 ]; then
+        [ "$pw_uid" = "$uid" ] || {
+            user_error "$name" "the account exists with uid $pw_uid, the portal says $uid"
             return 1
         }
     else
-        other=$(getent passwd "$uid" | cut -d : -f 1 || true)
-        [ -z "$other" ] || {
-            user_error "$name" "uid $uid belongs to $other"
+        [ -z "$uid_owner" ] || {
+            user_error "$name" "uid $uid belongs to $uid_owner"
             return 1
         }
     fi
-    group=$(getent group "$name" || true)
-    if [ -n "$group" ]; then
-        have=$(echo "$group" | cut -d : -f 3)
-        [ "$have" = "$uid" ] || {
-            user_error "$name" "the group $name exists with gid $have, the portal says $uid"
+    if [ "$gr_found" = 0 ]; then lookup_group; fi
+    if [ "$gr_found" = 1 ]; then
+        [ "$gr_gid" = "$uid" ] || {
+            user_error "$name" "the group $name exists with gid $gr_gid, the portal says $uid"
             return 1
         }
     else
-        other=$(getent group "$uid" | cut -d : -f 1 || true)
-        [ -z "$other" ] || {
-            user_error "$name" "gid $uid belongs to the group $other"
+        [ -z "$gid_owner" ] || {
+            user_error "$name" "gid $uid belongs to the group $gid_owner"
             return 1
         }
         out=$(groupadd -g "$uid" -- "$name" 2>&1) || {
@@ -364,21 +493,20 @@ ensure_account() {
         }
         changed=$((changed + 1))
     fi
-    if [ -z "$entry" ]; then
+    if [ "$pw_found" = 0 ]; then
         # -m makes the home only if it is missing (then from /etc/skel); an existing
         # home, say of an earlier account, is left as it is.
         out=$(useradd -m -d "/home/$name" -s /bin/bash -u "$uid" -g "$uid" \
-            -p "$password" -e "$expire" -c '' -- "$name" 2>&1) || {
+            -p "$1" -e "$2" -c '' -- "$name" 2>&1) || {
             user_error "$name" "useradd: $out"
             return 1
         }
+        created=1
         users_created=$((users_created + 1))
         changed=$((changed + 1))
         return 0
     fi
-    shell=$(echo "$entry" | cut -d : -f 7)
-    gid=$(echo "$entry" | cut -d : -f 4)
-    if [ "$shell" != /bin/bash ] || [ "$gid" != "$uid" ]; then
+    if [ "$pw_shell" != /bin/bash ] || [ "$pw_gid" != "$uid" ]; then
         out=$(usermod -s /bin/bash -g "$uid" -- "$name" 2>&1) || {
             user_error "$name" "usermod: $out"
             return 1
@@ -387,17 +515,25 @@ ensure_account() {
     fi
 }
 
-# The shadow entry of $1 has password field $2 and expiry field $3 (days since 1970,
-# empty for never); returns 1 if it had to be changed.
+# The shadow entry of $name has password field $1 and expiry field $2 (days since
+# 1970, empty for never); returns 1 if it had to be changed, 2 if it could not be.
 ensure_shadow() {
-    local entry out
-    entry=$(getent shadow "$1" || true)
-    if [ "$(echo "$entry" | cut -d : -f 2)" = "$2" ] &&
-        [ "$(echo "$entry" | cut -d : -f 8)" = "$3" ]; then
+    local entry x out
+    if [ "$sh_found" = 0 ] || [ "$created" = 1 ]; then
+        # Not in the listing, or just made by useradd: ask now.
+        sh_password="" sh_expire=""
+        entry=$(getent shadow "$name" || true)
+        if [ -n "$entry" ]; then
+            IFS=: read -r x sh_password x x x x x sh_expire x <<END
+$entry
+END
+        fi
+    fi
+    if [ "$sh_password" = "$1" ] && [ "$sh_expire" = "$2" ]; then
         return 0
     fi
-    out=$(usermod -p "$2" -e "$3" -- "$1" 2>&1) || {
-        user_error "$1" "usermod: $out"
+    out=$(usermod -p "$1" -e "$2" -- "$name" 2>&1) || {
+        user_error "$name" "usermod: $out"
         return 2
     }
     changed=$((changed + 1))
@@ -405,27 +541,31 @@ ensure_shadow() {
 }
 
 converge_active() {
-    local name uid sudo rc target out
-    name=$1 uid=$2 sudo=$3
-    ensure_account "$name" "$uid" '*' '' || return 0
+    local rc target out
+    ensure_account '*' '' || return 0
     # '*' is no password at all (never a known one); no expiry, not locked.
     rc=0
-    ensure_shadow "$name" '*' '' || rc=$?
+    ensure_shadow '*' '' || rc=$?
     [ "$rc" != 2 ] || return 0
 
-    if [ -s "$work/keys/$name" ]; then
-        if replace_file "$KEYS_DIR/$name" "$work/keys/$name" 644; then
+    if [ -s "$work/keys.$name" ]; then
+        # The listing said the file is plain, root's, 0644 and of the right size: then
+        # only the content can differ. Otherwise replace_file looks again.
+        if [ "$keys_fit" = 1 ] && { [ "$contents_same" = 1 ] ||
+            cmp -s -- "$work/keys.$name" "$KEYS_DIR/$name"; }; then
+            :
+        elif replace_file "$KEYS_DIR/$name" "$work/keys.$name" 644; then
             keys_written=$((keys_written + 1))
             changed=$((changed + 1))
         fi
-        echo "$name" >>"$work/keep-keys"
+        : >"$work/keep-key.$name"
     fi
 
     if [ "$sudo" = 1 ]; then
-        echo "$name ALL=(ALL:ALL) NOPASSWD:ALL" >"$work/sudo"
+        echo "$name$SUDO_RULE" >"$work/sudo"
         target=$SUDOERS_DIR/tpu-portal-$name
-        if ! { [ -f "$target" ] && [ ! -L "$target" ] && cmp -s "$work/sudo" "$target" &&
-            [ "$(stat -c '%a %u %g' -- "$target")" = "440 0 0" ]; }; then
+        if ! { [ "$sudo_fit" = 1 ] && { [ "$contents_same" = 1 ] ||
+            cmp -s -- "$work/sudo" "$target"; }; }; then
             # The temporary name has a '.', so sudo ignores it until it is checked
             # and renamed.
             inflight=$(mktemp "$SUDOERS_DIR/.tpu-portal.XXXXXX")
@@ -443,39 +583,79 @@ converge_active() {
                 return 0
             fi
         fi
-        echo "$name" >>"$work/keep-sudo"
+        : >"$work/keep-sudo.$name"
     fi
 }
 
 converge_revoked() {
-    local name uid rc
-    name=$1 uid=$2
+    local rc
     # The account stays (its uid stays reserved, its files keep their owner) but
     # cannot be used: locked ('!*') and expired (day 1), so sshd refuses it under
     # UsePAM even with keys in the user's own ~/.ssh.
-    ensure_account "$name" "$uid" '!*' 1 || return 0
+    ensure_account '!*' 1 || return 0
     remove_portal_files "$name"
     rc=0
-    ensure_shadow "$name" '!*' 1 || rc=$?
+    ensure_shadow '!*' 1 || rc=$?
     [ "$rc" != 2 ] || return 0
     [ "$rc" = 0 ] || revoked=$((revoked + 1))
-    kill_processes "$uid" || user_error "$name" "some processes survived SIGKILL"
+    # Their processes are killed below, once every account is locked.
+    echo "$name $uid" >>"$work/revoked"
 }
 
-while IFS=' ' read -r name uid active sudo <&3; do
+: >"$work/revoked"
+while IFS=: read -r name uid active sudo pw_found pw_uid pw_gid pw_shell \
+    gr_found gr_gid sh_found sh_password sh_expire keys_fit sudo_fit <&3; do
+    created=0
     if [ "$active" = 1 ]; then
-        converge_active "$name" "$uid" "$sudo"
+        converge_active
     else
-        converge_revoked "$name" "$uid"
+        converge_revoked
     fi
-done 3<"$work/users"
+done 3<"$work/facts"
+
+# Processes of revoked users. One look at the process table for all of them, taken
+# after every account is locked (no new session can start meanwhile): a uid owns a
+# process by real or effective uid, or by login uid, which survives `sudo` and `su`
+# started from the user's session; zombies do not count, nor this script. Only a user
+# found there goes through kill_processes, which looks again for itself.
+if [ -s "$work/revoked" ]; then
+    ps -e -o pid=,ruid=,euid=,s= >"$work/ps"
+    grep -H -s . /proc/[0-9]*/loginuid >"$work/loginuids" || true
+    busy=" $(awk -v self="$$" '
+        FILENAME == ARGV[1] { want[$2] = 1; next }
+        FILENAME == ARGV[2] {
+            state[$1] = $4
+            if ($2 in want) owner[$1, $2] = 1
+            if ($3 in want) owner[$1, $3] = 1
+            next
+        }
+        {   # /proc/<pid>/loginuid:<uid>; a pid missing from ps counts as alive
+            split($0, f, ":"); split(f[1], p, "/")
+            if (f[2] in want) owner[p[3], f[2]] = 1
+        }
+        END {
+            for (k in owner) {
+                split(k, pu, SUBSEP)
+                if (pu[1] != self && state[pu[1]] != "Z" && state[pu[1]] != "X" && !(pu[2] in out)) {
+                    out[pu[2]] = 1
+                    printf "%s ", pu[2]
+                }
+            }
+        }' "$work/revoked" "$work/ps" "$work/loginuids") "
+    while read -r name uid <&3; do
+        case $busy in
+        *" $uid "*) kill_processes "$uid" || user_error "$name" "some processes survived SIGKILL" ;;
+        esac
+    done 3<"$work/revoked"
+fi
 
 # The portal's own folders hold files only for users it listed and could set up; a
 # user whose account clashed gets none (the name may belong to someone else here).
+# (A name too long for a marker file cannot be a user's: the test fails, it goes.)
 for path in "$KEYS_DIR"/* "$KEYS_DIR"/.[!.]* "$KEYS_DIR"/..?*; do
     [ -e "$path" ] || [ -L "$path" ] || continue
     base=${path##*/}
-    if ! grep -q -x -F -- "$base" "$work/keep-keys"; then
+    if [ ! -e "$work/keep-key.$base" ]; then
         rm -f -- "$path"
         keys_removed=$((keys_removed + 1))
         changed=$((changed + 1))
@@ -485,7 +665,7 @@ for path in "$SUDOERS_DIR"/tpu-portal-* "$SUDOERS_DIR"/.tpu-portal.*; do
     [ -e "$path" ] || [ -L "$path" ] || continue
     base=${path##*/}
     case $base in
-    tpu-portal-*) if grep -q -x -F -- "${base#tpu-portal-}" "$work/keep-sudo"; then continue; fi ;;
+    tpu-portal-*) if [ -e "$work/keep-sudo.${base#tpu-portal-}" ]; then continue; fi ;;
     esac
     rm -f -- "$path"
     sudo_files=$((sudo_files + 1))
@@ -493,13 +673,14 @@ for path in "$SUDOERS_DIR"/tpu-portal-* "$SUDOERS_DIR"/.tpu-portal.*; do
 done
 
 # Accounts in the portal's UID range that it did not list: reported, never removed.
-cut -d ' ' -f 1 "$work/users" | sort >"$work/listed"
-awk -F : -v lo="$uid_min" -v hi="$uid_max" \
-    '$3 ~ /^[0-9]+$/ && $3 + 0 >= lo && $3 + 0 <= hi { print $1 }' /etc/passwd |
-    sort -u >"$work/local"
-comm -23 "$work/local" "$work/listed" | while read -r name; do
-    echo "drift_user=$(oneline "$name")"
-done
+# Names are made safe as oneline() does: one line of safe characters, 300 at most.
+awk -F : -v lo="$uid_min" -v hi="$uid_max" '
+    FILENAME == ARGV[1] { split($0, u, " "); listed[u[1]] = 1; next }
+    $3 ~ /^[0-9]+$/ && $3 + 0 >= lo && $3 + 0 <= hi && !($1 in listed) && !seen[$1]++ {
+        n = $1
+        gsub("[^-A-Za-z0-9 ._:,/()=@+]", " ", n)
+        print "drift_user=" substr(n, 1, 300)
+    }' "$work/users" /etc/passwd | sort
 
 # ---------------------------------------------------------------------------------
 # 4. Data disks: an fstab line each (nofail, so a missing disk never stops a boot),
@@ -551,14 +732,19 @@ done 3<"$work/mounts"
 # Mount points of ours that are no longer wanted: unmount them first (the portal
 # detaches the disk after this run), then drop their lines from fstab. A line whose
 # disk is still busy stays, so the next run tries again (and reports it again).
-cut -d ' ' -f 2 "$work/fstab-managed" >"$work/wanted-points"
+wanted=" "
+while read -r source point rest <&3; do
+    wanted="$wanted$point "
+done 3<"$work/fstab-managed"
 : >"$work/still-mounted"
 grep -e " $FSTAB_MARK\$" "$FSTAB" 2>/dev/null | grep -v -x -F -f "$work/fstab-managed" >"$work/unwanted" || true
 while IFS= read -r line <&3; do
-    source=$(echo "$line" | cut -d ' ' -f 1)
-    point=$(echo "$line" | cut -d ' ' -f 2)
+    IFS=' ' read -r source point rest <<END
+$line
+END
     case $point in /*) ;; *) continue ;; esac
-    if grep -q -x -F -- "$point" "$work/wanted-points"; then continue; fi
+    # Points of ours hold no space or pattern character; "$point" matches literally.
+    case $wanted in *" $point "*) continue ;; esac
     if mountpoint -q -- "$point" &&
         [ "$(findmnt -n -o SOURCE --mountpoint "$point")" = "$(readlink -f -- "$source")" ]; then
         if out=$(umount -- "$point" 2>&1); then
@@ -627,7 +813,8 @@ done 3<"$work/fstab-managed"
 # ---------------------------------------------------------------------------------
 # 5. The answer.
 # ---------------------------------------------------------------------------------
-echo "boot_id=$(cat /proc/sys/kernel/random/boot_id)"
+read -r boot_id </proc/sys/kernel/random/boot_id
+echo "boot_id=$boot_id"
 echo "users_created=$users_created"
 echo "keys_written=$keys_written"
 echo "keys_removed=$keys_removed"
