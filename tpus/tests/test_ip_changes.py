@@ -12,6 +12,7 @@ from django.core import mail
 from django.db import connection
 
 from accounts.unix import choose_username
+from tests.requirements import need
 from tpus.models import Grant, IpChange, IpChangeNotice
 from tpus.services import inventory, sshconfig, sync
 from tpus.services.grants import bump_version
@@ -139,8 +140,8 @@ def test_one_poll_makes_one_list_call_per_zone(scene):
     assert dict(cloud_tpu().calls) == {"ListNodes": 1}
 
 
-@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs the ssh client")
 def test_the_config_resolves_with_the_real_ssh_client(scene, tmp_path):
+    need(shutil.which("ssh") is not None, "needs OpenSSH's ssh client (apt install openssh-client)")
     _, vm, (milo, _) = scene
     config = tmp_path / "config"
     config.write_text(sshconfig.render_config(milo))
