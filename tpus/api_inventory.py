@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from django.shortcuts import get_object_or_404
 from ninja import Router, Schema, Status
 
 from portal.schemas import Error
 from tpus import access
 from tpus.cloud import CloudError
 from tpus.models.inventory import DiskMode
-from tpus.services import inventory
+from tpus.services import disk_operations, inventory
 from tpus.services.inventory import InventoryError
 
 router = Router(tags=["tpu vms"])
@@ -141,44 +142,61 @@ def list_disks(request, slug: str):
     return lab.disks.prefetch_related("attachments__vm")
 
 
-def _disk_action(request, slug, disk_id, vm_id, action):
+class OperationOut(Schema):
+    id: int
+    action: str
+    disk: str
+    vm: str
+    mode: str
+    state: str
+    error: str
+
+    @staticmethod
+    def resolve_disk(obj):
+        return obj.disk.name
+
+    @staticmethod
+    def resolve_vm(obj):
+        return obj.vm.name
+
+
+def _disk_operation(request, slug, disk_id, vm_id, action, mode="READ_ONLY"):
     lab = access.get_admin_lab(request.user, slug)
     disk = access.get_disk_for_admin(request.user, lab, disk_id)
     vm = access.get_vm_for_admin(request.user, lab, vm_id)
     try:
-        action(disk, vm)
+        operation = disk_operations.request_operation(
+            request.user, disk, vm, action, mode=mode, request=request
+        )
     except InventoryError as exc:
         return Status(400, {"detail": str(exc)})
-    return disk
+    return Status(202, operation)
 
 
 @router.post(
     "/labs/{slug}/disks/{disk_id}/attach",
-    response={200: DiskOut, 400: Error},
-    summary="Attach a data disk to a TPU VM",
+    response={202: OperationOut, 400: Error},
+    summary="Attach a data disk to a TPU VM (queued; poll the operation)",
 )
 def attach(request, slug: str, disk_id: int, payload: AttachIn):
-    return _disk_action(
-        request,
-        slug,
-        disk_id,
-        payload.vm_id,
-        lambda disk, vm: inventory.attach_disk(
-            request.user, disk, vm, payload.mode, request=request
-        ),
-    )
+    return _disk_operation(request, slug, disk_id, payload.vm_id, "attach", payload.mode)
 
 
 @router.post(
     "/labs/{slug}/disks/{disk_id}/detach",
-    response={200: DiskOut, 400: Error},
-    summary="Detach a data disk from a TPU VM",
+    response={202: OperationOut, 400: Error},
+    summary="Detach a data disk from a TPU VM (queued; poll the operation)",
 )
 def detach(request, slug: str, disk_id: int, payload: DetachIn):
-    return _disk_action(
-        request,
-        slug,
-        disk_id,
-        payload.vm_id,
-        lambda disk, vm: inventory.detach_disk(request.user, disk, vm, request=request),
-    )
+    return _disk_operation(request, slug, disk_id, payload.vm_id, "detach")
+
+
+@router.get(
+    "/labs/{slug}/disks/{disk_id}/operations/{operation_id}",
+    response=OperationOut,
+    summary="One attach or detach request and how it ended",
+)
+def get_operation(request, slug: str, disk_id: int, operation_id: int):
+    lab = access.get_admin_lab(request.user, slug)
+    disk = access.get_disk_for_admin(request.user, lab, disk_id)
+    return get_object_or_404(disk.operations.select_related("disk", "vm"), pk=operation_id)

@@ -239,3 +239,11 @@ def send_drift_alert(worker_id: int, usernames: list[str]) -> None:
         _admin_emails(worker.vm.lab),
         {"worker": worker, "vm": worker.vm, "lab": worker.vm.lab, "usernames": usernames},
     )
+
+
+@shared_task(ignore_result=True)
+def run_disk_operation(operation_id: int) -> None:
+    """Attach or detach a disk through the API's long-running operation."""
+    from tpus.services.disk_operations import run_operation
+
+    run_operation(operation_id)

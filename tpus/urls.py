@@ -71,6 +71,11 @@ urlpatterns = [
     path("labs/<slug:slug>/disks/register/", inventory.disk_register, name="disk_register"),
     path("labs/<slug:slug>/disks/<int:disk_id>/", inventory.disk_detail, name="disk_detail"),
     path(
+        "labs/<slug:slug>/disks/<int:disk_id>/progress/",
+        inventory.disk_progress,
+        name="disk_progress",
+    ),
+    path(
         "labs/<slug:slug>/disks/<int:disk_id>/detach/<int:vm_id>/",
         inventory.disk_detach,
         name="disk_detach",

@@ -30,6 +30,7 @@ class AuditAction(models.TextChoices):
     DISK_REGISTERED = "disk.registered", "Data disk registered"
     DISK_ATTACHED = "disk.attached", "Data disk attached"
     DISK_DETACHED = "disk.detached", "Data disk detached"
+    DISK_OPERATION_FAILED = "disk.operation_failed", "Disk attach or detach failed"
     GRANT_CREATED = "grant.created", "Access granted"
     GRANT_ACTIVE = "grant.active", "Access in force on every worker"
     GRANT_FAILED = "grant.failed", "Access failed"

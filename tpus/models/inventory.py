@@ -216,3 +216,45 @@ class DiskAttachment(models.Model):
 
     def __str__(self) -> str:
         return f"{self.disk} on {self.vm} ({self.mode})"
+
+
+class DiskOperationState(models.TextChoices):
+    PENDING = "pending", "Waiting"
+    RUNNING = "running", "In progress"
+    DONE = "done", "Done"
+    FAILED = "failed", "Failed"
+
+
+class DiskOperation(models.Model):
+    """An attach or detach an admin asked for. The Cloud TPU API does it as a
+    long-running operation, so it runs in a task; the disk's page shows its progress."""
+
+    class Action(models.TextChoices):
+        ATTACH = "attach", "Attach"
+        DETACH = "detach", "Detach"
+
+    State = DiskOperationState
+
+    disk = models.ForeignKey(DataDisk, on_delete=models.CASCADE, related_name="operations")
+    vm = models.ForeignKey(TpuVm, on_delete=models.CASCADE, related_name="disk_operations")
+    action = models.CharField(max_length=6, choices=Action.choices)
+    mode = models.CharField(max_length=10, choices=DiskMode.choices, default=DiskMode.READ_ONLY)
+    state = models.CharField(
+        max_length=8, choices=DiskOperationState.choices, default=DiskOperationState.PENDING
+    )
+    error = models.TextField(blank=True)
+    requested_by = models.ForeignKey(
+        "accounts.User", null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.disk} on {self.vm} ({self.state})"
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state in (DiskOperationState.PENDING, DiskOperationState.RUNNING)

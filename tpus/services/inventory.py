@@ -290,22 +290,7 @@ def register_disk(
 def attach_disk(admin, disk: DataDisk, vm: TpuVm, mode: str, *, request=None) -> DiskAttachment:
     """Attach through the API, then record it. Read-only disks attach to many VMs; a
     read-write disk to one. Attaching again in the same mode is success."""
-    if mode not in DiskMode.values:
-        raise InventoryError("Choose read-only or read-write.")
-    if disk.lab_id != vm.lab_id or disk.zone != vm.zone:
-        raise InventoryError(f"{disk.name} is in {disk.zone}; it can only attach to VMs there.")
-    if vm.source != VmSource.IMPORTED:
-        raise InventoryError(
-            f"{vm.name} was registered by hand; the portal cannot attach disks to it."
-        )
-    others = disk.attachments.exclude(vm=vm)
-    if mode == DiskMode.READ_WRITE and others.exists():
-        raise InventoryError(
-            f"{disk.name} is attached to {others.first().vm.name}; a read-write disk can be "
-            "attached to one VM only. Attach it read-only to share it."
-        )
-    if others.filter(mode=DiskMode.READ_WRITE).exists():
-        raise InventoryError(f"{disk.name} is attached read-write elsewhere; detach it first.")
+    check_attach(disk, vm, mode)
     try:
         node = cloud_tpu().attach_disk(
             vm.lab.gcp_project_id, vm.zone, vm.name, disk.source_disk(), mode
@@ -325,6 +310,26 @@ def attach_disk(admin, disk: DataDisk, vm: TpuVm, mode: str, *, request=None) ->
         request=request,
     )
     return attachment
+
+
+def check_attach(disk: DataDisk, vm: TpuVm, mode: str) -> None:
+    """What can be known before asking the API: raises InventoryError with the reason."""
+    if mode not in DiskMode.values:
+        raise InventoryError("Choose read-only or read-write.")
+    if disk.lab_id != vm.lab_id or disk.zone != vm.zone:
+        raise InventoryError(f"{disk.name} is in {disk.zone}; it can only attach to VMs there.")
+    if vm.source != VmSource.IMPORTED:
+        raise InventoryError(
+            f"{vm.name} was registered by hand; the portal cannot attach disks to it."
+        )
+    others = disk.attachments.exclude(vm=vm)
+    if mode == DiskMode.READ_WRITE and others.exists():
+        raise InventoryError(
+            f"{disk.name} is attached to {others.first().vm.name}; a read-write disk can be "
+            "attached to one VM only. Attach it read-only to share it."
+        )
+    if others.filter(mode=DiskMode.READ_WRITE).exists():
+        raise InventoryError(f"{disk.name} is attached read-write elsewhere; detach it first.")
 
 
 def detach_disk(admin, disk: DataDisk, vm: TpuVm, *, request=None) -> None:

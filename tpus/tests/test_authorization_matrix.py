@@ -25,6 +25,7 @@ def _urls(cast):
     from accounts.services import create_token
     from accounts.tests.keydata import ECDSA_384, ED25519
     from tpus.models import DataDisk, Grant, Membership, TpuVm, Worker
+    from tpus.models.inventory import DiskOperation
     from tpus.services.labs import create_invite
 
     lab, pm = cast.lab.slug, cast.pending_membership.pk
@@ -36,6 +37,7 @@ def _urls(cast):
     Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10")
     disk = DataDisk.objects.create(lab=cast.lab, name="imagenet", zone="us-central1-f")
     grant = Grant.objects.create(user=cast.member, vm=vm, state="failed")
+    operation = DiskOperation.objects.create(disk=disk, vm=vm, action="attach")
     token, _ = create_token(cast.admin, "admin's token")
     key = add_key(cast.member, ED25519, "member's laptop")
     api_key = add_key(cast.member, ECDSA_384, "member's desktop")
@@ -313,6 +315,18 @@ def _urls(cast):
             "get",
             reverse("worker_keys", args=[lab, vm.pk, 0]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "disk_progress",
+            "get",
+            reverse("disk_progress", args=[lab, disk.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_disk_operation",
+            "get",
+            f"/api/v1/labs/{lab}/disks/{disk.pk}/operations/{operation.pk}",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
         (
             "disk_register",

@@ -88,7 +88,9 @@ def test_a_bad_manual_registration_names_the_problem(admin_client, field, value,
     assert not TpuVm.objects.exists()
 
 
-def test_a_read_only_disk_is_attached_to_two_vms_from_its_page(admin_client, tpu_emulator):
+def test_a_read_only_disk_is_attached_to_two_vms_from_its_page(
+    admin_client, tpu_emulator, django_capture_on_commit_callbacks
+):
     for name in ("tpu1", "tpu2"):
         tpu_emulator.controls.add_node(PROJECT, ZONE, name, workers=1)
     tpu_emulator.controls.add_disk(PROJECT, ZONE, "imagenet")
@@ -101,9 +103,12 @@ def test_a_read_only_disk_is_attached_to_two_vms_from_its_page(admin_client, tpu
     )
     disk = DataDisk.objects.get(name="imagenet")
     for vm in TpuVm.objects.all():
-        response = admin_client.post(
-            reverse("disk_detail", args=["vision", disk.pk]), {"vm": vm.pk, "mode": "READ_ONLY"}
-        )
+        # The request only queues the operation; the task runs it after commit.
+        with django_capture_on_commit_callbacks(execute=True):
+            response = admin_client.post(
+                reverse("disk_detail", args=["vision", disk.pk]),
+                {"vm": vm.pk, "mode": "READ_ONLY"},
+            )
         assert response.status_code == 302
     assert DiskAttachment.objects.filter(disk=disk).count() == 2
     vm_list = admin_client.get(reverse("vm_list", args=["vision"])).content.decode()
@@ -136,3 +141,44 @@ def test_a_member_sees_only_the_vms_they_were_given(client, make_lab, make_user,
     assert client.get(reverse("vm_detail", args=["vision", other.pk])).status_code == 404
     Grant.objects.filter(vm=mine).update(state="revoked")
     assert client.get(reverse("vm_detail", args=["vision", mine.pk])).status_code == 404
+
+
+def test_a_refused_attach_is_shown_on_the_disk_page(
+    admin_client, tpu_emulator, django_capture_on_commit_callbacks
+):
+    tpu_emulator.controls.add_node(PROJECT, ZONE, "tpu1", workers=1)
+    admin_client.post(reverse("vm_import", args=["vision"]), {"nodes": [f"{ZONE}/tpu1"]})
+    admin_client.post(
+        reverse("disk_register", args=["vision"]),
+        {"name": "ghost", "zone": ZONE, "size_gb": 1, "mount_point": "/ssd"},
+    )
+    disk = DataDisk.objects.get(name="ghost")  # the project has no such disk
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(
+            reverse("disk_detail", args=["vision", disk.pk]),
+            {"vm": TpuVm.objects.get().pk, "mode": "READ_ONLY"},
+        )
+    operation = disk.operations.get()
+    assert operation.state == "failed"
+    assert "NOT_FOUND" in operation.error or "not found" in operation.error.lower()
+    page = admin_client.get(reverse("disk_detail", args=["vision", disk.pk])).content.decode()
+    assert "Failed" in page
+    assert not DiskAttachment.objects.exists()
+
+
+def test_a_queued_attach_keeps_the_page_polling_until_it_ends(admin_client, tpu_emulator):
+    tpu_emulator.controls.add_node(PROJECT, ZONE, "tpu1", workers=1)
+    tpu_emulator.controls.add_disk(PROJECT, ZONE, "imagenet")
+    admin_client.post(reverse("vm_import", args=["vision"]), {"nodes": [f"{ZONE}/tpu1"]})
+    admin_client.post(
+        reverse("disk_register", args=["vision"]),
+        {"name": "imagenet", "zone": ZONE, "size_gb": 1, "mount_point": "/ssd"},
+    )
+    disk = DataDisk.objects.get(name="imagenet")
+    admin_client.post(
+        reverse("disk_detail", args=["vision", disk.pk]),
+        {"vm": TpuVm.objects.get().pk, "mode": "READ_ONLY"},
+    )
+    body = admin_client.get(reverse("disk_progress", args=["vision", disk.pk])).content.decode()
+    assert 'hx-trigger="every 1s"' in body
+    assert "Waiting" in body

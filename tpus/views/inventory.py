@@ -14,7 +14,7 @@ from tpus.forms_grants import GrantForm
 from tpus.forms_inventory import AttachForm, DiskForm, ImportForm, ManualVmForm
 from tpus.models import DiskAttachment, IpChange
 from tpus.models.grants import WANTED_STATES
-from tpus.services import inventory, sshconfig
+from tpus.services import disk_operations, inventory, sshconfig
 from tpus.services.inventory import InventoryError
 from tpus.views.grants import vm_progress_context
 
@@ -123,25 +123,37 @@ def disk_detail(request, slug, disk_id):
     disk = access.get_disk_for_admin(request.user, lab, disk_id)
     form = AttachForm(request.POST or None, disk=disk)
     if request.method == "POST" and form.is_valid():
+        vm = form.cleaned_data["vm"]
         try:
-            inventory.attach_disk(
-                request.user,
-                disk,
-                form.cleaned_data["vm"],
-                form.cleaned_data["mode"],
-                request=request,
+            disk_operations.request_operation(
+                request.user, disk, vm, "attach", mode=form.cleaned_data["mode"], request=request
             )
         except InventoryError as exc:
             form.add_error(None, str(exc))
         else:
-            messages.success(request, f"{disk.name} is attached to {form.cleaned_data['vm'].name}.")
+            messages.success(request, f"Attaching {disk.name} to {vm.name}…")
             return redirect("disk_detail", lab.slug, disk.pk)
-    attachments = disk.attachments.select_related("vm")
     return render(
         request,
         "tpus/disk_detail.html",
-        {"lab": lab, "disk": disk, "form": form, "attachments": attachments},
+        {"lab": lab, "disk": disk, "form": form, **_disk_state(disk)},
     )
+
+
+def _disk_state(disk) -> dict:
+    operations = list(disk.operations.select_related("vm")[:10])
+    return {
+        "attachments": disk.attachments.select_related("vm"),
+        "operations": operations,
+        "in_flight": any(op.in_flight for op in operations),
+    }
+
+
+@login_required
+def disk_progress(request, slug, disk_id):
+    lab = access.get_admin_lab(request.user, slug)
+    disk = access.get_disk_for_admin(request.user, lab, disk_id)
+    return render(request, "tpus/_disk_state.html", {"lab": lab, "disk": disk, **_disk_state(disk)})
 
 
 @login_required
@@ -151,9 +163,9 @@ def disk_detach(request, slug, disk_id, vm_id):
     disk = access.get_disk_for_admin(request.user, lab, disk_id)
     vm = access.get_vm_for_admin(request.user, lab, vm_id)
     try:
-        inventory.detach_disk(request.user, disk, vm, request=request)
+        disk_operations.request_operation(request.user, disk, vm, "detach", request=request)
     except InventoryError as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(request, f"{disk.name} is detached from {vm.name}.")
+        messages.success(request, f"Detaching {disk.name} from {vm.name}…")
     return redirect("disk_detail", lab.slug, disk.pk)
