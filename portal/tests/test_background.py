@@ -29,7 +29,13 @@ def test_tasks_are_acknowledged_late_and_requeued_if_a_worker_dies():
 def test_the_heartbeat_is_scheduled_in_code():
     import tpus.tasks  # noqa: F401 (registers its periodic tasks)
 
-    assert app.conf.beat_schedule["heartbeat"]["task"] == "tpus.tasks.record_heartbeat"
+    schedule = {name: entry["task"] for name, entry in app.conf.beat_schedule.items()}
+    assert schedule == {
+        "heartbeat": "tpus.tasks.record_heartbeat",
+        "sync-inventory": "tpus.tasks.sync_inventory",
+        "reconcile-sweep": "tpus.tasks.reconcile_sweep",
+        "expire-grants": "tpus.tasks.expire_grants",
+    }
 
 
 @pytest.mark.slow
