@@ -88,14 +88,6 @@ def get_membership_for_admin(user, lab: Lab, membership_id: int) -> Membership:
         raise Http404("No such membership.") from None
 
 
-def get_own_membership(user, membership_id: int) -> Membership:
-    """One of the person's own memberships; else 404."""
-    try:
-        return Membership.objects.select_related("lab").get(pk=membership_id, user=user)
-    except (Membership.DoesNotExist, ValueError, TypeError):
-        raise Http404("No such membership.") from None
-
-
 def get_invite_for_admin(user, lab: Lab, invite_id: int) -> Invite:
     try:
         return lab.invites.get(pk=invite_id)

@@ -22,6 +22,7 @@ from accounts.sshkeys import (
 from accounts.tests import keydata
 from accounts.tests.conftest import GENERATED
 from accounts.tests.keydata import ACCEPTED, ED25519, HOSTILE, RSA_2048, SK_ECDSA, SK_ED25519
+from accounts.tests.leaks import PUTTY_V3
 
 NEW_KEY_COMMAND = 'ssh-keygen -t ed25519 -C "you@laptop"'
 
@@ -189,16 +190,6 @@ def test_rejections_have_a_readable_repr_with_code_and_message():
 
 # --- pasted private keys ----------------------------------------------------------------
 
-PUTTY_V3 = """PuTTY-User-Key-File-3: ssh-ed25519
-Encryption: none
-Comment: eddsa-key-20240101
-Public-Lines: 2
-AAAAC3NzaC1lZDI1NTE5AAAAIN8crqCQZGXDCh9KBbBRI4EGkWOX2SOeVCa1joX0
-XTan
-Private-Lines: 1
-AAAAIPuttyPrivatePartThatMustNeverBeEchoedBackToAnyoneAtAll0000
-Private-MAC: 6b1c4a5fbd0e2a9d3c0f4b1a2e3d4c5b6a7980a1b2c3d4e5f60718293a4b5c6d
-"""
 PUTTY_V2 = PUTTY_V3.replace("File-3", "File-2")
 PUTTY_BODY_ONLY = PUTTY_V3.split("\n", 1)[1]
 
