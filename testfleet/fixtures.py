@@ -113,3 +113,16 @@ def fleet_settings(settings, fleet):
     settings.PORTAL_REMOTE_SCRIPT_TIMEOUT = 60
     settings.PORTAL_REMOTE_DRY_RUN = False
     return settings
+
+
+def add_fleet_node(controls, fleet, hosts, project: str, zone: str, name: str) -> None:
+    """An emulated TPU VM whose workers are ``hosts``: their addresses as the workers'
+    external IPs and their host keys in guest attributes, as Google publishes them."""
+    controls.add_node(
+        project, zone, name, accelerator_type=f"v4-{8 * len(hosts)}", workers=len(hosts),
+        external_ips=[h.ip for h in hosts],
+        host_keys={
+            i: {line.split()[0]: line for line in fleet.host_keys(h.name)}
+            for i, h in enumerate(hosts)
+        },
+    )  # fmt: skip

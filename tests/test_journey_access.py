@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
+from testfleet.fixtures import add_fleet_node
 from tpus.models import Grant, Lab, Membership, TpuVm
 from tpus.services import inventory
 
@@ -76,14 +77,7 @@ def scene(
     lab = make_lab("Vision Lab", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
     admin = make_user("boss@vision.example", password=PASSWORD)
     add_member(lab, admin, role="admin")
-    tpu_emulator.controls.add_node(
-        PROJECT, ZONE, "tpu5", accelerator_type="v4-32", workers=4,
-        external_ips=[h.ip for h in hosts],
-        host_keys={
-            i: {line.split()[0]: line for line in fleet.host_keys(h.name)}
-            for i, h in enumerate(hosts)
-        },
-    )  # fmt: skip
+    add_fleet_node(tpu_emulator.controls, fleet, hosts, PROJECT, ZONE, "tpu5")
     [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
     milo = make_user("milo@uni.example", password=PASSWORD)
     request = add_member(lab, milo, state="requested")

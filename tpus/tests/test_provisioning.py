@@ -17,6 +17,7 @@ from django.db import connection
 from accounts.keys import add_key
 from accounts.models import User
 from accounts.unix import choose_username
+from testfleet.fixtures import add_fleet_node
 from tpus.models import AuditEvent, Grant, TpuVm
 from tpus.services import inventory, sshconfig
 from tpus.services.grants import grant_access, revoke_access
@@ -96,14 +97,7 @@ def pod(
     lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
     admin = make_user("boss@vision.example")
     add_member(lab, admin, role="admin")
-    tpu_emulator.controls.add_node(
-        PROJECT, ZONE, "tpu5", accelerator_type="v4-32", workers=4,
-        external_ips=[h.ip for h in hosts],
-        host_keys={
-            i: {line.split()[0]: line for line in fleet.host_keys(h.name)}
-            for i, h in enumerate(hosts)
-        },
-    )  # fmt: skip
+    add_fleet_node(tpu_emulator.controls, fleet, hosts, PROJECT, ZONE, "tpu5")
     [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
     milo = make_user("milo@uni.example")
     add_member(lab, milo)
