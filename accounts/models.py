@@ -177,6 +177,10 @@ class UidAllocation(models.Model):
         User, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     allocated_at = models.DateTimeField(default=timezone.now)
+    # The username this UID first went to hosts with. Kept, like the row, when the
+    # person is deleted: their locked account and their files on the hosts still carry
+    # the name, so it is never given to anyone else.
+    username = models.CharField(max_length=31, blank=True)
 
     class Meta:
         ordering = ["uid"]

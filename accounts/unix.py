@@ -7,7 +7,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import Max
+from django.db.models import Max, Q
 from django.utils import timezone
 
 from accounts.models import SSHKey, UidAllocation, UnixAccount, User
@@ -99,7 +99,7 @@ def choose_username(user: User, name: str, request=None) -> UnixAccount:
                 f"Your username is already “{account.username}” on the lab's machines, "
                 "so it can no longer change.",
             )
-        if UnixAccount.objects.filter(username__iexact=name).exclude(pk=account.pk).exists():
+        if _name_in_use(name, user):
             raise _taken(name)
         try:
             with transaction.atomic():
@@ -123,15 +123,48 @@ def choose_username(user: User, name: str, request=None) -> UnixAccount:
     return account
 
 
+def _name_in_use(name: str, user: User) -> bool:
+    """Whether anyone but ``user`` has ``name`` (in any letter case): as their account's
+    username, or as the name their UID went to hosts with, which outlives the person.
+    One query: every account's UID has an allocation row of the same person."""
+    return (
+        UidAllocation.objects.filter(
+            Q(username__iexact=name) | Q(user__unix_account__username__iexact=name)
+        )
+        .exclude(user=user)
+        .exists()
+    )
+
+
 def _taken(name: str) -> UnixAccountError:
     return UnixAccountError("taken", f"“{name}” is taken. Choose another username.")
 
 
 def mark_provisioned(user: User) -> None:
     """Record that ``user``'s account now exists on at least one host, which fixes
-    the username. The provisioning code calls this after its first success; calling
-    it again keeps the first time."""
-    UnixAccount.objects.filter(user=user, provisioned_at=None).update(provisioned_at=timezone.now())
+    the username; calling it again keeps the first time."""
+    account = UnixAccount.objects.filter(user=user).exclude(username="").first()
+    if account is not None:
+        mark_names_provisioned([account.username])
+
+
+def mark_names_provisioned(usernames: list[str]) -> None:
+    """The accounts with these usernames are about to be written to hosts: their
+    usernames are fixed from now on, and reserved for their UIDs for good (a deleted
+    person's name is never given to anyone else). Accounts already marked keep their
+    first time. Call inside the transaction that reads the desired state."""
+    with transaction.atomic():
+        fresh = UnixAccount.objects.filter(username__in=usernames, provisioned_at=None)
+        # Locked, so a name cannot change between reading and marking it (choose_username
+        # locks the account row too).
+        named = list(fresh.select_for_update().values_list("pk", "uid", "username"))
+        if not named:
+            return
+        UnixAccount.objects.filter(pk__in=[pk for pk, _, _ in named]).update(
+            provisioned_at=timezone.now()
+        )
+        for _, uid, username in named:
+            UidAllocation.objects.filter(uid=uid, username="").update(username=username)
 
 
 def suggested_username(user: User) -> str | None:
@@ -145,7 +178,7 @@ def suggested_username(user: User) -> str | None:
         name = suggest_username(source, taken)
         if name is None:
             return None
-        if not UnixAccount.objects.filter(username__iexact=name).exclude(user=user).exists():
+        if not _name_in_use(name, user):
             return name
         taken.append(name)
     return None

@@ -21,6 +21,7 @@ from accounts.unix import (
     choose_username,
     ensure_unix_account,
     mark_provisioned,
+    suggested_username,
 )
 from tpus.models import AuditAction, AuditEvent
 from tpus.services import access_changes
@@ -120,6 +121,35 @@ def test_the_username_is_fixed_once_provisioned(make_user):
         choose_username(user, "milo2")
     assert info.value.code == "locked"
     assert UnixAccount.objects.get(user=user).username == "milo"
+
+
+def test_a_name_that_was_on_the_hosts_is_never_given_to_anyone_else(make_user):
+    gone, left = make_user(), make_user()
+    for person, name in ((gone, "milo"), (left, "ana")):
+        ensure_unix_account(person)
+        UnixAccount.objects.filter(user=person).update(username=name)  # (no audit row)
+        mark_provisioned(person)
+    gone.delete()  # their locked account and files on the hosts still say "milo"
+    UnixAccount.objects.filter(user=left).delete()  # an account row removed by hand
+    assert set(UidAllocation.objects.values_list("username", flat=True)) == {"milo", "ana"}
+
+    newcomer = make_user(email="milo@example.org")
+    for name in ("milo", "ana"):
+        with pytest.raises(UnixAccountError) as info:
+            choose_username(newcomer, name)
+        assert info.value.code == "taken"
+    assert suggested_username(newcomer) == "milo2"
+    assert not UnixAccount.objects.filter(user=newcomer).exclude(username="").exists()
+    # The person whose account row went keeps their name with their UID.
+    assert choose_username(left, "ana").username == "ana"
+
+
+def test_a_name_chosen_but_never_on_a_host_is_free_again(make_user):
+    gone = make_user()
+    ensure_unix_account(gone)
+    UnixAccount.objects.filter(user=gone).update(username="milo")
+    gone.delete()
+    assert choose_username(make_user(), "milo").username == "milo"
 
 
 def test_the_database_refuses_the_same_username_in_another_case(make_user):

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from accounts.models import UnixAccount
+from accounts.unix import mark_names_provisioned
 from tpus import audit, notify
 from tpus.models import (
     AuditAction,
@@ -168,10 +168,8 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
         version = vm.desired_version
         state = desired_state(vm)
         workers = list(vm.workers.select_related("sync").order_by("index"))
-        # From now on these names exist on hosts: they can no longer be changed.
-        UnixAccount.objects.filter(
-            username__in=[u.username for u in state.users], provisioned_at=None
-        ).update(provisioned_at=timezone.now())
+        # From now on these names exist on hosts: fixed, and reserved for good.
+        mark_names_provisioned([u.username for u in state.users])
     report.version = version
     report.ok, report.retryable, report.failed = [], {}, {}
     try:
