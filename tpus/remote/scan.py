@@ -7,13 +7,11 @@ console shows and confirms them.
 
 from __future__ import annotations
 
-import socket
-
 import paramiko
 from django.conf import settings
 
 from tpus.remote.errors import RemoteError
-from tpus.remote.ssh import Worker, check_allowed
+from tpus.remote.ssh import Worker, check_allowed, open_socket
 
 SCAN_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "rsa-sha2-512")
 
@@ -25,7 +23,7 @@ def scan_host_keys(address: str, port: int = 22) -> list[str]:
     found = []
     for key_type in SCAN_TYPES:
         try:
-            sock = socket.create_connection((address, port), timeout=timeout)
+            sock = open_socket(address, port, timeout)
         except OSError as exc:
             raise RemoteError(
                 f"cannot connect to {address}:{port}: {exc}",

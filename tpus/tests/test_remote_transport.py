@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import logging
+import socket
 import threading
 import time
 from pathlib import Path
@@ -212,3 +214,44 @@ def test_dry_run_contacts_nobody(fleet, fleet_settings, fleet_host):
     assert result.dry_run and result.values == {}
     time.sleep(0.2)
     assert connections(fleet, fleet_host) == before
+
+
+def test_connections_send_small_packets_at_once(fleet, fleet_settings, fleet_host):
+    from tpus.remote import config, ssh
+
+    client = ssh._connect(worker_for(fleet, fleet_host), config.current())
+    try:
+        sock = client.get_transport().sock
+        assert isinstance(sock, ssh._PromptSocket)
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        client.close()
+
+
+def test_key_exchange_prefers_p256_and_falls_back_to_x25519(
+    fleet, fleet_settings, fleet_host, caplog
+):
+    caplog.set_level(logging.DEBUG, logger="paramiko.transport")
+
+    def kex_with(port: int) -> list[str]:
+        caplog.clear()
+        run_script(worker_for(fleet, fleet_host, port=port), "whoami.sh")
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Kex: ")]
+
+    assert kex_with(22) == ["Kex: ecdh-sha2-nistp256"]
+    # A second sshd on the same host that offers X25519 only, as some hardened hosts do.
+    fleet.exec(fleet_host.name, ["/usr/sbin/sshd", "-p", "2222", "-o", "PidFile=/run/kex.pid",
+                                 "-o", "KexAlgorithms=curve25519-sha256@libssh.org"])  # fmt: skip
+    try:
+        # sshd detaches before it binds its port: wait until it listens.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection((fleet_host.ip, 2222), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the second sshd never listened"
+                time.sleep(0.02)
+        assert kex_with(2222) == ["Kex: curve25519-sha256@libssh.org"]
+    finally:
+        fleet.exec(fleet_host.name, ["sh", "-c", 'kill "$(cat /run/kex.pid)"'])
