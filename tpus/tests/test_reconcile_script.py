@@ -176,6 +176,7 @@ def test_sudo_on_lets_the_user_sudo_and_sudo_off_removes_the_file(target):
     name, uid = new_name(), next(_uids)
     key, public = target.new_key("s")
     sudoers = f"/etc/sudoers.d/tpu-portal-{name}"
+    target.reconcile(state())  # no other test's sudoers files on this host to remove
 
     on = target.reconcile(state(user(name, uid, public, sudo=True)))
 
@@ -210,6 +211,22 @@ def test_portal_files_changed_by_hand_are_put_back_even_at_the_same_size(target)
     target.sh(f"chmod 600 {KEYS_DIR}/{name}")
     assert target.reconcile(desired).values["keys_written"] == "1"
     assert target.sh(f"stat -c %a {KEYS_DIR}/{name}").strip() == "644"
+    assert target.reconcile(desired).values["noop"] == "1"
+
+
+def test_a_keys_folder_opened_up_by_hand_is_closed_and_leftovers_are_removed(target):
+    name, uid = new_name(), next(_uids)
+    desired = state(user(name, uid, target.new_key("dir")[1]))
+    target.reconcile(desired)
+    # Someone loosened the folder, and a run killed mid-write left its temporary file.
+    target.sh(f"chown {uid}:{uid} {KEYS_DIR}; chmod 0777 {KEYS_DIR}; "
+              f"echo junk > {KEYS_DIR}/.tpu-portal.4242")  # fmt: skip
+
+    result = target.reconcile(desired)
+
+    assert result.values["keys_removed"] == "1"
+    assert target.sh(f"stat -c '%a %U %G' {KEYS_DIR}").strip() == "755 root root"
+    assert target.sh(f"ls -A {KEYS_DIR}").split().count(".tpu-portal.4242") == 0
     assert target.reconcile(desired).values["noop"] == "1"
 
 
@@ -417,6 +434,8 @@ def hostile_streams(name: str, uid: int) -> dict[str, bytes]:
         "cut inside a line": head + ok[:-10],
         "no final newline": head + ok + "end",
         "end in the middle": head + "end\n" + ok + "end\n",
+        "a cut-off end after end": head + ok + "end\nend",
+        "a line too long": head + ok + f"key {name} ssh-ed25519 {'A' * 4400}\nend\n",
         "command substitution": head + ok + f"user $(touch${{IFS}}/tmp/pwned) {uid + 1} 1 1\nend\n",
         "backticks": head + ok + "user `reboot` 30001 1 1\nend\n",
         "semicolon": head + ok + f"user milo;reboot {uid + 1} 1 1\nend\n",
@@ -456,6 +475,21 @@ def test_the_script_refuses_hostile_streams_and_changes_nothing(target):
 
     assert target.snapshot() == before
     assert target.sh(f"getent passwd {name}; ls /tmp | grep pwned", check=False) == ""
+
+
+def test_a_stream_too_large_is_refused_whole(target):
+    name, uid = new_name(), next(_uids)
+    target.reconcile(state())
+    before = target.snapshot()
+    blob = GOOD_KEY.split()[1]
+    line = f"key {name} ssh-ed25519 {blob}\n"
+    body = f"user {name} {uid} 1 1\n" + line * (16 * 1024 * 1024 // len(line) + 1)
+    stream = f"tpu-portal-desired 1\nrange {UID_MIN} {UID_MAX}\n{body}end\n".encode()
+
+    with pytest.raises(RemoteError, match="larger than 16777216 bytes"):
+        target.reconcile(stream)
+
+    assert target.snapshot() == before
 
 
 def test_a_stream_cut_short_changes_nothing(target):

@@ -71,17 +71,23 @@ mount_error() {
 # ---------------------------------------------------------------------------------
 input=$work/input
 head -c $((MAX_INPUT + 1)) >"$input"
-[ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the desired state is larger than $MAX_INPUT bytes"
+# One awk for its shape: its size (each line's length plus its newline, summed), the
+# length of each line, and whether the last line is "end". A last line without its
+# newline counts one byte too many; the loop below refuses such an input (and grep one
+# with a NUL byte, which not every awk counts).
+shape=$(awk -v max="$MAX_LINE" -v most="$MAX_INPUT" '
+    length($0) > max { print "line " NR; long = 1; exit }
+    { bytes += length($0) + 1 }
+    END { if (long) exit; if (bytes > most) print "size"; else if ($0 != "end") print "cut" }
+    ' "$input")
+case $shape in
+size) die "the desired state is larger than $MAX_INPUT bytes" ;;
+line*) die "$shape of the input is too long; nothing was changed" ;;
+esac
 first=""
 IFS= read -r first <"$input" || true
 [ "$first" = "tpu-portal-desired 1" ] || die "the input does not start with 'tpu-portal-desired 1'"
-# The last five bytes must be "\nend\n" (the header makes the input longer than that).
-# The '.' keeps $(...) from dropping the final newline; dash drops NUL bytes there, so
-# a NUL among them leaves fewer than five characters and the test fails, as it should.
-nl='
-'
-[ "$(tail -c 5 "$input" && echo .)" = "${nl}end${nl}." ] ||
-    die "the input does not end with 'end': it was cut short, nothing was changed"
+[ "$shape" != cut ] || die "the input does not end with 'end': it was cut short, nothing was changed"
 
 # Each line must be one of these records, whole (-x), nothing else: no options before
 # a key, no second key, no control characters, no quotes, no '$', no tabs.
@@ -97,8 +103,6 @@ bad=$(grep -a -n -v -x -E -m 1 \
     -e 'end' \
     "$input") || true
 [ -z "$bad" ] || die "line ${bad%%:*} of the input is not a valid record; nothing was changed"
-long=$(awk -v max="$MAX_LINE" 'length($0) > max { print NR; exit }' "$input")
-[ -z "$long" ] || die "line $long of the input is too long; nothing was changed"
 
 # Split the records into files of our own private folder, checking each field again
 # and where each record may stand. Duplicates are found with lists kept in variables
@@ -171,7 +175,9 @@ while IFS=' ' read -r kind f1 f2 f3 f4 rest <&3; do
     *) die "unknown record" ;;
     esac
 done 3<"$input"
-[ "$ended" = 1 ] || die "the input does not end with 'end'"
+# `read` fails on a last line without its newline, leaving that line's text behind.
+[ -z "$kind$f1$f2$f3$f4$rest" ] || die "the last line has no newline: the input was cut short, nothing was changed"
+[ "$ended" = 1 ] || die "the input does not end with 'end': it was cut short, nothing was changed"
 [ -n "$uid_min" ] || die "no UID range"
 
 # One reconcile at a time on this host (the portal also locks per VM). /run is
@@ -191,12 +197,14 @@ same_file() {
 
 # Write $2 (a file of ours) to path $1 atomically with mode $3, through a temporary
 # file in the target's own folder (rename never follows a symlink at the target).
+# Every folder written to is root's alone (the keys folder is checked; /etc, its ssh
+# folders and /run are the system's), so a fixed temporary name is safe there; install
+# removes whatever a killed run left under it and creates the file anew (O_EXCL).
 # Returns 1 (and changes nothing) when the target already has that content and mode.
 replace_file() {
     if same_file "$1" "$2" "$3"; then return 1; fi
-    inflight=$(mktemp -- "$(dirname -- "$1")/.tpu-portal.XXXXXX")
-    cat -- "$2" >"$inflight"
-    chmod "$3" -- "$inflight"
+    inflight=${1%/*}/.tpu-portal.$$
+    install -m "$3" -- "$2" "$inflight"
     mv -f -- "$inflight" "$1"
     inflight=""
     return 0
@@ -233,11 +241,8 @@ if [ ! -d "$KEYS_DIR" ]; then
     mkdir -m 0755 "$KEYS_DIR"
     changed=$((changed + 1))
 fi
-if [ "$(stat -c '%a %u %g' "$KEYS_DIR")" != "755 0 0" ]; then
-    chown 0:0 "$KEYS_DIR"
-    chmod 0755 "$KEYS_DIR"
-    changed=$((changed + 1))
-fi
+# Its owner and mode are checked (and set) in section 3, with its files, before any
+# of them is written.
 
 # The user's own ~/.ssh/authorized_keys keeps working (keys a collaborator adds by
 # hand); the portal's file comes last. sshd uses the first value it reads for an
@@ -359,103 +364,123 @@ remove_portal_files() {
 }
 
 # What the host knows about the listed users is read once, not asked per user: the
-# account databases as getent lists them and the type, mode and owner of the portal's
-# own files, joined with the list by one awk. The loop at the end of this section reads
-# one line per user into these variables, which the functions below use:
+# account databases as getent lists them and the type, mode, owner, size and content
+# of the portal's own files, joined with the list by one awk. The loop at the end of
+# this section reads one line per user into these variables, which the functions
+# below use:
 #   name uid active sudo          the input
 #   pw_found pw_uid pw_gid pw_shell          `getent passwd NAME` (first entry wins)
 #   gr_found gr_gid                          `getent group NAME`
 #   sh_found sh_password sh_expire           `getent shadow NAME` (fields 2 and 8)
-#   keys_fit sudo_fit             1: the keys / sudoers file is a plain file of root's
-#                                 with the right mode and the size of what it should hold
+#   keys_same sudo_same           1: the keys / sudoers file is a plain file of root's
+#                                 with the right mode, size and content already
 # Only a user's own steps change their entries, and names and uids are unique in the
 # input, so what was read stays true for every user still to come. A name the listing
 # does not have (an NSS source that does not enumerate, or an account still to be
 # made) is asked of getent directly, with its uid, as before any account is created.
+# The same awk finds the drift (accounts in /etc/passwd inside the portal's UID range
+# that it did not list) and whether fstab has a line of ours.
 getent passwd >"$work/passwd" || true
 getent group >"$work/group" || true
 getent shadow >"$work/shadow" || true
 SUDO_RULE=' ALL=(ALL:ALL) NOPASSWD:ALL'
-stat -c '%a %u %g %s %F|%n' -- "$KEYS_DIR"/* "$SUDOERS_DIR"/tpu-portal-* "$work"/keys.* \
-    >"$work/files" 2>/dev/null || true
-# For the files that fit, the same awk writes what they should hold, one after the
-# other, to want-all, and their paths on one line to have-list (names are checked
-# [a-z0-9-], so the list splits safely on spaces).
-: >"$work/want-all"
+stat -c '%a %u %g %s %F|%n' -- "$KEYS_DIR" "$KEYS_DIR"/* "$SUDOERS_DIR"/tpu-portal-* \
+    "$work"/keys.* >"$work/files" 2>/dev/null || true
+# The keys folder comes first: root's alone, so that no one else can swap its files.
+keys_dir_meta=""
+IFS= read -r keys_dir_meta <"$work/files" || true
+case $keys_dir_meta in
+"755 0 0 "*" directory|$KEYS_DIR") ;;
+*)
+    chown 0:0 "$KEYS_DIR"
+    chmod 0755 "$KEYS_DIR"
+    changed=$((changed + 1))
+    ;;
+esac
+fstab_in=$FSTAB
+[ -f "$FSTAB" ] || fstab_in=/dev/null
+# A file's content is compared as its lines, each with a newline: with equal sizes,
+# equal lines mean equal bytes (a missing last newline or a cut at a NUL byte would
+# make the lines shorter than the size).
 awk -v keys="$KEYS_DIR/" -v sudoers="$SUDOERS_DIR/tpu-portal-" -v work="$work/" \
-    -v rule="$SUDO_RULE" '
+    -v rule="$SUDO_RULE" -v lo="$uid_min" -v hi="$uid_max" -v mark=" $FSTAB_MARK" '
     function fits(path, mode, size, m) {
         if (!(path in meta)) return 0
         split(meta[path], m, " ")
         return m[1] == mode && m[2] == 0 && m[3] == 0 && m[4] == size &&
             m[5] == "regular" && m[6] == "file" && m[7] == ""
     }
+    function content(path, line, text) {
+        text = ""
+        while ((getline line < path) > 0) text = text line "\n"
+        close(path)
+        return text
+    }
     FILENAME == ARGV[1] { split($0, f, ":"); if (!(f[1] in pw)) pw[f[1]] = f[3] ":" f[4] ":" f[7]; next }
     FILENAME == ARGV[2] { split($0, f, ":"); if (!(f[1] in gr)) gr[f[1]] = f[3]; next }
     FILENAME == ARGV[3] { split($0, f, ":"); if (!(f[1] in sh)) sh[f[1]] = f[2] ":" f[8]; next }
     FILENAME == ARGV[4] { i = index($0, "|"); meta[substr($0, i + 1)] = substr($0, 1, i - 1); next }
-    {
-        n = $1; keys_fit = 0; sudo_fit = 0
+    FILENAME == ARGV[5] {
+        n = $1; listed[n] = 1; keys_same = 0; sudo_same = 0
         split(meta[work "keys." n], want, " ")
-        if ($3 == 1 && want[4] > 0 && fits(keys n, 644, want[4])) {
-            keys_fit = 1
-            have = have " " keys n
-            while ((getline line < (work "keys." n)) > 0) print line > (work "want-all")
-            close(work "keys." n)
-        }
-        if ($3 == 1 && $4 == 1 && fits(sudoers n, 440, length(n rule) + 1)) {
-            sudo_fit = 1
-            have = have " " sudoers n
-            print n rule > (work "want-all")
-        }
+        if ($3 == 1 && want[4] > 0 && fits(keys n, 644, want[4]) &&
+            content(keys n) == content(work "keys." n)) keys_same = 1
+        if ($3 == 1 && $4 == 1 && fits(sudoers n, 440, length(n rule) + 1) &&
+            content(sudoers n) == n rule "\n") sudo_same = 1
         print n ":" $2 ":" $3 ":" $4 ":" (n in pw ? "1:" pw[n] : "0:::") ":" \
             (n in gr ? "1:" gr[n] : "0:") ":" (n in sh ? "1:" sh[n] : "0::") ":" \
-            keys_fit ":" sudo_fit
+            keys_same ":" sudo_same
+        next
     }
-    END { print have > (work "have-list") }
-    ' "$work/passwd" "$work/group" "$work/shadow" "$work/files" "$work/users" >"$work/facts"
-# Each of those files has the size of its part of want-all; so if their contents laid
-# end to end equal want-all, every one of them holds exactly what it should: one cmp
-# for all of them. Otherwise each is compared on its own below.
-contents_same=0
-read -r have_list <"$work/have-list" || true
-if [ -n "$have_list" ]; then
-    set -f
-    # shellcheck disable=SC2086  # paths of checked names, split on spaces on purpose
-    if cat -- $have_list >"$work/have-all" 2>/dev/null &&
-        cmp -s -- "$work/want-all" "$work/have-all"; then
-        contents_same=1
-    fi
-    set +f
-fi
+    FILENAME == ARGV[6] {
+        # Names are made safe as oneline() does: one line of safe characters, 300 at most.
+        split($0, f, ":")
+        if (f[3] ~ /^[0-9]+$/ && f[3] + 0 >= lo && f[3] + 0 <= hi && !(f[1] in listed) &&
+            !seen[f[1]]++) {
+            n = f[1]
+            gsub("[^-A-Za-z0-9 ._:,/()=@+]", " ", n)
+            print "drift_user=" substr(n, 1, 300) > (work "drift")
+        }
+        next
+    }
+    substr($0, length($0) - length(mark) + 1) == mark { ours = 1 }
+    END { if (ours) printf "" > (work "fstab-ours") }
+    ' "$work/passwd" "$work/group" "$work/shadow" "$work/files" "$work/users" /etc/passwd \
+    "$fstab_in" >"$work/facts"
 
 # Ask NSS directly about an account the listing did not have (sets the pw_ variables),
-# and who holds its uid.
+# and who holds its uid: one getent for both, which prints the entry for the name (if
+# any) and then the one for the number (if any). Only without an entry for the name is
+# the owner of the number needed, and then every line printed is that owner's.
 lookup_account() {
-    local entry x
+    local entries n x u g sh
     pw_found=0 pw_uid="" pw_gid="" pw_shell=""
-    entry=$(getent passwd "$name" || true)
-    if [ -n "$entry" ]; then
-        pw_found=1
-        IFS=: read -r x x pw_uid pw_gid x x pw_shell <<END
-$entry
+    entries=$(getent passwd "$name" "$uid" || true)
+    while IFS=: read -r n x u g x x sh; do
+        if [ "$n" = "$name" ] && [ "$pw_found" = 0 ]; then
+            pw_found=1 pw_uid=$u pw_gid=$g pw_shell=$sh
+        elif [ -z "$uid_owner" ] && [ -n "$n" ]; then
+            uid_owner=$n
+        fi
+    done <<END
+$entries
 END
-    fi
-    uid_owner=$(getent passwd "$uid" | cut -d : -f 1 || true)
 }
 
 # The same for a group (sets the gr_ variables), and who holds the gid.
 lookup_group() {
-    local entry x
+    local entries n x g
     gr_found=0 gr_gid=""
-    entry=$(getent group "$name" || true)
-    if [ -n "$entry" ]; then
-        gr_found=1
-        IFS=: read -r x x gr_gid x <<END
-$entry
+    entries=$(getent group "$name" "$uid" || true)
+    while IFS=: read -r n x g x; do
+        if [ "$n" = "$name" ] && [ "$gr_found" = 0 ]; then
+            gr_found=1 gr_gid=$g
+        elif [ -z "$gid_owner" ] && [ -n "$n" ]; then
+            gid_owner=$n
+        fi
+    done <<END
+$entries
 END
-    fi
-    gid_owner=$(getent group "$uid" | cut -d : -f 1 || true)
 }
 
 # The account $name with uid $uid and group $name (gid $uid) exists, or the reason it
@@ -519,8 +544,10 @@ ensure_account() {
 # 1970, empty for never); returns 1 if it had to be changed, 2 if it could not be.
 ensure_shadow() {
     local entry x out
-    if [ "$sh_found" = 0 ] || [ "$created" = 1 ]; then
-        # Not in the listing, or just made by useradd: ask now.
+    # useradd has just written both fields, as given.
+    if [ "$created" = 1 ]; then return 0; fi
+    if [ "$sh_found" = 0 ]; then
+        # Not in the listing: ask now.
         sh_password="" sh_expire=""
         entry=$(getent shadow "$name" || true)
         if [ -n "$entry" ]; then
@@ -549,10 +576,7 @@ converge_active() {
     [ "$rc" != 2 ] || return 0
 
     if [ -s "$work/keys.$name" ]; then
-        # The listing said the file is plain, root's, 0644 and of the right size: then
-        # only the content can differ. Otherwise replace_file looks again.
-        if [ "$keys_fit" = 1 ] && { [ "$contents_same" = 1 ] ||
-            cmp -s -- "$work/keys.$name" "$KEYS_DIR/$name"; }; then
+        if [ "$keys_same" = 1 ]; then
             :
         elif replace_file "$KEYS_DIR/$name" "$work/keys.$name" 644; then
             keys_written=$((keys_written + 1))
@@ -564,13 +588,11 @@ converge_active() {
     if [ "$sudo" = 1 ]; then
         echo "$name$SUDO_RULE" >"$work/sudo"
         target=$SUDOERS_DIR/tpu-portal-$name
-        if ! { [ "$sudo_fit" = 1 ] && { [ "$contents_same" = 1 ] ||
-            cmp -s -- "$work/sudo" "$target"; }; }; then
+        if [ "$sudo_same" != 1 ]; then
             # The temporary name has a '.', so sudo ignores it until it is checked
             # and renamed.
-            inflight=$(mktemp "$SUDOERS_DIR/.tpu-portal.XXXXXX")
-            cat "$work/sudo" >"$inflight"
-            chmod 0440 "$inflight"
+            inflight=$SUDOERS_DIR/.tpu-portal.$$
+            install -m 0440 -- "$work/sudo" "$inflight"
             if out=$(visudo -c -q -f "$inflight" 2>&1); then
                 mv -f -- "$inflight" "$target"
                 inflight=""
@@ -604,7 +626,7 @@ converge_revoked() {
 
 : >"$work/revoked"
 while IFS=: read -r name uid active sudo pw_found pw_uid pw_gid pw_shell \
-    gr_found gr_gid sh_found sh_password sh_expire keys_fit sudo_fit <&3; do
+    gr_found gr_gid sh_found sh_password sh_expire keys_same sudo_same <&3; do
     created=0
     if [ "$active" = 1 ]; then
         converge_active
@@ -672,15 +694,11 @@ for path in "$SUDOERS_DIR"/tpu-portal-* "$SUDOERS_DIR"/.tpu-portal.*; do
     changed=$((changed + 1))
 done
 
-# Accounts in the portal's UID range that it did not list: reported, never removed.
-# Names are made safe as oneline() does: one line of safe characters, 300 at most.
-awk -F : -v lo="$uid_min" -v hi="$uid_max" '
-    FILENAME == ARGV[1] { split($0, u, " "); listed[u[1]] = 1; next }
-    $3 ~ /^[0-9]+$/ && $3 + 0 >= lo && $3 + 0 <= hi && !($1 in listed) && !seen[$1]++ {
-        n = $1
-        gsub("[^-A-Za-z0-9 ._:,/()=@+]", " ", n)
-        print "drift_user=" substr(n, 1, 300)
-    }' "$work/users" /etc/passwd | sort
+# Accounts in the portal's UID range that it did not list (found by the awk above):
+# reported, never removed.
+if [ -s "$work/drift" ]; then
+    while IFS= read -r line; do echo "$line"; done <"$work/drift"
+fi
 
 # ---------------------------------------------------------------------------------
 # 4. Data disks: an fstab line each (nofail, so a missing disk never stops a boot),
@@ -712,103 +730,112 @@ safe_path() {
     done
 }
 
-: >"$work/fstab-managed"
-while IFS=' ' read -r device point mode <&3; do
-    # A line the portal does not manage already mounts something here: leave both.
-    if [ -f "$FSTAB" ] && awk -v p="$point" \
-        '$1 !~ /^#/ && $2 == p && $0 !~ / # tpu-portal$/ { found = 1 } END { exit !found }' "$FSTAB"; then
-        mount_error "$device" "fstab already has an entry for $point"
-        continue
-    fi
-    # Checked before the fstab line is written: at boot, mount would follow the path too.
-    if ! safe_path "$point"; then
-        mount_error "$device" "$point is not a plain folder or lies below a symlink or a folder others can write to"
-        continue
-    fi
-    echo "/dev/disk/by-id/google-$device $point ext4 $mode,discard,defaults,nofail 0 2 $FSTAB_MARK" \
-        >>"$work/fstab-managed"
-done 3<"$work/mounts"
-
-# Mount points of ours that are no longer wanted: unmount them first (the portal
-# detaches the disk after this run), then drop their lines from fstab. A line whose
-# disk is still busy stays, so the next run tries again (and reports it again).
-wanted=" "
-while read -r source point rest <&3; do
-    wanted="$wanted$point "
-done 3<"$work/fstab-managed"
-: >"$work/still-mounted"
-grep -e " $FSTAB_MARK\$" "$FSTAB" 2>/dev/null | grep -v -x -F -f "$work/fstab-managed" >"$work/unwanted" || true
-while IFS= read -r line <&3; do
-    IFS=' ' read -r source point rest <<END
-$line
-END
-    case $point in /*) ;; *) continue ;; esac
-    # Points of ours hold no space or pattern character; "$point" matches literally.
-    case $wanted in *" $point "*) continue ;; esac
-    if mountpoint -q -- "$point" &&
-        [ "$(findmnt -n -o SOURCE --mountpoint "$point")" = "$(readlink -f -- "$source")" ]; then
-        if out=$(umount -- "$point" 2>&1); then
-            unmounted=$((unmounted + 1))
-            changed=$((changed + 1))
-        else
-            mount_error "${source#/dev/disk/by-id/google-}" "cannot unmount $point: $out"
-            echo "$line" >>"$work/still-mounted"
-        fi
-    fi
-done 3<"$work/unwanted"
-
-if [ -e "$FSTAB" ]; then
-    grep -v -e " $FSTAB_MARK\$" "$FSTAB" >"$work/fstab" || true
-else
-    : >"$work/fstab"
-fi
-cat "$work/fstab-managed" "$work/still-mounted" >>"$work/fstab"
-if ! { [ -e "$FSTAB" ] && cmp -s "$work/fstab" "$FSTAB"; }; then
-    replace_file "$FSTAB" "$work/fstab" 644 || true
-    fstab_written=1
-    changed=$((changed + 1))
-fi
-
-while read -r source point fstype options rest <&3; do
-    device=${source#/dev/disk/by-id/google-}
-    mode=${options%%,*}
-    if [ ! -d "$point" ]; then
-        mkdir -p -m 0755 -- "$point"
-        changed=$((changed + 1))
-    fi
-    if [ ! -b "$source" ]; then
-        echo "waiting_device=$device"
-        continue
-    fi
-    if mountpoint -q -- "$point"; then
-        now=$(findmnt -n -o SOURCE --mountpoint "$point")
-        if [ "$now" != "$(readlink -f -- "$source")" ]; then
-            mount_error "$device" "$point has another filesystem mounted ($now)"
+# The disks' part of fstab and their mounts; run only when there is something to do:
+# a disk is wanted here, or fstab still has a line of ours.
+converge_disks() {
+    local device point mode source rest line options fstype now current out wanted
+    : >"$work/fstab-managed"
+    while IFS=' ' read -r device point mode <&3; do
+        # A line the portal does not manage already mounts something here: leave both.
+        if [ -f "$FSTAB" ] && awk -v p="$point" \
+            '$1 !~ /^#/ && $2 == p && $0 !~ / # tpu-portal$/ { found = 1 } END { exit !found }' "$FSTAB"; then
+            mount_error "$device" "fstab already has an entry for $point"
             continue
         fi
-        current=$(findmnt -n -o OPTIONS --mountpoint "$point" | cut -d , -f 1)
-        if [ "$current" != "$mode" ]; then
-            if out=$(mount -o "remount,$mode" -- "$point" 2>&1); then
+        # Checked before the fstab line is written: at boot, mount would follow the path too.
+        if ! safe_path "$point"; then
+            mount_error "$device" "$point is not a plain folder or lies below a symlink or a folder others can write to"
+            continue
+        fi
+        echo "/dev/disk/by-id/google-$device $point ext4 $mode,discard,defaults,nofail 0 2 $FSTAB_MARK" \
+            >>"$work/fstab-managed"
+    done 3<"$work/mounts"
+
+    # Mount points of ours that are no longer wanted: unmount them first (the portal
+    # detaches the disk after this run), then drop their lines from fstab. A line whose
+    # disk is still busy stays, so the next run tries again (and reports it again).
+    wanted=" "
+    while read -r source point rest <&3; do
+        wanted="$wanted$point "
+    done 3<"$work/fstab-managed"
+    : >"$work/still-mounted"
+    grep -e " $FSTAB_MARK\$" "$FSTAB" 2>/dev/null | grep -v -x -F -f "$work/fstab-managed" >"$work/unwanted" || true
+    while IFS= read -r line <&3; do
+        IFS=' ' read -r source point rest <<END
+$line
+END
+        case $point in /*) ;; *) continue ;; esac
+        # Points of ours hold no space or pattern character; "$point" matches literally.
+        case $wanted in *" $point "*) continue ;; esac
+        if mountpoint -q -- "$point" &&
+            [ "$(findmnt -n -o SOURCE --mountpoint "$point")" = "$(readlink -f -- "$source")" ]; then
+            if out=$(umount -- "$point" 2>&1); then
+                unmounted=$((unmounted + 1))
                 changed=$((changed + 1))
             else
-                mount_error "$device" "cannot remount $point $mode: $out"
+                mount_error "${source#/dev/disk/by-id/google-}" "cannot unmount $point: $out"
+                echo "$line" >>"$work/still-mounted"
             fi
         fi
-        continue
-    fi
-    # Mounting over files would hide them (a collaborator's data written there while
-    # the disk was away, say): only an empty folder becomes a mount point.
-    if [ -n "$(ls -A -- "$point")" ]; then
-        mount_error "$device" "$point is not empty, not mounting over it"
-        continue
-    fi
-    if out=$(mount -- "$point" 2>&1); then
-        mounted=$((mounted + 1))
-        changed=$((changed + 1))
+    done 3<"$work/unwanted"
+
+    if [ -e "$FSTAB" ]; then
+        grep -v -e " $FSTAB_MARK\$" "$FSTAB" >"$work/fstab" || true
     else
-        mount_error "$device" "mount $point: $out"
+        : >"$work/fstab"
     fi
-done 3<"$work/fstab-managed"
+    cat "$work/fstab-managed" "$work/still-mounted" >>"$work/fstab"
+    if ! { [ -e "$FSTAB" ] && cmp -s "$work/fstab" "$FSTAB"; }; then
+        replace_file "$FSTAB" "$work/fstab" 644 || true
+        fstab_written=1
+        changed=$((changed + 1))
+    fi
+
+    while read -r source point fstype options rest <&3; do
+        device=${source#/dev/disk/by-id/google-}
+        mode=${options%%,*}
+        if [ ! -d "$point" ]; then
+            mkdir -p -m 0755 -- "$point"
+            changed=$((changed + 1))
+        fi
+        if [ ! -b "$source" ]; then
+            echo "waiting_device=$device"
+            continue
+        fi
+        if mountpoint -q -- "$point"; then
+            now=$(findmnt -n -o SOURCE --mountpoint "$point")
+            if [ "$now" != "$(readlink -f -- "$source")" ]; then
+                mount_error "$device" "$point has another filesystem mounted ($now)"
+                continue
+            fi
+            current=$(findmnt -n -o OPTIONS --mountpoint "$point" | cut -d , -f 1)
+            if [ "$current" != "$mode" ]; then
+                if out=$(mount -o "remount,$mode" -- "$point" 2>&1); then
+                    changed=$((changed + 1))
+                else
+                    mount_error "$device" "cannot remount $point $mode: $out"
+                fi
+            fi
+            continue
+        fi
+        # Mounting over files would hide them (a collaborator's data written there while
+        # the disk was away, say): only an empty folder becomes a mount point.
+        if [ -n "$(ls -A -- "$point")" ]; then
+            mount_error "$device" "$point is not empty, not mounting over it"
+            continue
+        fi
+        if out=$(mount -- "$point" 2>&1); then
+            mounted=$((mounted + 1))
+            changed=$((changed + 1))
+        else
+            mount_error "$device" "mount $point: $out"
+        fi
+    done 3<"$work/fstab-managed"
+}
+
+if [ -s "$work/mounts" ] || [ -e "$work/fstab-ours" ]; then
+    converge_disks
+fi
 
 # ---------------------------------------------------------------------------------
 # 5. The answer.
