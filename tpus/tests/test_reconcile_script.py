@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import subprocess
@@ -54,9 +55,10 @@ class Target:
         pins = HostKeyPins.parse(self.fleet.host_keys(self.host.name))
         return run_script(Worker(self.host.ip, pins, name=self.host.name), "reconcile.sh", data)
 
-    def sh(self, script: str, *, check: bool = True) -> str:
-        """Run a shell snippet as root inside the host; its stdout."""
-        return self.fleet.exec(self.host.name, ["sh", "-c", script], check=check).stdout.decode()
+    def sh(self, script: str, *, check: bool = True, input: bytes | None = None) -> str:
+        """Run a shell snippet as root inside the host (``input`` on its stdin); its stdout."""
+        done = self.fleet.exec(self.host.name, ["sh", "-c", script], check=check, input=input)
+        return done.stdout.decode()
 
     def as_user(self, uid: int, script: str) -> None:
         """Run a shell snippet in the collaborator's home as them (no login, no PAM)."""
@@ -608,6 +610,59 @@ def test_a_broken_sshd_configuration_stops_the_run_and_nothing_is_left_behind(ta
     assert target.ssh(name, key).returncode == 0
 
 
+# An sshd that refuses any configuration holding the portal's current drop-in, as a
+# future sshd might refuse one of its lines; everything else goes to the real sshd.
+# It replaces /usr/sbin/sshd in this host's mount namespace only.
+REFUSING_SSHD = """#!/bin/sh
+if [ "$1" = -t ] && grep -q -s '^# Managed by TPU Portal' /etc/ssh/sshd_config.d/*.conf; then
+    echo "50-tpu-portal.conf line 3: unsupported option" >&2
+    exit 255
+fi
+exec /root/sshd.real "$@"
+"""
+
+
+@contextlib.contextmanager
+def refusing_sshd(target):
+    target.sh("cp /usr/sbin/sshd /root/sshd.real && cat > /root/sshd.refusing && "
+              "chmod 0755 /root/sshd.refusing && mount --bind /root/sshd.refusing /usr/sbin/sshd",
+              input=REFUSING_SSHD.encode())  # fmt: skip
+    try:
+        yield
+    finally:
+        target.sh("umount /usr/sbin/sshd; rm -f /root/sshd.real /root/sshd.refusing")
+
+
+@pytest.mark.parametrize("before", ["none", "older"])
+def test_a_drop_in_that_sshd_refuses_is_rolled_back_and_nothing_else_changes(target, before):
+    name, uid = new_name(), next(_uids)
+    older = "AuthorizedKeysFile .ssh/authorized_keys /etc/ssh/tpu-portal-keys/%u\n"
+    target.reconcile(state())  # (the admin's first sudo since boot leaves a trace)
+    if before == "older":
+        target.sh(f"cat > {DROPIN} && chmod 0600 {DROPIN}", input=older.encode())
+    else:  # a host the portal never touched
+        target.sh(f"rm -f {DROPIN}; rm -r {KEYS_DIR}")
+    sshd_pid = target.sh("cat /run/sshd.pid")
+    # The drop-in's folder itself changes its times: a file came and went in it.
+    folder = "/etc/ssh/sshd_config.d d "
+    snapshot = [ln for ln in target.snapshot().splitlines() if not ln.startswith(folder)]
+
+    with refusing_sshd(target), pytest.raises(RemoteError) as caught:
+        target.reconcile(state(user(name, uid, target.new_key("refused")[1])))
+
+    assert "sshd -t refused the configuration with the portal's drop-in" in str(caught.value)
+    assert "unsupported option" in str(caught.value)
+    assert not caught.value.retryable
+    if before == "older":
+        assert target.sh(f"cat {DROPIN}") == older
+        assert target.sh(f"stat -c %a {DROPIN}").strip() == "600"
+    else:
+        assert target.sh(f"ls {DROPIN} 2>&1; true").count("No such file") == 1
+    # No account, no key file, nothing else.
+    assert [ln for ln in target.snapshot().splitlines() if not ln.startswith(folder)] == snapshot
+    assert target.sh("cat /run/sshd.pid") == sshd_pid  # never reloaded
+
+
 def test_a_drop_in_that_was_written_but_never_loaded_is_loaded_by_the_next_run(target):
     name, uid = new_name(), next(_uids)
     key, public = target.new_key("late")
@@ -695,14 +750,16 @@ def test_a_mount_point_reached_through_a_symlink_is_refused(target):
     assert target.fstab_lines() == []  # at boot, mount would follow the link
 
 
-@pytest.fixture
-def google_disk(target, tmp_path):
-    """A real ext4 disk that the host sees as /dev/disk/by-id/google-<name>: a loop
-    device behind a private overlay of the host's /dev. The host is rebooted afterwards,
-    which drops the overlay and every mount, and the loop device is detached."""
+@contextlib.contextmanager
+def attached_disk(target, tmp_path: Path, *, blank: bool):
+    """A real disk that the host sees as /dev/disk/by-id/google-<name> (ext4, or blank
+    as Google hands out a new disk): a loop device behind a private overlay of the
+    host's /dev. The host is rebooted afterwards, which drops the overlay and every
+    mount, and the loop device is detached."""
     image = tmp_path / "disk.img"
     subprocess.run(["truncate", "-s", "16M", str(image)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    if not blank:
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
     loop = subprocess.run(
         ["losetup", "--find", "--show", str(image)], check=True, capture_output=True, text=True
     ).stdout.strip()
@@ -719,6 +776,46 @@ def google_disk(target, tmp_path):
         subprocess.run(["losetup", "-d", loop], check=False)
 
 
+@pytest.fixture
+def google_disk(target, tmp_path):
+    with attached_disk(target, tmp_path, blank=False) as name:
+        yield name
+
+
+@pytest.fixture
+def blank_google_disk(target, tmp_path):
+    with attached_disk(target, tmp_path, blank=True) as name:
+        yield name
+
+
+def test_a_blank_disk_is_formatted_once_when_attached_read_write(target, blank_google_disk):
+    disk, point = blank_google_disk, f"/mnt/disks/{new_name()}"
+
+    read_only = target.reconcile(state(mounts=(DesiredMount(disk, point, True),)))
+
+    assert read_only.all("mount_error") == [
+        f"{disk}:the disk is blank (no filesystem): attach it read-write to one single-worker "
+        "VM once and the portal formats it"
+    ]
+    assert read_only.values["formatted"] == "0"
+    assert target.sh(f"findmnt -n {point}; blkid -p /dev/disk/by-id/google-{disk}; true") == ""
+
+    first = target.reconcile(state(mounts=(DesiredMount(disk, point, False),)))
+
+    assert first.values["formatted"] == "1" and first.values["mounted"] == "1"
+    fstype, options = target.sh(f"findmnt -n -o FSTYPE,OPTIONS {point}").split()
+    assert fstype == "ext4" and options.startswith("rw,")
+    # Shared like /tmp: anyone may create files there, only their owner removes them.
+    assert target.sh(f"stat -c '%a %U' {point}").strip() == "1777 root"
+    target.sh(f"echo results > {point}/kept")
+    assert target.reconcile(state()).values["unmounted"] == "1"
+
+    again = target.reconcile(state(mounts=(DesiredMount(disk, point, False),)))
+
+    assert again.values["formatted"] == "0" and again.values["mounted"] == "1"
+    assert target.sh(f"cat {point}/kept") == "results\n"
+
+
 def test_an_attached_disk_is_mounted_remounted_and_unmounted(target, google_disk):
     point = f"/mnt/disks/{new_name()}"
 
@@ -726,6 +823,7 @@ def test_an_attached_disk_is_mounted_remounted_and_unmounted(target, google_disk
     again = target.reconcile(state(mounts=(DesiredMount(google_disk, point, True),)))
 
     assert first.values["mounted"] == "1" and again.values["noop"] == "1"
+    assert first.values["formatted"] == "0"  # it had a filesystem: never formatted
     assert target.sh(f"findmnt -n -o OPTIONS {point}").startswith("ro,")
     writable = target.reconcile(state(mounts=(DesiredMount(google_disk, point, False),)))
     assert writable.values["changed"] != "0"

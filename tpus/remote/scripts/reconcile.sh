@@ -37,7 +37,7 @@ MAX_INPUT=16777216
 MAX_LINE=4400
 
 changed=0 users_created=0 keys_written=0 keys_removed=0 sudo_files=0 revoked=0
-processes_killed=0 mounted=0 unmounted=0 fstab_written=0 sshd_reloaded=0
+processes_killed=0 mounted=0 unmounted=0 formatted=0 fstab_written=0 sshd_reloaded=0
 inflight=""
 
 die() {
@@ -237,13 +237,6 @@ reload_sshd() {
 if [ -L "$KEYS_DIR" ] || { [ -e "$KEYS_DIR" ] && [ ! -d "$KEYS_DIR" ]; }; then
     die "$KEYS_DIR exists and is not a folder"
 fi
-if [ ! -d "$KEYS_DIR" ]; then
-    mkdir -m 0755 "$KEYS_DIR"
-    changed=$((changed + 1))
-fi
-# Its owner and mode are checked (and set) in section 3, with its files, before any
-# of them is written.
-
 # The user's own ~/.ssh/authorized_keys keeps working (keys a collaborator adds by
 # hand); the portal's file comes last. sshd uses the first value it reads for an
 # option, and Debian's sshd_config includes sshd_config.d/*.conf at its top.
@@ -283,7 +276,9 @@ else
         replace_file "$DROPIN" "$work/dropin" 644 || true
         if ! reason=$(/usr/sbin/sshd -t 2>&1); then
             if [ "$had_dropin" = 1 ]; then
-                replace_file "$DROPIN" "$work/dropin.before" 644 || true
+                # As it was: content, mode and modification time.
+                replace_file "$DROPIN" "$work/dropin.before" "$(stat -c %a -- "$work/dropin.before")" || true
+                touch -r "$work/dropin.before" -- "$DROPIN"
             else
                 rm -f -- "$DROPIN"
             fi
@@ -318,6 +313,14 @@ fi
 # ---------------------------------------------------------------------------------
 # 3. Users.
 # ---------------------------------------------------------------------------------
+# The keys folder is made only now, once sshd accepted the drop-in that names it. Its
+# owner and mode are checked (and set) below, with its files, before any of them is
+# written.
+if [ ! -d "$KEYS_DIR" ]; then
+    mkdir -m 0755 "$KEYS_DIR"
+    changed=$((changed + 1))
+fi
+
 # The live processes (not zombies) that belong to uid $1: by real or effective uid,
 # or by login uid, which survives `sudo` and `su` started from the user's session.
 pids_of_uid() {
@@ -733,7 +736,7 @@ safe_path() {
 # The disks' part of fstab and their mounts; run only when there is something to do:
 # a disk is wanted here, or fstab still has a line of ours.
 converge_disks() {
-    local device point mode source rest line options fstype now current out wanted
+    local device point mode source rest line options fstype now current out wanted fresh blank
     : >"$work/fstab-managed"
     while IFS=' ' read -r device point mode <&3; do
         # A line the portal does not manage already mounts something here: leave both.
@@ -824,9 +827,33 @@ END
             mount_error "$device" "$point is not empty, not mounting over it"
             continue
         fi
+        # A new disk from Google is blank. One that holds nothing blkid knows (no
+        # filesystem, no partition table, no RAID or LVM signature: exit status 2)
+        # gets an ext4 filesystem, once, when it is attached read-write, which the
+        # portal allows only on single-worker VMs, so no other host writes to it at
+        # the same time. Its top folder is shared like /tmp: everyone may create
+        # files, only their owner may remove them. A disk with anything on it is
+        # never formatted.
+        fresh=0
+        blank=0
+        blkid -p -- "$source" >/dev/null 2>&1 || blank=$?
+        if [ "$blank" = 2 ]; then
+            if [ "$mode" != rw ]; then
+                mount_error "$device" "the disk is blank (no filesystem): attach it read-write to one single-worker VM once and the portal formats it"
+                continue
+            fi
+            if ! out=$(mkfs.ext4 -q -m 0 -- "$source" </dev/null 2>&1); then
+                mount_error "$device" "mkfs.ext4 failed: $out"
+                continue
+            fi
+            fresh=1
+            formatted=$((formatted + 1))
+            changed=$((changed + 1))
+        fi
         if out=$(mount -- "$point" 2>&1); then
             mounted=$((mounted + 1))
             changed=$((changed + 1))
+            if [ "$fresh" = 1 ]; then chmod 1777 -- "$point"; fi
         else
             mount_error "$device" "mount $point: $out"
         fi
@@ -850,6 +877,7 @@ echo "revoked=$revoked"
 echo "processes_killed=$processes_killed"
 echo "mounted=$mounted"
 echo "unmounted=$unmounted"
+echo "formatted=$formatted"
 echo "fstab_written=$fstab_written"
 echo "sshd_reloaded=$sshd_reloaded"
 echo "changed=$changed"
