@@ -322,6 +322,12 @@ def check_attach(disk: DataDisk, vm: TpuVm, mode: str) -> None:
         raise InventoryError(
             f"{vm.name} was registered by hand; the portal cannot attach disks to it."
         )
+    if mode == DiskMode.READ_WRITE and (workers := vm.workers.count()) > 1:
+        raise InventoryError(
+            f"{vm.name} has {workers} workers, and a disk attached to it is attached to "
+            "each of them: attach it read-only (one filesystem written from several hosts "
+            "at once would be corrupted)."
+        )
     others = disk.attachments.exclude(vm=vm)
     if mode == DiskMode.READ_WRITE and others.exists():
         raise InventoryError(

@@ -102,11 +102,15 @@ def desired_state(vm: TpuVm) -> DesiredState:
                 keys=keys if active else (),
             )
         )
+    # Every worker of a pod sees the same disk: one attached read-write there (outside
+    # the portal, say) is still mounted read-only on each, never written from several
+    # hosts at once.
+    shared = vm.workers.count() > 1
     mounts = tuple(
         DesiredMount(
             device=a.disk.name,
             mount_point=a.disk.mount_point,
-            read_only=a.mode == DiskMode.READ_ONLY,
+            read_only=shared or a.mode == DiskMode.READ_ONLY,
         )
         for a in DiskAttachment.objects.filter(vm=vm).select_related("disk").order_by("disk__name")
     )

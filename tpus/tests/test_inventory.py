@@ -180,6 +180,32 @@ def test_a_read_write_disk_refuses_a_second_vm(tpu_emulator, lab, admin):
     assert list(disk.attachments.values_list("vm__name", flat=True)) == ["tpu1"]
 
 
+def test_a_pod_takes_disks_read_only_and_mounts_a_read_write_one_read_only(
+    tpu_emulator, lab, admin
+):
+    from tpus.services.reconcile import desired_state
+
+    _pod(tpu_emulator, "tpu5", workers=4)
+    tpu_emulator.controls.add_disk(PROJECT, ZONE, "scratch")
+    [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
+    disk = inventory.register_disk(
+        admin, lab, name="scratch", zone=ZONE, size_gb=None, mount_point="/scratch"
+    )
+    version = TpuVm.objects.get(pk=vm.pk).desired_version
+
+    with pytest.raises(inventory.InventoryError, match="tpu5 has 4 workers.*attach it read-only"):
+        inventory.attach_disk(admin, disk, vm, "READ_WRITE")
+
+    assert not disk.attachments.exists()
+    assert tpu_emulator.client.get_node(PROJECT, ZONE, "tpu5").data_disks == ()
+    assert TpuVm.objects.get(pk=vm.pk).desired_version == version
+    # Attached read-write outside the portal: every worker still mounts it read-only.
+    node = tpu_emulator.client.attach_disk(PROJECT, ZONE, "tpu5", disk.source_disk(), "READ_WRITE")
+    inventory.apply_disks(vm, node)
+    assert disk.attachments.get().mode == "READ_WRITE"
+    assert [m.read_only for m in desired_state(vm).mounts] == [True]
+
+
 def test_detaching_twice_is_fine(tpu_emulator, lab, admin):
     _pod(tpu_emulator, "tpu1", workers=1)
     tpu_emulator.controls.add_disk(PROJECT, ZONE, "data")
