@@ -188,12 +188,27 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
     for host in hosts:
         assert host.ip in body
     assert f"HostName {hosts[0].ip}" in body and f"User {scene.username}" in body
+    # The snippet from the email works as it is, for someone who keeps nothing else
+    # (their ssh learns the host key at the first login).
+    text = body.replace("\r\n", "\n")
+    snippet = text.split("Add this to your ~/.ssh/config:\n\n", 1)[-1].split("\n\n", 1)[0]
+    assert snippet.startswith(f"Host {vm.name}"), text
+    (tmp_path / "emailed").write_text(snippet + "\n")
+    first = subprocess.run(
+        ["ssh", "-F", str(tmp_path / "emailed"), "-i", str(scene.key), "-o", "IdentitiesOnly=yes",
+         "-o", f"UserKnownHostsFile={tmp_path / 'learned'}", "-o", "BatchMode=yes",
+         "-o", "StrictHostKeyChecking=accept-new", "-o", "ConnectTimeout=5", vm.name, "id -un"],
+        capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert first.returncode == 0, (snippet, first.stderr)
+    assert first.stdout.strip() == scene.username
 
-    # Journey 3: milo downloads his ssh config and known_hosts and logs in with ssh.
+    # Journey 3: milo downloads his ssh config and known_hosts and logs in with ssh,
+    # on every worker of the pod.
     milo.goto("/ssh/")
     config = _download(milo, "Download config", tmp_path / "config")
     known = _download(milo, "Download known_hosts", tmp_path / "known_hosts")
-    for host in (vm.name, f"{vm.name}-w3"):
+    for host in (vm.name, *(f"{vm.name}-w{i}" for i in range(len(hosts)))):
         result = _ssh(config, known, scene.key, host, "id -un")
         assert result.returncode == 0, (host, result.stderr)
         assert result.stdout.strip() == scene.username
@@ -247,7 +262,7 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
     expect(admin.locator(f"#grant-{grant.pk} .badge")).to_have_text("Revoked", timeout=30_000)
 
     smtp_sink.wait_for("milo@uni.example", "has ended", timeout=30)
-    for host in (vm.name, f"{vm.name}-w3"):
+    for host in (f"{vm.name}-w{i}" for i in range(len(hosts))):
         assert _ssh(config, known, scene.key, host).returncode != 0
     for host in hosts:
         assert _processes_of(fleet, host, uid) == []
