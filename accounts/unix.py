@@ -148,23 +148,27 @@ def mark_provisioned(user: User) -> None:
         mark_names_provisioned([account.username])
 
 
-def mark_names_provisioned(usernames: list[str]) -> None:
+def mark_names_provisioned(usernames: list[str]) -> bool:
     """The accounts with these usernames are about to be written to hosts: their
     usernames are fixed from now on, and reserved for their UIDs for good (a deleted
     person's name is never given to anyone else). Accounts already marked keep their
-    first time. Call inside the transaction that reads the desired state."""
+    first time. Call inside the transaction that reads the desired state.
+
+    False when one of the names is no longer any account's: it was changed after the
+    caller read it, and the caller must read the state again rather than send it."""
     with transaction.atomic():
         fresh = UnixAccount.objects.filter(username__in=usernames, provisioned_at=None)
-        # Locked, so a name cannot change between reading and marking it (choose_username
-        # locks the account row too).
+        # Locked, so a name cannot change between marking and sending it (choose_username
+        # locks the account row too, and refuses once it is marked).
         named = list(fresh.select_for_update().values_list("pk", "uid", "username"))
-        if not named:
-            return
-        UnixAccount.objects.filter(pk__in=[pk for pk, _, _ in named]).update(
-            provisioned_at=timezone.now()
-        )
-        for _, uid, username in named:
-            UidAllocation.objects.filter(uid=uid, username="").update(username=username)
+        if named:
+            UnixAccount.objects.filter(pk__in=[pk for pk, _, _ in named]).update(
+                provisioned_at=timezone.now()
+            )
+            for _, uid, username in named:
+                UidAllocation.objects.filter(uid=uid, username="").update(username=username)
+        fixed = UnixAccount.objects.filter(username__in=usernames).exclude(provisioned_at=None)
+        return fixed.count() == len(set(usernames))
 
 
 def suggested_username(user: User) -> str | None:

@@ -20,6 +20,7 @@ from accounts.unix import (
     UnixAccountError,
     choose_username,
     ensure_unix_account,
+    mark_names_provisioned,
     mark_provisioned,
     suggested_username,
 )
@@ -142,6 +143,22 @@ def test_a_name_that_was_on_the_hosts_is_never_given_to_anyone_else(make_user):
     assert not UnixAccount.objects.filter(user=newcomer).exclude(username="").exists()
     # The person whose account row went keeps their name with their UID.
     assert choose_username(left, "ana").username == "ana"
+
+
+def test_marking_names_says_when_one_changed_since_it_was_read(make_user):
+    milo, ana = make_user(), make_user()
+    for person, name in ((milo, "milo"), (ana, "ana")):
+        ensure_unix_account(person)
+        UnixAccount.objects.filter(user=person).update(username=name)
+    read = ["milo", "ana"]
+    choose_username(ana, "anna")  # chosen after the state was read, before marking
+
+    assert mark_names_provisioned(read) is False
+    assert UnixAccount.objects.get(user=milo).provisioned_at is not None
+    assert UnixAccount.objects.get(user=ana).provisioned_at is None
+    assert mark_names_provisioned(["milo", "anna"]) is True
+    with pytest.raises(UnixAccountError):
+        choose_username(ana, "ana")
 
 
 def test_a_name_chosen_but_never_on_a_host_is_free_again(make_user):

@@ -170,10 +170,15 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
     with transaction.atomic():
         vm = TpuVm.objects.select_related("lab").get(pk=vm_id)
         version = vm.desired_version
-        state = desired_state(vm)
+        # From now on these names exist on hosts: fixed, and reserved for good. A name
+        # changed between reading the state and fixing it means reading it again.
+        for _ in range(3):
+            state = desired_state(vm)
+            if mark_names_provisioned([u.username for u in state.users]):
+                break
+        else:
+            raise RuntimeError(f"usernames kept changing while {vm.name}'s state was read")
         workers = list(vm.workers.select_related("sync").order_by("index"))
-        # From now on these names exist on hosts: fixed, and reserved for good.
-        mark_names_provisioned([u.username for u in state.users])
     report.version = version
     report.ok, report.retryable, report.failed = [], {}, {}
     try:
