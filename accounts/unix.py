@@ -7,7 +7,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import Max, Q
+from django.db.models import Max, OuterRef, Q, Subquery
 from django.utils import timezone
 
 from accounts.models import SSHKey, UidAllocation, UnixAccount, User
@@ -160,13 +160,17 @@ def mark_names_provisioned(usernames: list[str]) -> bool:
         fresh = UnixAccount.objects.filter(username__in=usernames, provisioned_at=None)
         # Locked, so a name cannot change between marking and sending it (choose_username
         # locks the account row too, and refuses once it is marked).
-        named = list(fresh.select_for_update().values_list("pk", "uid", "username"))
+        named = list(fresh.select_for_update().values_list("pk", "uid"))
         if named:
-            UnixAccount.objects.filter(pk__in=[pk for pk, _, _ in named]).update(
+            UnixAccount.objects.filter(pk__in=[pk for pk, _ in named]).update(
                 provisioned_at=timezone.now()
             )
-            for _, uid, username in named:
-                UidAllocation.objects.filter(uid=uid, username="").update(username=username)
+            # One UPDATE for all of them: each UID's row takes its account's name.
+            UidAllocation.objects.filter(uid__in=[uid for _, uid in named], username="").update(
+                username=Subquery(
+                    UnixAccount.objects.filter(uid=OuterRef("uid")).values("username")[:1]
+                )
+            )
         fixed = UnixAccount.objects.filter(username__in=usernames).exclude(provisioned_at=None)
         return fixed.count() == len(set(usernames))
 
