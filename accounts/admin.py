@@ -6,6 +6,7 @@ from django.contrib import admin
 
 from accounts.keys import delete_key
 from accounts.models import SSHKey, UidAllocation, UnixAccount, User
+from tpus.services.access_changes import user_keys_changed
 
 
 @admin.register(SSHKey)
@@ -91,9 +92,14 @@ class UserAdmin(admin.ModelAdmin):
 
     @admin.action(description="Deactivate, and lock their accounts on every VM")
     def deactivate(self, request, queryset):
-        from tpus.services.access_changes import user_keys_changed
-
         for user in queryset.filter(is_active=True):
             user.is_active = False
             user.save(update_fields=["is_active"])
             user_keys_changed(user)
+
+    def save_model(self, request, obj, form, change):
+        """Unticking "active" in the edit form is the same deactivation as the bulk
+        action, so it asks for the same reconcile; ticking it again unlocks."""
+        super().save_model(request, obj, form, change)
+        if change and "is_active" in form.changed_data:
+            user_keys_changed(obj)

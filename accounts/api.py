@@ -4,12 +4,14 @@ from datetime import datetime
 
 from django.views.decorators.debug import sensitive_variables
 from ninja import Router, Schema, Status
+from ninja.pagination import paginate
 from pydantic import Field
 
 from accounts import keys, services, unix
 from accounts.access import get_own_key, get_own_token
 from accounts.models import UnixAccount
 from accounts.sshkeys import KeyRejected
+from portal.pagination import PAGED, KeysetPagination
 from portal.schemas import Error, PlainText
 
 router = Router(tags=["me"])
@@ -44,7 +46,13 @@ def me(request):
     return request.user
 
 
-@router.get("/tokens", response=list[TokenOut], summary="My API tokens")
+@router.get(
+    "/tokens",
+    response=list[TokenOut],
+    summary="My API tokens",
+    description=PAGED,
+)
+@paginate(KeysetPagination)
 def list_tokens(request):
     return request.user.api_tokens.all()
 
@@ -105,7 +113,13 @@ class UsernameIn(Schema):
     username: str
 
 
-@router.get("/keys", response=list[KeyOut], summary="My SSH public keys")
+@router.get(
+    "/keys",
+    response=list[KeyOut],
+    summary="My SSH public keys",
+    description=PAGED,
+)
+@paginate(KeysetPagination)
 def list_keys(request):
     return request.user.ssh_keys.all()
 

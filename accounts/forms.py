@@ -2,6 +2,7 @@ from django import forms
 from django.core.validators import ProhibitNullCharactersValidator
 
 from accounts.sshkeys import KeyRejected, decode_key_file
+from portal.uploads import kib
 from portal.validators import validate_plain_text
 
 KEY_FILE_MAX_BYTES = 16 * 1024
@@ -52,19 +53,24 @@ class KeyForm(forms.Form):
         help_text="Optional, to tell your keys apart, for example “work laptop”.",
     )
 
+    def __init__(self, *args, refused_uploads: dict[str, int] | None = None, **kwargs):
+        """``refused_uploads``: files the upload handler dropped at its size limit
+        (``portal.uploads.refused_uploads(request)``), by field name."""
+        super().__init__(*args, **kwargs)
+        self.refused_uploads = refused_uploads or {}
+
     def clean(self):
         data = super().clean()
+        if "key_file" in self.refused_uploads:
+            self.add_error("key_file", _too_large(self.refused_uploads["key_file"]))
+            return data
         upload = data.get("key_file")
         if upload is None:
             return data
         if (data.get("key_text") or "").strip():
             raise forms.ValidationError("Paste a key or choose a file, not both.")
         if upload.size > KEY_FILE_MAX_BYTES:
-            self.add_error(
-                "key_file",
-                "This file is larger than any SSH public key (16 KiB). Choose the file "
-                "that ends in .pub.",
-            )
+            self.add_error("key_file", _too_large(KEY_FILE_MAX_BYTES))
             return data
         try:
             data["key_text"] = decode_key_file(upload.read())
@@ -87,6 +93,13 @@ class KeyForm(forms.Form):
         else:
             field = "key_file" if self.key_came_from_file else "key_text"
         self.add_error(field, error.message)
+
+
+def _too_large(limit: int) -> str:
+    return (
+        f"The file is larger than {kib(limit)}, more than any SSH public key. Choose the "
+        "file that ends in .pub."
+    )
 
 
 class UsernameForm(forms.Form):

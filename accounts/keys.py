@@ -22,9 +22,10 @@ from django.views.decorators.debug import sensitive_variables
 from accounts import sshmessages as msg
 from accounts.models import SSHKey, User
 from accounts.sshkeys import KeyRejected, ParsedKey, ensure_not_admin_key, parse_public_key
+from portal import audit
+from portal.audit import AuditAction
 from portal.validators import validate_plain_text
-from tpus import audit
-from tpus.models import AuditAction
+from tpus.models import LabKey
 from tpus.services import access_changes
 
 MAX_KEYS_PER_USER = 20
@@ -89,6 +90,9 @@ def add_key(user: User, text: str, label: str = "", request=None) -> SSHKey:
     parsed = parse_public_key(text)
     label = _clean_label(label)
     ensure_not_admin_key(parsed, admin_key_fingerprints())
+    if LabKey.objects.filter(fingerprint=parsed.fingerprint_sha256).exists():
+        # One of the portal's own lab keys: never a person's key.
+        ensure_not_admin_key(parsed, [parsed.fingerprint_sha256])
     with transaction.atomic():
         # One add at a time per person, so the cap holds under concurrent requests.
         User.objects.select_for_update().filter(pk=user.pk).first()

@@ -25,9 +25,9 @@ def needs_mfa_enrolment(user: User) -> bool:
 
 def record_login(request, user: User) -> None:
     """Admins' sign-ins go to the audit log of every lab they run."""
-    from tpus import audit
+    from portal import audit
+    from portal.audit import AuditAction
     from tpus.access import admin_labs
-    from tpus.models import AuditAction
 
     if not is_admin(user):
         return
@@ -49,8 +49,8 @@ def create_token(user: User, name: str, request=None) -> tuple[ApiToken, str]:
     never stored and cannot be shown again."""
     from django.core.exceptions import ValidationError
 
-    from tpus import audit
-    from tpus.models import AuditAction
+    from portal import audit
+    from portal.audit import AuditAction
 
     name = (name or "").strip()
     if not name:
@@ -76,8 +76,8 @@ def create_token(user: User, name: str, request=None) -> tuple[ApiToken, str]:
 
 def revoke_token(user: User, token: ApiToken, request=None) -> None:
     """Revoke one of the user's tokens; revoking twice is fine."""
-    from tpus import audit
-    from tpus.models import AuditAction
+    from portal import audit
+    from portal.audit import AuditAction
 
     updated = ApiToken.objects.filter(pk=token.pk, user=user, revoked_at=None).update(
         revoked_at=timezone.now()

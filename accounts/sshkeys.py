@@ -34,17 +34,10 @@ from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 
 from accounts import sshmessages as msg
 from accounts.sshwire import WireError, check_blob, read_inner_type
+from tpus.remote import rules
 
-# Order matters only for messages: the best choice first.
-ALLOWED_KEY_TYPES: tuple[str, ...] = (
-    "ssh-ed25519",
-    "sk-ssh-ed25519@openssh.com",
-    "ecdsa-sha2-nistp256",
-    "ecdsa-sha2-nistp384",
-    "ecdsa-sha2-nistp521",
-    "sk-ecdsa-sha2-nistp256@openssh.com",
-    "ssh-rsa",
-)
+# The hosts' list (best first): the portal accepts no type a worker would refuse.
+ALLOWED_KEY_TYPES: tuple[str, ...] = rules.KEY_TYPES
 SECURITY_KEY_TYPES = frozenset(t for t in ALLOWED_KEY_TYPES if t.startswith("sk-"))
 
 RSA_MIN_BITS = 2048

@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from accounts.models import SSHKey, UidAllocation, UnixAccount, User
 from accounts.usernames import suggest_username, validate_unix_username
-from tpus import audit
-from tpus.models import AuditAction
+from portal import audit
+from portal.audit import AuditAction
 
 # Concurrent allocations that lose a race try again with the next number; each loss
 # means another allocation won, so this bounds only pathological contention.

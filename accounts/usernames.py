@@ -12,44 +12,60 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Iterable
+from pathlib import Path
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 
-MAX_LENGTH = 31
-USERNAME_RE = re.compile(r"[a-z][a-z0-9-]{0,30}")
+from tpus.remote import rules
+
+# The hosts' rule (tpus/remote/rules.py); the checks below add the portal's policy.
+MAX_LENGTH = rules.USERNAME_MAX_LENGTH
+USERNAME_RE = rules.USERNAME
+
+# The user and group names that Debian's packages create, generated from the packages
+# themselves by bin/reserved-names (see accounts/reserved_names.py): base-passwd's
+# master files, sysusers.d files and the maintainer scripts' adduser/addgroup/useradd/
+# groupadd commands. First field of each line; '#' lines are its header.
+PACKAGE_NAMES_FILE = Path(__file__).resolve().parent / "data" / "reserved-usernames.txt"
+
+
+def _package_names(path: Path = PACKAGE_NAMES_FILE) -> frozenset[str]:
+    with path.open(encoding="ascii") as lines:
+        return frozenset(
+            line.split("\t", 1)[0].strip().lower()
+            for line in lines
+            if line.strip() and not line.startswith("#")
+        )
+
 
 # One list for everything a person may not be called. A name here is refused as a
 # username whether it is a user or a group on the hosts, because every portal user
-# also gets a group of the same name.
-RESERVED_USERNAMES: frozenset[str] = frozenset(
-    # Debian base-passwd users and groups (passwd.master, group.master).
-    "root daemon bin sys sync games man lp mail news uucp proxy www-data backup list irc "
-    "gnats nobody nogroup adm tty disk kmem dialout fax voice cdrom floppy tape sudo audio "
-    "dip operator src shadow utmp video sasl plugdev staff users input sgx kvm render "
-    # Packages on Debian/Ubuntu server and cloud images (TPU VM images are Ubuntu).
-    "netdev crontab messagebus sshd ssh polkitd tss uuidd tcpdump lxd syslog landscape "
-    "pollinate fwupd-refresh usbmux dnsmasq avahi ssl-cert rdma chrony ntp ntpsec "
-    "_chrony _ssh _apt _rpc statd rpc rpcuser rpcbind nfsnobody dbus geoclue pulse rtkit "
-    "cups lpadmin sambashare colord saned lightdm gdm whoopsie kernoops speech-dispatcher "
-    "snap snapd snap_daemon lxd-agent libvirt libvirt-qemu qemu containerd docker podman "
-    "wheel mlocate plocate lastlog cloud-init unscd "
+# also gets a group of that name. Debian's packages give most of it (above); these
+# come from elsewhere.
+RESERVED_USERNAMES: frozenset[str] = _package_names() | frozenset(
+    # Older Debian releases, Ubuntu-only packages, other distributions' names for the
+    # same services, and snaps and vendor installers (microk8s, ollama) that are not
+    # Debian packages at all, which TPU VM images (Ubuntu) and labs use.
+    "gnats ssh syslog landscape pollinate rdma chrony ntp rpc rpcuser rpcbind nfsnobody "
+    "dbus cups sambashare gdm whoopsie kernoops snap snapd snap_daemon lxd-agent qemu "
+    "containerd podman wheel mlocate lastlog cloud-init microk8s ollama "
     # Default accounts of cloud images, and Google's guest environment.
     "ubuntu admin debian ec2-user centos fedora cloud-user rocky almalinux opc azureuser "
     "core alpine arch bitnami google-sudoers google-guest-agent google cloudsdk "
     # Services a lab is likely to run on a VM or next to the portal.
-    "postgres mysql mariadb redis memcache memcached mongodb rabbitmq epmd nats mosquitto "
-    "elasticsearch nginx apache apache2 httpd www web http https ftp git gitlab jenkins "
-    "postfix exim dovecot bind named tomcat node nodejs jupyter prometheus grafana "
+    "mariadb memcached mongodb elasticsearch nginx apache apache2 httpd www web http "
+    "https ftp git gitlab jenkins exim named node nodejs jupyter grafana "
     "nvidia-persistenced celery "
     # Names that read as authority or would confuse people and scripts.
     "administrator superuser toor sysadmin system guest "
     "portal tpu-portal tpuportal support security abuse postmaster hostmaster webmaster "
     "info".split()
 )
-# Whole families: systemd creates systemd-* users and groups on demand, and names
-# starting with "_" are the Debian convention for system accounts.
-RESERVED_PREFIXES: tuple[str, ...] = ("systemd-", "_", "google-")
+# Whole families: systemd creates systemd-* users and groups on demand, names starting
+# with "_" are the Debian convention for system accounts, and "tpu-portal" names are
+# the portal's own on the workers (its service account, its group tpu-portal-users).
+RESERVED_PREFIXES: tuple[str, ...] = ("systemd-", "_", "google-", "tpu-portal")
 
 
 def admin_account_names() -> set[str]:

@@ -12,6 +12,7 @@ from accounts.access import get_own_key, get_own_token
 from accounts.forms import KeyForm, TokenForm, UsernameForm
 from accounts.models import UnixAccount
 from accounts.sshkeys import KeyRejected
+from portal import uploads
 
 
 @login_required
@@ -45,7 +46,11 @@ def token_revoke(request, token_id):
 @sensitive_post_parameters("key_text")
 @sensitive_variables()
 def key_list(request):
-    form = KeyForm(request.POST or None, request.FILES or None)
+    form = KeyForm(
+        request.POST or None,
+        request.FILES or None,
+        refused_uploads=uploads.refused_uploads(request),
+    )
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
         try:

@@ -114,7 +114,8 @@ class Stack:
     def log(self, role: str) -> str:
         return (self.dir / f"celery-{role}.log").read_text(errors="replace")
 
-    def close(self) -> None:
+    def stop_processes(self) -> None:
+        """Stop the Celery processes this run started (by pid), keeping the database."""
         for _, proc, _ in reversed(self.processes):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -126,6 +127,9 @@ class Stack:
                 proc.wait()
             log.close()
         self.processes = []
+
+    def close(self) -> None:
+        self.stop_processes()
         if self._database_made:
             from django.db import connections
 

@@ -136,11 +136,12 @@ class PollBench:
         self._scene()
 
     def _scene(self) -> None:
+        from django.db.models import F
+
         from accounts.models import User
         from accounts.unix import choose_username
         from tpus.models import Grant, Lab, Membership, TpuVm
         from tpus.services import inventory
-        from tpus.services.grants import bump_version
 
         per_zone = self.args.vms // len(ZONES)
         controls = self.emulator.controls
@@ -171,7 +172,10 @@ class PollBench:
             policy_version_accepted=self.lab.policy_version, policy_accepted_at=timezone.now(),
         )  # fmt: skip
         choose_username(milo, f"milo{secrets.token_hex(2)}")
-        Grant.objects.create(user=milo, vm=vm, state="active", version=bump_version(vm))
+        # Active by hand, as a finished reconcile would leave it; no reconcile is queued.
+        TpuVm.objects.filter(pk=vm.pk).update(desired_version=F("desired_version") + 1)
+        vm.refresh_from_db()
+        Grant.objects.create(user=milo, vm=vm, state="active", version=vm.desired_version)
 
     # --- part 1: one poll ---------------------------------------------------------------
 

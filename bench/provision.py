@@ -129,7 +129,8 @@ class Bench:
         self.emulator = None
         self.dir = self.stack.dir
         # Fresh UID ranges per run, far above anything on the machine: portal, ansible, loop.
-        self.uid_base = 300_000 + secrets.randbelow(500) * 1_000
+        # The portal's default range; the bench's fleet is its own, made for this run.
+        self.uid_base = 70_000
         self.counter = 0
 
     # --- scene ------------------------------------------------------------------------
@@ -178,6 +179,14 @@ class Bench:
         self.lab = Lab.objects.create(
             name="Bench Lab", slug="bench", gcp_project_id=PROJECT, zones=[ZONE]
         )
+        # The lab's own key on every host, as connecting the VMs does on Google's side.
+        from django.conf import settings
+
+        from tpus.services.labkeys import lab_key
+
+        line = lab_key(self.lab).public_line
+        for host in self.hosts:
+            self.fleet.set_ssh_keys(host.name, {settings.PORTAL_LAB_SSH_USER: [line]})
         self.admin = User.objects.create_user(email="boss@bench.example", password="x" * 12)
         Membership.objects.create(
             lab=self.lab, user=self.admin, role="admin", state="approved",
@@ -405,12 +414,13 @@ class Bench:
         from tpus.remote import run_on_workers, run_script, ssh
         from tpus.remote.desired import encode
         from tpus.remote.scripts import load
+        from tpus.services.labkeys import login_for
         from tpus.services.reconcile import _remote, desired_state
 
         size = max(self.args.sizes)
         vm = self.vms[size]
         workers = list(vm.workers.order_by("index"))
-        remote = [_remote(w) for w in workers]
+        remote = [_remote(w, login_for(vm.lab)) for w in workers]
         data = encode(desired_state(vm))
         host = self.vm_hosts[size][0]
         script = load("reconcile.sh")

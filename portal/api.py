@@ -1,18 +1,32 @@
 """The JSON API under /api/v1/: personal access tokens (``Authorization: Bearer``)
 or the browser session (with its CSRF token). Each app adds a router."""
 
+from django.conf import settings
+from django.core.exceptions import PermissionDenied
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import HttpRequest
+from django.urls import reverse
 from ninja import NinjaAPI
+from ninja.errors import HttpError
 from ninja.security import HttpBearer, SessionAuth
 
 
 class TokenAuth(HttpBearer):
     def authenticate(self, request: HttpRequest, token: str):
-        from accounts.services import authenticate_token
+        from accounts.services import authenticate_token, needs_mfa_enrolment
 
         user = authenticate_token(token)
-        if user is not None:
-            request.user = user
+        if user is None:
+            return None
+        # A token must not be a way around the two-factor rule the pages enforce.
+        if settings.PORTAL_REQUIRE_ADMIN_MFA and needs_mfa_enrolment(user):
+            url = request.build_absolute_uri(reverse("mfa_activate_totp"))
+            raise HttpError(
+                403,
+                "Two-factor authentication is required for site and lab admins. "
+                f"Set up an authenticator app at {url} and then call the API again.",
+            )
+        request.user = user
         return user
 
 
@@ -28,7 +42,10 @@ api = NinjaAPI(
     title="TPU Portal API",
     version="1",
     description="Labs, memberships and TPU access. Authenticate with a personal access "
-    "token from the API tokens page: `Authorization: Bearer tpp_…`.",
+    "token from the API tokens page: `Authorization: Bearer tpp_…`. Every list answers "
+    "one page, `{items, next, total}`: pass `limit` (at most 200) and follow `next` until "
+    "it is null; filters narrow a list, and a value a filter cannot match is a 400. "
+    "Walking pages with curl, and how a script should pace itself: docs/api.md.",
     auth=[TokenAuth(), ActiveSessionAuth()],
     openapi_url="/openapi.json",
     docs_url="/docs",
@@ -36,16 +53,34 @@ api = NinjaAPI(
 )
 
 
+@api.exception_handler(PermissionDenied)
+def _forbidden(request, exc):
+    """A refusal inside the API is JSON like every other answer, with its reason."""
+    detail = str(exc) or "You may not do that."
+    return api.create_response(request, {"detail": detail}, status=403)
+
+
+@api.exception_handler(DjangoValidationError)
+def _invalid(request, exc):
+    return api.create_response(request, {"detail": " ".join(exc.messages)}, status=400)
+
+
 def _register_routers() -> None:
     from accounts.api import router as accounts_router
-    from tpus.api import router as tpus_router
-    from tpus.api_access import router as access_router
-    from tpus.api_inventory import router as inventory_router
+    from tpus.api.access import router as access_router
+    from tpus.api.admin import router as admin_router
+    from tpus.api.inventory import router as inventory_router
+    from tpus.api.jobs import router as jobs_router
+    from tpus.api.labs import router as tpus_router
+    from tpus.api.workers import router as workers_router
 
     api.add_router("", accounts_router)
     api.add_router("", tpus_router)
+    api.add_router("", admin_router)
     api.add_router("", inventory_router)
     api.add_router("", access_router)
+    api.add_router("", workers_router)
+    api.add_router("", jobs_router)
 
 
 _register_routers()

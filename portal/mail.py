@@ -1,15 +1,21 @@
 """Sending the portal's email: every message is a pair of templates
-(``emails/<name>.subject.txt`` and ``emails/<name>.txt``) rendered with a context."""
+(``emails/<name>.subject.txt`` and ``emails/<name>.txt``) rendered with a context and
+stored in the outbox (``portal.outbox``), which delivers it and retries until the SMTP
+server takes it."""
 
 from __future__ import annotations
 
 from django.conf import settings
-from django.core.mail import EmailMessage
+from django.core.mail import EmailMessage, EmailMultiAlternatives
 from django.template.loader import render_to_string
+
+from portal import outbox
 
 
 def send(name: str, to: list[str], context: dict) -> None:
-    """Render and send one message. An empty recipient list sends nothing."""
+    """Render one message and put it in the outbox, in the caller's transaction; it is
+    sent once that commits. An empty recipient list sends nothing. Never raises for an
+    unreachable or refusing SMTP server."""
     recipients = sorted({address for address in to if address})
     if not recipients:
         return
@@ -17,4 +23,25 @@ def send(name: str, to: list[str], context: dict) -> None:
     subject = render_to_string(f"emails/{name}.subject.txt", context)
     subject = settings.ACCOUNT_EMAIL_SUBJECT_PREFIX + " ".join(subject.split())
     body = render_to_string(f"emails/{name}.txt", context)
-    EmailMessage(subject=subject, body=body, to=recipients).send()
+    outbox.enqueue(name, recipients, subject, body)
+
+
+def send_message(kind: str, message: EmailMessage) -> None:
+    """Put a message someone else rendered (django-allauth's) in the outbox."""
+    html = ""
+    if isinstance(message, EmailMultiAlternatives):
+        html = next(
+            (content for content, mimetype in message.alternatives if mimetype == "text/html"),
+            "",
+        )
+    body = message.body
+    if message.content_subtype == "html":
+        body, html = "", message.body
+    outbox.enqueue(
+        kind,
+        list(message.to),
+        message.subject,
+        body,
+        html_body=html,
+        from_email=message.from_email or "",
+    )

@@ -9,7 +9,9 @@ Examples::
     python -m testfleet down h3 [--unreachable]   /   start h3
     python -m testfleet exec h3 -- getent passwd milo
     python -m testfleet host-keys h3
+    python -m testfleet ssh-keys h3 tpu-portal "ssh-ed25519 AAAA… tpu-portal@demo"
     python -m testfleet teardown
+    python -m testfleet agent --emulator-state var/tpu-emulator.json   # guest agent
 """
 
 from __future__ import annotations
@@ -56,13 +58,33 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("exec", help="run a command as root inside a host")
     run.add_argument("host")
     run.add_argument("argv", nargs=argparse.REMAINDER)
+    keys = sub.add_parser(
+        "ssh-keys", help="an account with sudo and exactly these keys, as Google's guest agent"
+    )
+    keys.add_argument("host")
+    keys.add_argument("user")
+    keys.add_argument("keys", nargs="*", help="public key lines (none: the account loses its keys)")
     sub.add_parser("admin-key", help="path of the admin private key the hosts trust")
     sub.add_parser("teardown", help="remove every process, namespace, link and file")
+    agent = sub.add_parser(
+        "agent", help="apply emulated nodes' ssh-keys metadata to their hosts, as the guest agent"
+    )
+    agent.add_argument("--emulator-state", required=True, help="the emulator's state file")
+    agent.add_argument("--interval", type=float, default=1.0, help="seconds between passes")
+    agent.add_argument("--once", action="store_true", help="one pass, then exit")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "agent":
+        from testfleet.guestagent import run_forever
+
+        try:
+            run_forever(args.slot, args.emulator_state, interval=args.interval, once=args.once)
+        except KeyboardInterrupt:
+            pass
+        return 0
     try:
         fleet = Fleet.open(args.slot)
     except SlotBusy as exc:
@@ -113,6 +135,8 @@ def _dispatch(fleet: Fleet, args) -> int:
         sys.stdout.buffer.write(proc.stdout)
         sys.stderr.buffer.write(proc.stderr)
         return proc.returncode
+    elif command == "ssh-keys":
+        fleet.set_ssh_keys(args.host, {args.user: args.keys} if args.keys else {})
     elif command == "admin-key":
         print(fleet.admin_key_path)
     elif command == "teardown":

@@ -31,6 +31,7 @@ from testfleet.fleet import Fleet, Host
 from tests.requirements import need
 
 _usernames = itertools.count(1)
+_uid_blocks = itertools.count(0)
 _round_robin = itertools.count()
 
 
@@ -103,6 +104,20 @@ def fleet_username() -> str:
 
 
 @pytest.fixture
+def fleet_uids(settings) -> tuple[int, int]:
+    """A block of 20 UIDs of the portal's default range that no other test of this
+    session uses (the fleet's hosts outlive each test's database), set as the portal's
+    range for this test."""
+    from portal.idranges import DEFAULT_MAX, DEFAULT_MIN
+
+    first = DEFAULT_MIN + next(_uid_blocks) * 20
+    if first + 19 > DEFAULT_MAX:
+        pytest.fail("this session used up the UID blocks of the portal's default range")
+    settings.PORTAL_UID_MIN, settings.PORTAL_UID_MAX = first, first + 19
+    return first, first + 19
+
+
+@pytest.fixture
 def fleet_settings(settings, fleet):
     """Django settings that point tpus.remote at the fleet's admin key and account."""
     settings.PORTAL_ADMIN_SSH_KEY_FILE = str(fleet.admin_key_path)
@@ -117,12 +132,40 @@ def fleet_settings(settings, fleet):
 
 def add_fleet_node(controls, fleet, hosts, project: str, zone: str, name: str) -> None:
     """An emulated TPU VM whose workers are ``hosts``: their addresses as the workers'
-    external IPs and their host keys in guest attributes, as Google publishes them."""
+    internal and external IPs and their host keys in guest attributes, as Google publishes them."""
     controls.add_node(
         project, zone, name, accelerator_type=f"v4-{8 * len(hosts)}", workers=len(hosts),
-        external_ips=[h.ip for h in hosts],
+        # A fleet host has one address: the workers reach each other (a pod's
+        # coordinator) and the portal reaches them at it.
+        internal_ips=[h.ip for h in hosts], external_ips=[h.ip for h in hosts],
         host_keys={
             i: {line.split()[0]: line for line in fleet.host_keys(h.name)}
             for i, h in enumerate(hosts)
         },
     )  # fmt: skip
+
+
+def give_lab_key(fleet, hosts, lab) -> None:
+    """Put the lab's public key on ``hosts`` for the portal's account, as connecting
+    the VM through its ``ssh-keys`` metadata does on a real TPU VM (Google's guest
+    agent creates the account with sudo). Hosts not listed never get it."""
+    from django.conf import settings
+
+    from tpus.services.labkeys import lab_key
+
+    line = lab_key(lab).public_line
+    for host in hosts:
+        fleet.set_ssh_keys(host.name, {settings.PORTAL_LAB_SSH_USER: [line]})
+
+
+@pytest.fixture
+def guest_agent(fleet, tpu_emulator):
+    """Google's guest agent on the fleet: applies the emulator's node metadata
+    ``ssh-keys`` to the nodes' hosts every 0.2 s while the test runs."""
+    from testfleet.guestagent import GuestAgent
+
+    agent = GuestAgent(fleet, tpu_emulator.state_file, interval=0.2).start()
+    try:
+        yield agent
+    finally:
+        agent.stop()

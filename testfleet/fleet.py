@@ -32,6 +32,7 @@ from testfleet.system import (
 )
 
 _INIT_SCRIPT = (Path(__file__).with_name("host-init.sh")).read_text()
+_GUEST_AGENT_SCRIPT = (Path(__file__).with_name("guest-agent.sh")).read_text()
 _REPO = Path(__file__).resolve().parent.parent
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 START_TIMEOUT = 20.0
@@ -196,7 +197,11 @@ class Fleet:
             ]
             for host in new:
                 hostfs.prepare(
-                    self.host_dir(host.name), host.hostname, self.admin, self.admin_public_key
+                    self.host_dir(host.name),
+                    host.hostname,
+                    host.ip,
+                    self.admin,
+                    self.admin_public_key,
                 )
             self.net.plug_in([(h.netns, h.veth, h.ip) for h in new])
             for job in jobs:
@@ -244,6 +249,7 @@ class Fleet:
                 "testfleet-init",
                 str(host_dir),
                 h.hostname,
+                str(chips_per_host()),
                 *hidden,
             ]
             with open(host_dir / "sshd.log", "ab") as log:
@@ -314,6 +320,7 @@ class Fleet:
             raise FleetError(f"{new_ip} belongs to another host")
         self.net.readdress(host.netns, host.ip, new_ip)
         host.ip = new_ip
+        hostfs.write_hosts(self.host_dir(name), host.hostname, new_ip)
         self._save()
         return new_ip
 
@@ -399,6 +406,18 @@ class Fleet:
         ]
         return run(cmd, input=input, check=check, timeout=timeout)
 
+    def set_ssh_keys(self, name: str, keys: dict[str, list[str]]) -> None:
+        """Apply ``{account: [public key lines]}`` to a host the way Google's guest
+        agent applies a node's ``ssh-keys`` metadata (see guest-agent.sh): accounts
+        with passwordless sudo and exactly these keys; accounts no longer listed lose
+        their keys."""
+        records = []
+        for user, lines in sorted(keys.items()):
+            records.append(f"user {user}")
+            records += [f"key {user} {' '.join(line.split()[:3])}" for line in lines]
+        data = "".join(f"{record}\n" for record in records).encode()
+        self.exec(name, ["/bin/sh", "-c", _GUEST_AGENT_SCRIPT, "guest-agent"], input=data)
+
     def host_keys(self, name: str) -> list[str]:
         """The host's public keys as ``"<type> <base64>"``, like guest attributes give."""
         self.host(name)
@@ -451,6 +470,15 @@ class Fleet:
         """Tear down and give the slot back, removing its lock file too."""
         self.teardown()
         self._lock.release(remove=True)
+
+
+def chips_per_host() -> int:
+    """Fake TPU chips per host (``/dev/accel0`` …): ``TESTFLEET_CHIPS``, default 4 as on
+    a v4 worker."""
+    value = os.environ.get("TESTFLEET_CHIPS", "4")
+    if not value.isdigit() or int(value) > 64:
+        raise FleetError(f"TESTFLEET_CHIPS must be a number of chips 0..64, not {value!r}")
+    return int(value)
 
 
 def _is_sshd(pid: int) -> bool:

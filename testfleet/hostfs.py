@@ -71,7 +71,9 @@ def _mkdir_like(path: Path, like: str) -> None:
     os.chmod(path, info.st_mode & 0o7777)
 
 
-def prepare(host_dir: Path, hostname: str, admin: AdminAccount, admin_public_key: str) -> None:
+def prepare(
+    host_dir: Path, hostname: str, ip: str, admin: AdminAccount, admin_public_key: str
+) -> None:
     """Lay out a new host's folder (everything but host keys and the boot id)."""
     for sub in ("etc", "etc.work", "var", "var.work", "home"):
         (host_dir / sub).mkdir(parents=True, exist_ok=True)
@@ -99,8 +101,7 @@ def prepare(host_dir: Path, hostname: str, admin: AdminAccount, admin_public_key
     (etc / "ssh" / "sshd_config.d" / "testfleet.conf").write_text("LogLevel VERBOSE\n")
 
     (etc / "hostname").write_text(f"{hostname}\n")
-    hosts = Path("/etc/hosts").read_text()
-    (etc / "hosts").write_text(f"127.0.1.1\t{hostname}\n{hosts}")
+    write_hosts(host_dir, hostname, ip)
     (etc / "machine-id").write_text(f"{uuid.uuid4().hex}\n")
 
     home = host_dir / "home" / admin.name
@@ -110,6 +111,21 @@ def prepare(host_dir: Path, hostname: str, admin: AdminAccount, admin_public_key
     for path, mode in ((home, 0o750), (ssh, 0o700), (ssh / "authorized_keys", 0o600)):
         os.chown(path, admin.uid, admin.gid)
         os.chmod(path, mode)
+
+
+def write_hosts(host_dir: Path, hostname: str, ip: str) -> None:
+    """The host's /etc/hosts: its own name resolves to its fleet address, as a TPU VM's
+    name resolves to its internal IP. Gloo (JAX's CPU collectives) announces whatever
+    the host name resolves to, so with 127.0.1.1 a pod's first collective would hang.
+
+    Written in place (not replaced), because the file may already be in the upper layer
+    of the running host's /etc overlay, which then sees the new text at once."""
+    lines = [ln for ln in _lines("/etc/hosts") if hostname not in ln.split()[1:]]
+    text = f"{ip}\t{hostname}\n" + "\n".join(lines) + "\n"
+    path = host_dir / "etc" / "hosts"
+    with open(path, "w") as handle:
+        handle.write(text)
+    os.chmod(path, 0o644)
 
 
 def write_keypair(path: Path, key_type: str, comment: str) -> None:

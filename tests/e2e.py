@@ -53,7 +53,7 @@ class Mailbox:
             self.messages.append(email.message_from_bytes(raw, policy=email.policy.default))
             self._arrived.notify_all()
 
-    def wait_for(self, to: str, subject_contains: str = "", timeout: float = 20.0):
+    def wait_for(self, to: str, subject_contains: str = "", timeout: float = 45.0):
         deadline = time.monotonic() + timeout
         with self._arrived:
             while True:
@@ -81,8 +81,18 @@ def smtp_sink():
     from aiosmtpd.controller import Controller
 
     mailbox = Mailbox()
+    # A reply such as "451 4.3.0 Try again later" makes the sink refuse every
+    # recipient, as a server that is down for maintenance (4xx) or refuses for good
+    # (5xx) does; None accepts.
+    mailbox.refusing = None
 
     class Handler:
+        async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+            if mailbox.refusing:
+                return mailbox.refusing
+            envelope.rcpt_tos.append(address)
+            return "250 OK"
+
         async def handle_DATA(self, server, session, envelope):
             mailbox.add(envelope.original_content or envelope.content)
             return "250 OK"

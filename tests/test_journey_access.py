@@ -9,8 +9,6 @@ reaches the fleet over SSH, and mail goes through a real SMTP server."""
 
 from __future__ import annotations
 
-import itertools
-import os
 import re
 import subprocess
 import time
@@ -21,7 +19,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from testfleet.fixtures import add_fleet_node
+from testfleet.fixtures import add_fleet_node, give_lab_key
 from tpus.models import Grant, Lab, Membership, TpuVm
 from tpus.services import inventory
 
@@ -29,16 +27,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.fleet]
 
 PROJECT, ZONE = "vision-lab-1", "us-central1-f"
 PASSWORD = "a long passphrase 42"  # noqa: S105 (a test account)
-# Fleet hosts outlive a test's database: each run takes UIDs no other test uses.
-_uid_blocks = itertools.count(0)
 
 
 @pytest.fixture
-def worker_env(monkeypatch, settings, live_server, tpu_emulator, fleet_settings):
+def worker_env(monkeypatch, settings, live_server, tpu_emulator, fleet_settings, fleet_uids):
     """The scene as the Celery worker process must see it: the same emulator, the
     fleet's admin key, this run's UIDs, and links that point at the live server."""
-    base = 300_000 + (os.getpid() % 500) * 2_000 + next(_uid_blocks) * 20
-    settings.PORTAL_UID_MIN, settings.PORTAL_UID_MAX = base, base + 19
     monkeypatch.setenv("PORTAL_UID_MIN", str(settings.PORTAL_UID_MIN))
     monkeypatch.setenv("PORTAL_UID_MAX", str(settings.PORTAL_UID_MAX))
     settings.SITE_URL = live_server.url
@@ -78,6 +72,7 @@ def scene(
     admin = make_user("boss@vision.example", password=PASSWORD)
     add_member(lab, admin, role="admin")
     add_fleet_node(tpu_emulator.controls, fleet, hosts, PROJECT, ZONE, "tpu5")
+    give_lab_key(fleet, hosts, lab)
     [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
     milo = make_user("milo@uni.example", password=PASSWORD)
     request = add_member(lab, milo, state="requested")
@@ -168,16 +163,26 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
     # … then opens tpu5 and adds milo; the page follows every worker by itself.
     admin.click("text=TPU VMs")
     admin.click(f"a:text-is('{vm.name}')")
-    admin.select_option("select[name=user]", label=f"{scene.username} (milo@uni.example)")
+    admin.wait_for_load_state("load")  # htmx has wired the page up
+    picker = admin.get_by_role("combobox", name="Member")
+    picker.fill("milo@")
+    expect(admin.locator("#grant-user-options [role=option]")).to_have_count(1, timeout=15_000)
+    picker.press("ArrowDown")
+    picker.press("Enter")
+    expect(picker).to_have_value(scene.username)
     polls = []
     admin.on("request", lambda r: polls.append(r.url) if "/progress/" in r.url else None)
     admin.click(f"text=Add to {vm.name}")
     admin.wait_for_url(f"**/labs/{lab.slug}/vms/{vm.pk}/")
     admin.evaluate("window.notReloaded = true")
     progress = admin.locator("#vm-progress")
-    expect(progress.locator(".badge", has_text="up to date")).to_have_count(4, timeout=30_000)
+    expect(progress.locator(".badge", has_text="up to date")).to_have_count(4, timeout=60_000)
     grant = Grant.objects.get(user__email="milo@uni.example", vm=vm)
     expect(progress.locator(f"#grant-{grant.pk} .badge")).to_have_text("Active")
+    # The "Adding milo…" notice says it is done, without a reload.
+    expect(admin.locator(f"#notice-grant-{grant.pk}")).to_have_text(
+        f"{scene.username} can now use {vm.name}."
+    )
     assert admin.evaluate("window.notReloaded === true"), "the page was reloaded"
     assert polls, "the progress never refreshed itself"
     admin.screenshot(path=tmp_path / "vm-page-after-grant.png", full_page=True)
@@ -188,19 +193,22 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
     for host in hosts:
         assert host.ip in body
     assert f"HostName {hosts[0].ip}" in body and f"User {scene.username}" in body
-    # The snippet from the email works as it is, for someone who keeps nothing else
-    # (their ssh learns the host key at the first login).
+    # The email's lines work as they are, for someone who keeps nothing else: its Host
+    # blocks in an ssh config, and its host keys where the blocks say (pinned, no prompt).
     text = body.replace("\r\n", "\n")
-    snippet = text.split("Add this to your ~/.ssh/config:\n\n", 1)[-1].split("\n\n", 1)[0]
-    assert snippet.startswith(f"Host {vm.name}"), text
-    (tmp_path / "emailed").write_text(snippet + "\n")
+    blocks = text.split("add these lines to your ~/.ssh/config:\n\n", 1)[-1]
+    blocks = blocks.split("\n\nand these host keys", 1)[0]
+    keys = text.split('"Host key verification failed"):\n\n', 1)[-1].split("\nThen log in", 1)[0]
+    assert f"Host {vm.name}\n" in blocks, text
+    (tmp_path / "emailed").write_text(blocks + "\n")
+    (tmp_path / "emailed_known_hosts").write_text(keys)
     first = subprocess.run(
         ["ssh", "-F", str(tmp_path / "emailed"), "-i", str(scene.key), "-o", "IdentitiesOnly=yes",
-         "-o", f"UserKnownHostsFile={tmp_path / 'learned'}", "-o", "BatchMode=yes",
-         "-o", "StrictHostKeyChecking=accept-new", "-o", "ConnectTimeout=5", vm.name, "id -un"],
+         "-o", f"UserKnownHostsFile={tmp_path / 'emailed_known_hosts'}", "-o", "BatchMode=yes",
+         "-o", "ConnectTimeout=5", vm.name, "id -un"],
         capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    assert first.returncode == 0, (snippet, first.stderr)
+    assert first.returncode == 0, (blocks, first.stderr)
     assert first.stdout.strip() == scene.username
 
     # Journey 3: milo downloads his ssh config and known_hosts and logs in with ssh,
@@ -223,7 +231,11 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
     tpu_emulator.controls.set_ip(vm.name, 0, new_ip)
     tasks.sync_inventory.delay()
     notice = smtp_sink.wait_for("milo@uni.example", new_ip, timeout=30)
-    assert refresh_command in smtp_sink.body(notice)
+    # The email points to the page with the refresh command; the private URL itself
+    # never travels by mail.
+    body = smtp_sink.body(notice)
+    assert "/ssh/" in body and "refresh command" in body
+    assert config_url not in body and "/ssh/feed/" not in body
     sync_inventory()  # a second scheduler's beat sees the same change
     time.sleep(2)
     about_it = [m for m in smtp_sink.messages if new_ip in m["Subject"]]
@@ -258,7 +270,7 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
     admin.goto(f"/labs/{lab.slug}/vms/{vm.pk}/")
     expect(admin.locator("body")).to_contain_text(new_ip)  # the address history
     admin.once("dialog", lambda dialog: dialog.accept())
-    admin.locator(f"#grant-{grant.pk}").get_by_role("button", name="Revoke").click()
+    admin.locator(f"#access-{grant.pk}").get_by_role("button", name="Revoke").click()
     expect(admin.locator(f"#grant-{grant.pk} .badge")).to_have_text("Revoked", timeout=30_000)
 
     smtp_sink.wait_for("milo@uni.example", "has ended", timeout=30)

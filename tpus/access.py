@@ -55,6 +55,13 @@ def visible_labs(user) -> QuerySet[Lab]:
     return Lab.objects.filter(Q(discoverable=True) | Q(Exists(mine)))
 
 
+def project_visible_lab_ids(user) -> set[int]:
+    """Labs whose GCP project id and zones this person may read: their approved
+    memberships (every lab for a site admin). Someone who can only find a lab to ask
+    to join it does not learn where its TPU VMs live."""
+    return set(member_labs(user).values_list("pk", flat=True))
+
+
 def get_visible_lab(user, slug: str) -> Lab:
     """A lab the person may ask to join or see their request for; else 404."""
     try:
@@ -77,6 +84,16 @@ def get_admin_lab(user, slug: str) -> Lab:
     lab = get_member_lab(user, slug)
     if not admin_labs(user).filter(pk=lab.pk).exists():
         raise PermissionDenied("Only the lab's admins can do that.")
+    return lab
+
+
+def get_lab_for_site_admin(user, slug: str, reason: str) -> Lab:
+    """A lab, for something only a site admin does. Like ``get_admin_lab`` (404 for
+    a lab the person is not in), and a 403 with ``reason`` for the lab's own admins
+    and members."""
+    lab = get_admin_lab(user, slug)
+    if not user.is_site_admin:
+        raise PermissionDenied(reason)
     return lab
 
 
@@ -144,16 +161,65 @@ def get_grant_for_admin(user, lab: Lab, grant_id: int):
         raise Http404("No such grant.") from None
 
 
-def get_vm_for_viewer(user, lab: Lab, vm_id: int):
-    """A VM the person may see: any VM of a lab they administer, or one they hold a
-    grant on (in any state but revoked). Else 404."""
-    from tpus.models import TpuVm
+def viewable_vms(user, lab: Lab, *, is_admin: bool | None = None) -> QuerySet:
+    """The lab's VMs the person may see: every one for its admins, else those they
+    hold a grant on (in any state but revoked)."""
+    from tpus.models import Grant
     from tpus.models.grants import GrantState
 
     vms = lab.vms.all()
-    if not is_lab_admin(user, lab):
-        vms = vms.filter(grants__user=user).exclude(grants__state=GrantState.REVOKED).distinct()
+    if not (is_lab_admin(user, lab) if is_admin is None else is_admin):
+        # One subquery about this person's own grant: filter(grants__user=...) followed
+        # by exclude(grants__state=...) would drop the VM when anyone else's grant on it
+        # is revoked (exclude on a multi-valued relation matches any related row).
+        mine = Grant.objects.filter(vm=OuterRef("pk"), user=user).exclude(state=GrantState.REVOKED)
+        vms = vms.filter(Exists(mine))
+    return vms
+
+
+def get_vm_for_viewer(user, lab: Lab, vm_id: int):
+    """A VM the person may see (``viewable_vms``). Else 404."""
+    from tpus.models import TpuVm
+
     try:
-        return vms.get(pk=vm_id)
+        return viewable_vms(user, lab).get(pk=vm_id)
     except (TpuVm.DoesNotExist, ValueError, TypeError):
         raise Http404("No such TPU VM.") from None
+
+
+def get_vm_for_grantee(user, vm_id: int):
+    """A VM the person holds a wanted grant on (the VMs in their ssh config), whatever
+    their role in its lab: their own port forwards and the like. Else 404."""
+    from tpus.models import Grant, TpuVm
+    from tpus.models.grants import WANTED_STATES
+
+    mine = Grant.objects.filter(vm=OuterRef("pk"), user=user, state__in=WANTED_STATES)
+    try:
+        return TpuVm.objects.select_related("lab").filter(Exists(mine)).get(pk=vm_id)
+    except (TpuVm.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such TPU VM.") from None
+
+
+def get_job_for_viewer(user, lab: Lab, vm_id: int, job_id: int):
+    """A job whose page, environment and logs the person may see: their own, or any
+    job of a lab they administer, on a VM they may see. Anyone else gets a 404: people
+    who share the VM see its queue (who, what, in which state) on the VM's page, not
+    the job's own page."""
+    from tpus.models import Job
+
+    vm = get_vm_for_viewer(user, lab, vm_id)
+    jobs = Job.objects.filter(vm=vm).select_related("vm__lab", "user__unix_account")
+    if not is_lab_admin(user, lab):
+        jobs = jobs.filter(user=user)
+    try:
+        return jobs.get(pk=job_id)
+    except (Job.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such job.") from None
+
+
+CANCEL_REFUSED = "Only the person who submitted a job and the lab's admins can cancel it."
+
+
+def may_cancel_job(user, job) -> bool:
+    """The person who submitted a job and the lab's admins may cancel it."""
+    return job.user_id == user.pk or is_lab_admin(user, job.vm.lab)

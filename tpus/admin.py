@@ -4,7 +4,18 @@ only offers what is safe to do from here."""
 
 from django.contrib import admin
 
-from tpus.models import AuditEvent, DataDisk, Grant, IpChange, Lab, Membership, TpuVm, Worker
+from tpus.models import (
+    AuditEvent,
+    DataDisk,
+    Grant,
+    IpChange,
+    Lab,
+    LabKey,
+    Membership,
+    TpuVm,
+    Worker,
+)
+from tpus.services import labkeys
 from tpus.services.grants import revoke_access
 
 
@@ -21,8 +32,38 @@ class ReadOnly(admin.ModelAdmin):
 
 @admin.register(Lab)
 class LabAdmin(ReadOnly):
-    list_display = ["name", "slug", "gcp_project_id", "grant_end_date", "created_at"]
+    list_display = [
+        "name", "slug", "gcp_project_id", "grant_end_date", "uses_site_key", "created_at"
+    ]  # fmt: skip
     search_fields = ["name", "slug", "gcp_project_id"]
+    actions = ["use_site_key", "use_own_key"]
+
+    @admin.action(description="Log in to this lab's workers with the site-wide SSH key")
+    def use_site_key(self, request, queryset):
+        if queryset.count() != 1:
+            self.message_user(request, "Choose exactly one lab.", level="error")
+            return
+        try:
+            labkeys.set_uses_site_key(request.user, queryset.get(), True, request=request)
+        except labkeys.LabKeyError as exc:
+            self.message_user(request, str(exc), level="error")
+        else:
+            self.message_user(request, "The lab now uses the site-wide SSH key.")
+
+    @admin.action(description="Log in to these labs' workers with their own SSH keys")
+    def use_own_key(self, request, queryset):
+        for lab in queryset:
+            labkeys.set_uses_site_key(request.user, lab, False, request=request)
+        self.message_user(request, "Those labs use their own SSH keys.")
+
+
+@admin.register(LabKey)
+class LabKeyAdmin(ReadOnly):
+    """The public half only: the private half is never shown."""
+
+    list_display = ["lab", "fingerprint", "created_at"]
+    fields = ["lab", "public_key", "fingerprint", "created_at"]
+    readonly_fields = fields
 
 
 @admin.register(Membership)

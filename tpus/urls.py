@@ -1,6 +1,6 @@
 from django.urls import path
 
-from tpus.views import grants, hostkeys, inventory, labs, ssh
+from tpus.views import connect, grants, hostkeys, inventory, jobs, labs, ssh
 
 urlpatterns = [
     path("", labs.dashboard, name="dashboard"),
@@ -12,6 +12,7 @@ urlpatterns = [
     path("labs/<slug:slug>/admin/", labs.lab_admin, name="lab_admin"),
     path("labs/<slug:slug>/settings/", labs.lab_settings, name="lab_settings"),
     path("labs/<slug:slug>/audit/", labs.lab_audit, name="lab_audit"),
+    path("labs/<slug:slug>/people/search/", labs.people_search, name="people_search"),
     path(
         "labs/<slug:slug>/memberships/<int:membership_id>/approve/",
         labs.membership_approve,
@@ -45,18 +46,41 @@ urlpatterns = [
     path("ssh/feed/rotate/", ssh.ssh_feed_rotate, name="ssh_feed_rotate"),
     path("ssh/feed/disable/", ssh.ssh_feed_disable, name="ssh_feed_disable"),
     path("ssh/forwarding/", ssh.ssh_forwarding, name="ssh_forwarding"),
+    path("ssh/forwards/<int:vm_id>/", ssh.ssh_forward, name="ssh_forward"),
+    path(
+        "ssh/forwards/<int:vm_id>/<int:local_port>/remove/",
+        ssh.ssh_forward_remove,
+        name="ssh_forward_remove",
+    ),
     path("ssh/feed/<str:token>/config", ssh.ssh_feed_config, name="ssh_feed_config"),
     path("ssh/feed/<str:token>/known_hosts", ssh.ssh_feed_known_hosts, name="ssh_feed_known_hosts"),
     path("labs/<slug:slug>/vms/", inventory.vm_list, name="vm_list"),
     path("labs/<slug:slug>/vms/import/", inventory.vm_import, name="vm_import"),
     path("labs/<slug:slug>/vms/register/", inventory.vm_register, name="vm_register"),
     path("labs/<slug:slug>/vms/sync/", inventory.vm_sync, name="vm_sync"),
+    path("labs/<slug:slug>/vms/search/", grants.vm_search, name="vm_search"),
     path("labs/<slug:slug>/vms/<int:vm_id>/", inventory.vm_detail, name="vm_detail"),
     path("labs/<slug:slug>/vms/<int:vm_id>/progress/", grants.vm_progress, name="vm_progress"),
+    path(
+        "labs/<slug:slug>/vms/<int:vm_id>/connection/",
+        connect.vm_connection,
+        name="vm_connection",
+    ),
+    path("labs/<slug:slug>/vms/<int:vm_id>/connect/", connect.vm_connect, name="vm_connect"),
+    path(
+        "labs/<slug:slug>/vms/<int:vm_id>/disconnect/",
+        connect.vm_disconnect,
+        name="vm_disconnect",
+    ),
     path(
         "labs/<slug:slug>/vms/<int:vm_id>/workers/<int:index>/keys/",
         hostkeys.worker_keys,
         name="worker_keys",
+    ),
+    path(
+        "labs/<slug:slug>/vms/<int:vm_id>/workers/<int:index>/keys/scan/",
+        hostkeys.worker_keys_scan,
+        name="worker_keys_scan",
     ),
     path("labs/<slug:slug>/vms/<int:vm_id>/grant/", grants.grant_create, name="grant_create"),
     path(
@@ -68,6 +92,29 @@ urlpatterns = [
         "labs/<slug:slug>/grants/<int:grant_id>/revoke/", grants.grant_revoke, name="grant_revoke"
     ),
     path("labs/<slug:slug>/grants/<int:grant_id>/retry/", grants.grant_retry, name="grant_retry"),
+    path("labs/<slug:slug>/usage/", jobs.lab_usage, name="lab_usage"),
+    path("labs/<slug:slug>/usage/csv/", jobs.lab_usage_csv, name="lab_usage_csv"),
+    path("labs/<slug:slug>/vms/<int:vm_id>/jobs/", jobs.vm_jobs, name="vm_jobs"),
+    path("labs/<slug:slug>/vms/<int:vm_id>/jobs/new/", jobs.job_submit, name="job_submit"),
+    path("labs/<slug:slug>/vms/<int:vm_id>/jobs/<int:job_id>/", jobs.job_detail, name="job_detail"),
+    path(
+        "labs/<slug:slug>/vms/<int:vm_id>/jobs/<int:job_id>/live/", jobs.job_live, name="job_live"
+    ),
+    path(
+        "labs/<slug:slug>/vms/<int:vm_id>/jobs/<int:job_id>/cancel/",
+        jobs.job_cancel,
+        name="job_cancel",
+    ),
+    path(
+        "labs/<slug:slug>/vms/<int:vm_id>/jobs/<int:job_id>/rerun/",
+        jobs.job_rerun,
+        name="job_rerun",
+    ),
+    path(
+        "labs/<slug:slug>/vms/<int:vm_id>/jobs/<int:job_id>/workers/<int:index>/log",
+        jobs.job_log,
+        name="job_log",
+    ),
     path("labs/<slug:slug>/disks/register/", inventory.disk_register, name="disk_register"),
     path("labs/<slug:slug>/disks/<int:disk_id>/", inventory.disk_detail, name="disk_detail"),
     path(

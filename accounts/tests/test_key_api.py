@@ -134,10 +134,10 @@ def test_each_accepted_key_is_added_listed_and_deleted(api, milo, text, key_type
     assert body["key_type"] == key_type and body["bits"] == bits
     assert body["fingerprint_sha256"] == parsed.fingerprint_sha256
     assert body["label"] == "yubikey" and body["comment"] == parsed.comment
-    assert [k["id"] for k in api("get", "/keys").json()] == [body["id"]]
+    assert [k["id"] for k in api("get", "/keys").json()["items"]] == [body["id"]]
 
     assert api("delete", f"/keys/{body['id']}").status_code == 204
-    assert api("get", "/keys").json() == []
+    assert api("get", "/keys").json()["items"] == []
     assert api("delete", f"/keys/{body['id']}").status_code == 404
 
 

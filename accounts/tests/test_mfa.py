@@ -20,11 +20,10 @@ def require_mfa(settings):
 
 
 def _sign_in(client, user):
-    """Sign in, then confirm the password once more as allauth asks before MFA changes."""
+    """Sign in with the password: right after it, setting up TOTP needs no second one."""
     client.post(
         reverse("account_login"), {"login": user.email, "password": "correct horse battery"}
     )
-    client.post(reverse("account_reauthenticate"), {"password": "correct horse battery"})
 
 
 def test_a_lab_admin_without_totp_is_sent_to_set_it_up_and_then_goes_through(
@@ -81,3 +80,68 @@ def test_a_members_sign_in_is_not_audited(client, cast):
         {"login": cast.member.email, "password": "correct horse battery"},
     )
     assert not AuditEvent.objects.filter(action="admin.login").exists()
+
+
+def _api_get(client, user, path="/api/v1/me"):
+    from accounts.services import create_token
+
+    _token, raw = create_token(user, "cli")
+    return client.get(path, HTTP_AUTHORIZATION=f"Bearer {raw}")
+
+
+@pytest.mark.parametrize("who", ["admin", "site_admin"])
+def test_an_admin_without_totp_is_refused_by_the_api_with_a_token(client, cast, require_mfa, who):
+    response = _api_get(client, getattr(cast, who))
+    assert response.status_code == 403
+    detail = response.json()["detail"]
+    assert "Two-factor authentication is required" in detail
+    assert "http://testserver" + reverse("mfa_activate_totp") in detail
+
+
+def test_an_admin_without_totp_cannot_change_anything_through_the_api(client, cast, require_mfa):
+    from accounts.models import ApiToken
+    from accounts.services import create_token
+
+    _token, raw = create_token(cast.admin, "cli")
+    response = client.post(
+        "/api/v1/tokens",
+        {"name": "another"},
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {raw}",
+    )
+    assert response.status_code == 403
+    assert ApiToken.objects.filter(user=cast.admin).count() == 1
+
+
+def test_a_member_uses_the_api_with_a_token_without_totp(client, cast, require_mfa):
+    response = _api_get(client, cast.member)
+    assert response.status_code == 200
+    assert response.json()["email"] == cast.member.email
+
+
+def test_an_admin_with_totp_uses_the_api_with_a_token(client, cast, require_mfa):
+    Authenticator.objects.create(user=cast.admin, type=Authenticator.Type.TOTP, data={})
+    assert _api_get(client, cast.admin).status_code == 200
+
+
+def test_without_the_requirement_an_admin_uses_the_api_with_a_token(client, cast):
+    assert _api_get(client, cast.admin).status_code == 200
+
+
+def test_setting_up_totp_right_after_signing_in_does_not_ask_for_the_password_again(
+    client, cast, require_mfa
+):
+    _sign_in(client, cast.admin)
+    assert client.get(reverse("mfa_activate_totp")).status_code == 200
+
+
+def test_setting_up_totp_long_after_signing_in_asks_for_the_password(
+    client, cast, require_mfa, monkeypatch
+):
+    import time
+
+    _sign_in(client, cast.admin)
+    later = time.time() + 3600
+    monkeypatch.setattr(time, "time", lambda: later)
+    response = client.get(reverse("mfa_activate_totp"))
+    assert response.status_code == 302 and "reauthenticate" in response["Location"]

@@ -4,25 +4,33 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from django.core import mail
 from django.urls import reverse
+from django.utils import timezone
 
 from accounts.models import User
+from portal import outbox
+from portal.models import OutboxMessage, OutboxState
 
 
 def _link(message) -> str:
     return re.search(r"http://testserver(/\S+)", message.body).group(1)
 
 
-def test_signup_needs_the_emailed_link_before_signing_in(client, db):
-    response = client.post(
-        reverse("account_signup"),
-        {
-            "email": "Milo@Uni.example",
-            "password1": "a long passphrase 42",
-            "password2": "a long passphrase 42",
-        },
-    )
+def test_signup_needs_the_emailed_link_before_signing_in(
+    client, db, django_capture_on_commit_callbacks
+):
+    # The email goes to the outbox and out once the sign-up commits.
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(
+            reverse("account_signup"),
+            {
+                "email": "Milo@Uni.example",
+                "password1": "a long passphrase 42",
+                "password2": "a long passphrase 42",
+            },
+        )
     assert response.status_code == 302
     user = User.objects.get()
     assert user.email == "milo@uni.example"
@@ -63,9 +71,10 @@ def test_the_same_email_cannot_sign_up_twice_in_another_case(client, make_user):
     assert User.objects.filter(email__iexact="milo@uni.example").count() == 1
 
 
-def test_password_reset_mails_a_working_link(client, make_user):
+def test_password_reset_mails_a_working_link(client, make_user, django_capture_on_commit_callbacks):
     make_user("milo@uni.example", password="old passphrase 1")
-    client.post(reverse("account_reset_password"), {"email": "milo@uni.example"})
+    with django_capture_on_commit_callbacks(execute=True):
+        client.post(reverse("account_reset_password"), {"email": "milo@uni.example"})
     link = _link(mail.outbox[-1])
     response = client.get(link, follow=True)
     form_url = response.redirect_chain[-1][0] if response.redirect_chain else link
@@ -93,3 +102,27 @@ def test_failed_logins_are_rate_limited_in_the_shared_cache(client, make_user):
 
 def test_the_cache_is_shared_between_processes(settings):
     assert "locmem" not in settings.CACHES["default"]["BACKEND"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_signing_up_while_smtp_refuses_works_and_the_verification_mail_follows(
+    client, smtp_settings
+):
+    smtp_settings.refusing = "451 4.3.0 Try again later"
+    response = client.post(
+        reverse("account_signup"),
+        {
+            "email": "milo@uni.example",
+            "password1": "a long passphrase 42",
+            "password2": "a long passphrase 42",
+        },
+    )
+    assert response.status_code == 302
+    waiting = OutboxMessage.objects.get()
+    assert waiting.kind == "account/email/email_confirmation_signup"
+    assert waiting.state == OutboxState.PENDING and "451" in waiting.last_error
+    smtp_settings.refusing = None
+    OutboxMessage.objects.update(next_attempt_at=timezone.now())
+    assert outbox.send_due() == 1
+    message = smtp_settings.wait_for("milo@uni.example", "Please Confirm Your Email Address")
+    assert "/accounts/confirm-email/" in smtp_settings.body(message)

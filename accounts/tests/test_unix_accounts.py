@@ -32,7 +32,7 @@ from tpus.services import access_changes
 
 def test_the_first_account_gets_the_bottom_of_the_range_and_gid_equals_uid(make_user, settings):
     account = ensure_unix_account(make_user())
-    assert account.uid == settings.PORTAL_UID_MIN == 20000
+    assert account.uid == settings.PORTAL_UID_MIN == 70000
     assert account.gid == account.uid
     assert account.username == "" and not account.locked
 
@@ -78,11 +78,11 @@ def test_a_removed_unix_account_made_again_keeps_its_uid(make_user):
 
 def test_moving_the_range_never_reuses_a_uid(make_user, settings):
     first = ensure_unix_account(make_user()).uid
-    settings.PORTAL_UID_MIN, settings.PORTAL_UID_MAX = 40000, 40010
-    assert ensure_unix_account(make_user()).uid == 40000
-    settings.PORTAL_UID_MIN, settings.PORTAL_UID_MAX = 20000, 59999
-    assert ensure_unix_account(make_user()).uid == 40001
-    assert first == 20000
+    settings.PORTAL_UID_MIN, settings.PORTAL_UID_MAX = 80000, 80010
+    assert ensure_unix_account(make_user()).uid == 80000
+    settings.PORTAL_UID_MIN, settings.PORTAL_UID_MAX = 70000, 99999
+    assert ensure_unix_account(make_user()).uid == 80001
+    assert first == 70000
 
 
 def test_refused_usernames_allocate_nothing(make_user):
@@ -97,10 +97,10 @@ def test_refused_usernames_allocate_nothing(make_user):
 def test_choosing_a_username_makes_the_account_and_is_audited(make_user):
     user = make_user()
     account = choose_username(user, "milo")
-    assert (account.username, account.uid) == ("milo", 20000)
+    assert (account.username, account.uid) == ("milo", 70000)
     event = AuditEvent.objects.get(action=AuditAction.UNIX_USERNAME_CHOSEN)
     assert event.actor == event.target_user == user
-    assert event.data == {"username": "milo", "previous": "", "uid": 20000}
+    assert event.data == {"username": "milo", "previous": "", "uid": 70000}
 
 
 def test_choosing_the_same_username_again_changes_nothing(make_user):

@@ -27,10 +27,12 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django.contrib.humanize",
+    "django.forms",
     "allauth",
     "allauth.account",
     "allauth.mfa",
     "ninja",
+    "portal",
     "accounts",
     "tpus",
 ]
@@ -38,6 +40,10 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    # Compresses pages and JSON. Above every middleware that reads or changes the
+    # body; below WhiteNoise, which serves static files already compressed at build
+    # time. Django pads compressed responses against BREACH since 4.2.
+    "django.middleware.gzip.GZipMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -49,6 +55,10 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "portal.urls"
+# Forms are drawn with the project's templates/django/forms/ (each field: its label,
+# marked when required, the input, its help, then its errors under it), found through
+# TEMPLATES; "django.forms" below supplies the rest of Django's form templates.
+FORM_RENDERER = "django.forms.renderers.TemplatesSetting"
 WSGI_APPLICATION = "portal.wsgi.application"
 ASGI_APPLICATION = "portal.asgi.application"
 
@@ -121,10 +131,35 @@ STATIC_URL = "static/"
 STATIC_ROOT = Path(env.string("STATIC_ROOT", str(VAR_DIR / "static")))
 STATICFILES_DIRS = [BASE_DIR / "static"]
 
+# --- Uploads ----------------------------------------------------------------------
+# The only files people upload are SSH public keys. A file over this many bytes is
+# refused as it arrives, before it is stored in memory or in a temporary file.
+PORTAL_UPLOAD_MAX_BYTES = env.integer("PORTAL_UPLOAD_MAX_BYTES", 64 * 1024, minimum=1024)
+FILE_UPLOAD_HANDLERS = [
+    "portal.uploads.CappedUploadHandler",
+    "django.core.files.uploadhandler.MemoryFileUploadHandler",
+    "django.core.files.uploadhandler.TemporaryFileUploadHandler",
+]
+
 # --- Email ------------------------------------------------------------------------
 globals().update(env.email(env.string("EMAIL_URL", "console:")))
 DEFAULT_FROM_EMAIL = env.string("DEFAULT_FROM_EMAIL", "TPU Portal <portal@localhost>")
 SERVER_EMAIL = DEFAULT_FROM_EMAIL
+# Every message is stored in the outbox (portal.models.OutboxMessage) and sent from
+# there. A failed attempt is retried after PORTAL_MAIL_RETRY_SECONDS, doubling each
+# time up to PORTAL_MAIL_RETRY_MAX_SECONDS; a message still unsent
+# PORTAL_MAIL_GIVE_UP_SECONDS after it was written is marked failed. The sweep that
+# retries runs every PORTAL_MAIL_SWEEP_SECONDS.
+PORTAL_MAIL_RETRY_SECONDS = env.integer("PORTAL_MAIL_RETRY_SECONDS", 30, minimum=1)
+PORTAL_MAIL_RETRY_MAX_SECONDS = env.integer("PORTAL_MAIL_RETRY_MAX_SECONDS", 1800, minimum=1)
+PORTAL_MAIL_GIVE_UP_SECONDS = env.integer("PORTAL_MAIL_GIVE_UP_SECONDS", 2 * 86400, minimum=60)
+PORTAL_MAIL_SWEEP_SECONDS = env.integer("PORTAL_MAIL_SWEEP_SECONDS", 30, minimum=5)
+if PORTAL_MAIL_RETRY_MAX_SECONDS < PORTAL_MAIL_RETRY_SECONDS:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        "PORTAL_MAIL_RETRY_MAX_SECONDS must be at least PORTAL_MAIL_RETRY_SECONDS."
+    )
 
 # --- Accounts (django-allauth) ----------------------------------------------------
 ACCOUNT_LOGIN_METHODS = {"email"}
@@ -136,7 +171,9 @@ ACCOUNT_CONFIRM_EMAIL_ON_GET = False
 ACCOUNT_LOGIN_ON_EMAIL_CONFIRMATION = True
 ACCOUNT_LOGOUT_ON_PASSWORD_CHANGE = False
 ACCOUNT_ADAPTER = "accounts.adapter.AccountAdapter"
-ACCOUNT_EMAIL_SUBJECT_PREFIX = "[TPU Portal] "
+# What the portal calls itself in allauth's emails and subjects.
+PORTAL_SITE_NAME = env.string("PORTAL_SITE_NAME", "TPU Portal")
+ACCOUNT_EMAIL_SUBJECT_PREFIX = f"[{PORTAL_SITE_NAME}] "
 ACCOUNT_DEFAULT_HTTP_PROTOCOL = "https" if SITE_URL.startswith("https") else "http"
 # allauth's defaults (login 30/m/ip, failed logins 10/m/ip and 5/5m per account,
 # signup 20/m/ip, …) stay on; they count in the shared cache above.
@@ -147,6 +184,7 @@ PORTAL_REQUIRE_ADMIN_MFA = env.boolean("PORTAL_REQUIRE_ADMIN_MFA", True)
 
 # --- API (django-ninja) ----------------------------------------------------------
 NINJA_PAGINATION_PER_PAGE = 50
+NINJA_PAGINATION_MAX_LIMIT = 200
 
 # --- Celery ------------------------------------------------------------------------
 # The database is the source of truth: tasks carry ids, enqueue after commit, and a
@@ -171,18 +209,76 @@ CELERY_TASK_TIME_LIMIT = CELERY_VISIBILITY_TIMEOUT - 60
 CELERY_TASK_SOFT_TIME_LIMIT = CELERY_VISIBILITY_TIMEOUT - 120
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TIMEZONE = "UTC"
+# What tasks print (the console email backend of a local install prints every email)
+# is ordinary output, not a warning.
+CELERY_WORKER_REDIRECT_STDOUTS_LEVEL = "INFO"
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 PORTAL_HEARTBEAT_SECONDS = env.integer("PORTAL_HEARTBEAT_SECONDS", 60, minimum=1)
 # How often every lab's TPU VMs are refreshed from the Cloud TPU API.
 PORTAL_SYNC_SECONDS = env.integer("PORTAL_SYNC_SECONDS", 60, minimum=5)
+# A lab's admins are emailed once when listing one of its zones has failed for this
+# long, and once when it works again.
+PORTAL_SYNC_ALERT_SECONDS = env.integer("PORTAL_SYNC_ALERT_SECONDS", 600, minimum=0)
+# Each sync also compares the host keys the Cloud TPU API publishes for this many VMs
+# (one GetGuestAttributes each, the least recently compared first) with the pinned
+# ones; VMs with a reason (new address, reboot, re-created) are compared on top.
+PORTAL_HOST_KEY_CHECKS_PER_SYNC = env.integer("PORTAL_HOST_KEY_CHECKS_PER_SYNC", 2, minimum=0)
 # How often stuck provisioning is picked up again; every VM is fully reconciled (and
 # checked for drift) at least every PORTAL_DRIFT_CHECK_SECONDS.
 PORTAL_RECONCILE_SWEEP_SECONDS = env.integer("PORTAL_RECONCILE_SWEEP_SECONDS", 300, minimum=10)
+# Connect a VM: how long to wait for every worker to accept the lab's key after it was
+# added to the node's ssh-keys metadata (Google's guest agent applies it within
+# seconds), and how often to try a worker in the meantime.
+PORTAL_CONNECT_WAIT_SECONDS = env.integer("PORTAL_CONNECT_WAIT_SECONDS", 180, minimum=1)
+PORTAL_CONNECT_POLL_SECONDS = env.integer("PORTAL_CONNECT_POLL_SECONDS", 3, minimum=1)
 PORTAL_DRIFT_CHECK_SECONDS = env.integer("PORTAL_DRIFT_CHECK_SECONDS", 3600, minimum=60)
 PORTAL_EXPIRY_CHECK_SECONDS = env.integer("PORTAL_EXPIRY_CHECK_SECONDS", 600, minimum=10)
-# One reconcile per VM at a time; if the process holding a VM dies, the claim lapses
-# after this long (longer than any run: connect + script timeouts, with a margin).
-PORTAL_RECONCILE_CLAIM_SECONDS = env.integer("PORTAL_RECONCILE_CLAIM_SECONDS", 420, minimum=1)
+# One reconcile per VM at a time (and one worker per disk operation). Its claim is a
+# lease the running work renews
+# every third of this; if the process holding it dies (or loses the database), the
+# lease lapses after this long and the next stalled-claims check (every
+# PORTAL_STALLED_CHECK_SECONDS) runs the VM again. So a dead run holds a VM (a revoke
+# included) for at most about the sum of the two, whatever the script timeout is.
+PORTAL_RECONCILE_CLAIM_SECONDS = env.integer("PORTAL_RECONCILE_CLAIM_SECONDS", 30, minimum=1)
+PORTAL_STALLED_CHECK_SECONDS = env.integer("PORTAL_STALLED_CHECK_SECONDS", 20, minimum=1)
+# A grant a worker refused for a reason the host may get over (a local account holding
+# the person's UID or name) is tried again by the sweep after this, doubling each time
+# up to an hour.
+PORTAL_GRANT_RETRY_SECONDS = env.integer("PORTAL_GRANT_RETRY_SECONDS", 60, minimum=1)
+
+# --- Jobs (tpus/services/jobs.py, docs/jobs.md) -----------------------------------------
+# How often the portal asks the workers of VMs with jobs how they go (one SSH exec per
+# worker): the end of a job is seen within this, and the next job starts in that pass.
+PORTAL_JOB_POLL_SECONDS = env.integer("PORTAL_JOB_POLL_SECONDS", 5, minimum=1)
+# Cancel: TERM to the job's processes on every worker, this long to end, then KILL.
+# Also how long a pod's other workers get when one of them failed.
+PORTAL_JOB_CANCEL_GRACE_SECONDS = env.integer("PORTAL_JOB_CANCEL_GRACE_SECONDS", 10, minimum=0)
+# The pre-flight's floor for free space in the home and available memory (MB).
+PORTAL_JOB_MIN_DISK_MB = env.integer("PORTAL_JOB_MIN_DISK_MB", 1024, minimum=0)
+PORTAL_JOB_MIN_MEM_MB = env.integer("PORTAL_JOB_MIN_MEM_MB", 1024, minimum=0)
+# The port of jax.distributed's coordinator on worker 0 of a pod (TPU_PORTAL_COORDINATOR).
+PORTAL_JOB_COORDINATOR_PORT = env.integer("PORTAL_JOB_COORDINATOR_PORT", 8476, minimum=1024)
+# A TPU VM's Python environment must have libtpu (within jax's own pin) and requests.
+# Off only for hosts without TPUs, such as the test fleet's.
+PORTAL_JOB_REQUIRE_LIBTPU = env.boolean("PORTAL_JOB_REQUIRE_LIBTPU", True)
+# Where each TPU generation's chips appear on a worker (found without touching the
+# TPU); "*" for the rest. v5e and v6e use VFIO.
+PORTAL_JOB_DEVICE_GLOBS = {
+    "v5litepod": "/dev/vfio/[0-9]*",
+    "v5e": "/dev/vfio/[0-9]*",
+    "v6e": "/dev/vfio/[0-9]*",
+    "*": "/dev/accel*",
+}
+# Chips per worker for a VM whose accelerator type the portal does not know.
+PORTAL_JOB_DEFAULT_CHIPS_PER_WORKER = env.integer(
+    "PORTAL_JOB_DEFAULT_CHIPS_PER_WORKER", 4, minimum=0
+)
+# Opening a VM's page or the usage page looks at who holds its chips again when the
+# last look is older than this.
+PORTAL_JOB_USAGE_REFRESH_SECONDS = env.integer("PORTAL_JOB_USAGE_REFRESH_SECONDS", 30, minimum=0)
+# How much of each worker's log the portal keeps for the page (bytes); the whole log
+# stays on the worker and is downloaded from there.
+PORTAL_JOB_LOG_TAIL_BYTES = env.integer("PORTAL_JOB_LOG_TAIL_BYTES", 32768, minimum=1024)
 
 # --- Remote hosts (TPU VM workers over SSH, tpus/remote) -------------------------------
 # The portal logs in to every worker as PORTAL_ADMIN_SSH_USER (passwordless sudo) with
@@ -198,6 +294,12 @@ if PORTAL_ADMIN_SSH_KEY_FILE and PORTAL_ADMIN_SSH_KEY:
 
     raise ImproperlyConfigured("Set PORTAL_ADMIN_SSH_KEY or PORTAL_ADMIN_SSH_KEY_FILE, not both.")
 PORTAL_ADMIN_SSH_USER = env.string("PORTAL_ADMIN_SSH_USER", "admin")
+# Each lab has its own SSH key pair, made by the portal; the private half is kept in the
+# database encrypted with PORTAL_SECRETS_KEY. The portal logs in to a lab's workers only
+# with that lab's key, as this account, which Google's guest agent creates (with sudo)
+# from the node's ssh-keys metadata when a lab admin connects the VM. The site-wide key
+# above is only used for the one lab a site admin explicitly marks "uses the site key".
+PORTAL_LAB_SSH_USER = env.string("PORTAL_LAB_SSH_USER", "tpu-portal")
 # Seconds. Connect covers TCP; auth covers banner, handshake, login and opening the
 # channel; script covers the whole script run. A dead VM costs at most connect.
 PORTAL_REMOTE_CONNECT_TIMEOUT = env.integer("PORTAL_REMOTE_CONNECT_TIMEOUT", 10, minimum=1)
@@ -211,12 +313,53 @@ PORTAL_REMOTE_DRY_RUN = env.boolean("PORTAL_REMOTE_DRY_RUN", False)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    # Request logs show the ssh-config refresh URL with its token replaced.
+    "filters": {
+        "redact_feed_tokens": {"()": "portal.logs.RedactFeedTokens"},
+        "quiet_permission_denied": {"()": "portal.logs.QuietPermissionDenied"},
+    },
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        "django.server": {
+            "()": "django.utils.log.ServerFormatter",
+            "format": "[{server_time}] {message}",
+            "style": "{",
+        },
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "filters": ["redact_feed_tokens"],
+        },
+        "django.server": {
+            "class": "logging.StreamHandler",
+            "formatter": "django.server",
+            "filters": ["redact_feed_tokens"],
+        },
+    },
     "root": {"handlers": ["console"], "level": env.string("LOG_LEVEL", "INFO")},
-    # paramiko narrates every connection at INFO; the portal logs what matters itself.
-    "loggers": {"paramiko": {"level": "WARNING"}},
+    "loggers": {
+        # paramiko narrates every connection at INFO; the portal logs what matters itself.
+        "paramiko": {"level": "WARNING"},
+        # Filters on the loggers rewrite the record itself, for every handler after them.
+        "django.server": {
+            "handlers": ["django.server"],
+            "level": "INFO",
+            "propagate": False,
+            "filters": ["redact_feed_tokens"],
+        },
+        "django.request": {"filters": ["redact_feed_tokens", "quiet_permission_denied"]},
+    },
 }
+
+# --- Secrets kept in the database (each lab's SSH private key) ---------------------
+# A Fernet key (32 url-safe base64 bytes, `python -c "from cryptography.fernet import
+# Fernet; print(Fernet.generate_key().decode())"`). To rotate: put the new key in
+# PORTAL_SECRETS_KEY, the old one in PORTAL_SECRETS_OLD_KEYS, run
+# `manage.py rotate_secrets`, then drop the old key. Each environment sets its own.
+PORTAL_SECRETS_KEY = env.secret("PORTAL_SECRETS_KEY", "")
+PORTAL_SECRETS_OLD_KEYS = env.listing("PORTAL_SECRETS_OLD_KEYS", [])
 
 # --- Cloud TPU API -----------------------------------------------------------------
 # Read by tpus.cloud only. An empty endpoint is Google's API with application default
@@ -243,8 +386,10 @@ if TPU_API_INSECURE and TPU_API_CREDENTIALS_FILE:
 # Every collaborator gets one UID (and a group with the same GID) from this range, the
 # same on every worker of every TPU VM. A UID is never given to anyone else, even after
 # its owner's account is deleted: files on shared disks keep pointing at it.
-PORTAL_UID_MIN = env.integer("PORTAL_UID_MIN", 20000, minimum=1000)
-PORTAL_UID_MAX = env.integer("PORTAL_UID_MAX", 59999, minimum=1000)
+# The default lies clear of what useradd, Google's guest agent, systemd and subordinate
+# ids hand out (portal/idranges.py); a range that overlaps them is refused here.
+PORTAL_UID_MIN = env.integer("PORTAL_UID_MIN", 70000, minimum=1000)
+PORTAL_UID_MAX = env.integer("PORTAL_UID_MAX", 99999, minimum=1000)
 if PORTAL_UID_MAX < PORTAL_UID_MIN or PORTAL_UID_MAX > 2**31 - 2:
     from django.core.exceptions import ImproperlyConfigured
 
@@ -252,6 +397,9 @@ if PORTAL_UID_MAX < PORTAL_UID_MIN or PORTAL_UID_MAX > 2**31 - 2:
         f"PORTAL_UID_MIN..PORTAL_UID_MAX ({PORTAL_UID_MIN}..{PORTAL_UID_MAX}) is not a "
         "usable UID range: the minimum must not exceed the maximum, which must be below 2³¹−1."
     )
+from portal.idranges import check_uid_range  # noqa: E402
+
+check_uid_range(PORTAL_UID_MIN, PORTAL_UID_MAX)
 # The public half of the portal's own administration key, so nobody can upload it as a
 # personal key. When empty, the portal looks for PORTAL_ADMIN_SSH_KEY_FILE + ".pub".
 PORTAL_ADMIN_SSH_PUBLIC_KEY = env.string("PORTAL_ADMIN_SSH_PUBLIC_KEY", "")

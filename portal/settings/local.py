@@ -21,5 +21,18 @@ def _local_secret_key() -> str:
     return path.read_text().strip()
 
 
+def _local_secrets_key() -> str:
+    """The Fernet key for secrets kept in the database, made once per checkout like
+    the secret key above (losing it loses the labs' SSH keys: they would be made anew)."""
+    path = VAR_DIR / "secrets_key"
+    if not path.exists():
+        from cryptography.fernet import Fernet
+
+        path.write_bytes(Fernet.generate_key())
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
 SECRET_KEY = env.secret("SECRET_KEY", "") or _local_secret_key()
+PORTAL_SECRETS_KEY = env.secret("PORTAL_SECRETS_KEY", "") or _local_secrets_key()
 PORTAL_REQUIRE_ADMIN_MFA = env.boolean("PORTAL_REQUIRE_ADMIN_MFA", False)

@@ -16,6 +16,18 @@ if len(SECRET_KEY) < 50 or len(set(SECRET_KEY)) < 5:
 
     raise ImproperlyConfigured("SECRET_KEY must be at least 50 random characters.")
 
+PORTAL_SECRETS_KEY = env.secret("PORTAL_SECRETS_KEY")
+try:
+    from cryptography.fernet import Fernet
+
+    Fernet(PORTAL_SECRETS_KEY)
+except ValueError:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        "PORTAL_SECRETS_KEY must be a Fernet key (32 url-safe base64 bytes): "
+        'python -c "from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())"'
+    ) from None
 ALLOWED_HOSTS = env.listing("ALLOWED_HOSTS", [])
 if not ALLOWED_HOSTS:
     from django.core.exceptions import ImproperlyConfigured
@@ -35,6 +47,8 @@ globals().update(env.email(env.string("EMAIL_URL")))
 
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_SSL_REDIRECT = env.boolean("SECURE_SSL_REDIRECT", True)
+# A load balancer polls the backends over plain HTTP.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
 SECURE_HSTS_SECONDS = env.integer("SECURE_HSTS_SECONDS", 31536000, minimum=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = True
 SECURE_HSTS_PRELOAD = env.boolean("SECURE_HSTS_PRELOAD", True)

@@ -11,6 +11,8 @@ from portal.settings.base import *  # noqa: F403
 
 DEBUG = False
 SECRET_KEY = "test-only-key-not-secret-" + "x" * 40
+# A fixed Fernet key: test processes and the workers they start must agree on it.
+PORTAL_SECRETS_KEY = "dGVzdC1vbmx5LXNlY3JldHMta2V5LW5vdC1zZWNyZXQ="
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 PORTAL_REQUIRE_ADMIN_MFA = False
 ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
@@ -89,3 +91,10 @@ PORTAL_REMOTE_ALLOWED_NETWORKS = [
     "127.0.0.0/8",
     os.environ.get("TESTFLEET_NETWORK", "10.213.0.0/16"),
 ]
+
+# The fleet's hosts have fake chips and the CPU build of JAX, not libtpu; small floors
+# and a short grace keep job tests quick.
+PORTAL_JOB_REQUIRE_LIBTPU = env.boolean("PORTAL_JOB_REQUIRE_LIBTPU", False)
+PORTAL_JOB_MIN_DISK_MB = env.integer("PORTAL_JOB_MIN_DISK_MB", 10, minimum=0)
+PORTAL_JOB_MIN_MEM_MB = env.integer("PORTAL_JOB_MIN_MEM_MB", 10, minimum=0)
+PORTAL_JOB_CANCEL_GRACE_SECONDS = env.integer("PORTAL_JOB_CANCEL_GRACE_SECONDS", 2, minimum=0)

@@ -27,14 +27,18 @@ def test_tasks_are_acknowledged_late_and_requeued_if_a_worker_dies():
 
 
 def test_the_heartbeat_is_scheduled_in_code():
-    import tpus.tasks  # noqa: F401 (registers its periodic tasks)
+    import portal.tasks  # noqa: F401 (registers its periodic tasks)
+    import tpus.tasks  # noqa: F401
 
     schedule = {name: entry["task"] for name, entry in app.conf.beat_schedule.items()}
     assert schedule == {
         "heartbeat": "tpus.tasks.record_heartbeat",
         "sync-inventory": "tpus.tasks.sync_inventory",
         "reconcile-sweep": "tpus.tasks.reconcile_sweep",
+        "release-stalled-claims": "tpus.tasks.release_stalled_claims",
         "expire-grants": "tpus.tasks.expire_grants",
+        "poll-jobs": "tpus.tasks.poll_jobs",
+        "send-mail": "portal.tasks.send_mail",
     }
 
 

@@ -72,3 +72,38 @@ def test_an_integer_below_its_minimum_is_refused(monkeypatch):
     monkeypatch.setenv("CELERY_VISIBILITY_TIMEOUT", "5")
     with pytest.raises(ImproperlyConfigured, match="at least 60"):
         env.integer("CELERY_VISIBILITY_TIMEOUT", 3600, minimum=60)
+
+
+def test_the_default_uid_range_meets_nothing_else_hands_out():
+    from portal.idranges import DEFAULT_MAX, DEFAULT_MIN, clashes
+
+    assert clashes(DEFAULT_MIN, DEFAULT_MAX) == []
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "what"),
+    [
+        (20000, 59999, "useradd"),  # the range before: Google's guest agent took from it
+        (60000, 70000, "systemd"),
+        (90000, 120000, "subordinate ids"),
+    ],
+)
+def test_a_uid_range_that_others_hand_out_is_refused_at_start_up(first, last, what):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "PORTAL_"))}
+    env.update(
+        DJANGO_SETTINGS_MODULE="portal.settings.test",
+        PORTAL_UID_MIN=str(first),
+        PORTAL_UID_MAX=str(last),
+    )
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=root, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "PORTAL_UID_MIN..PORTAL_UID_MAX" in result.stderr and what in result.stderr

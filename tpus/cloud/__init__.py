@@ -9,7 +9,15 @@ whether retrying can help. Get the configured client with ``cloud_tpu()``.
 from tpus.cloud.client import CloudConfig, CloudTPU
 from tpus.cloud.config import cloud_tpu
 from tpus.cloud.errors import CloudError
-from tpus.cloud.records import DiskInfo, GuestHostKeys, NodeInfo, WorkerInfo, host_key_line
+from tpus.cloud.records import (
+    DiskInfo,
+    GuestHostKeys,
+    MetadataChange,
+    NodeInfo,
+    WorkerInfo,
+    host_key_line,
+)
+from tpus.cloud.sshkeys import KeyLine
 
 __all__ = [
     "CloudConfig",
@@ -17,6 +25,8 @@ __all__ = [
     "CloudTPU",
     "DiskInfo",
     "GuestHostKeys",
+    "KeyLine",
+    "MetadataChange",
     "NodeInfo",
     "WorkerInfo",
     "cloud_tpu",

@@ -29,9 +29,10 @@ from google.cloud.tpu_v2alpha1.services.tpu.transports import (
 )
 from google.oauth2 import service_account
 
-from tpus.cloud import convert
+from tpus.cloud import convert, sshkeys
 from tpus.cloud.errors import CloudError, to_cloud_error
-from tpus.cloud.records import GuestHostKeys, NodeInfo
+from tpus.cloud.records import GuestHostKeys, MetadataChange, NodeInfo
+from tpus.cloud.sshkeys import KeyLine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,6 +57,10 @@ class CloudConfig:
     poll_initial: float = 1.0
     poll_multiplier: float = 1.5
     poll_maximum: float = 10.0
+    # Read-modify-write of node metadata: how often to start over when the metadata
+    # changed under us (or another update was running), and the pause between tries.
+    metadata_attempts: int = 5
+    metadata_retry_pause: float = 1.0
 
 
 class CloudTPU:
@@ -210,6 +215,91 @@ class CloudTPU:
                 return GuestHostKeys(workers={})
             raise
         return convert.host_keys(response, wanted)
+
+    # -- metadata -------------------------------------------------------------------
+
+    def node_metadata(self, project: str, zone: str, node: str) -> dict[str, str]:
+        """The node's metadata map (``ssh-keys``, ``enable-oslogin``, ...)."""
+        return dict(self._get(project, zone, node, alpha=False).metadata)
+
+    def add_ssh_key(self, project: str, zone: str, node: str, key: KeyLine) -> MetadataChange:
+        """Add ``key``'s line to the node's ``ssh-keys`` and wait until it is in force.
+        Already there (same account and key, any comment) is success."""
+        return self._edit_ssh_keys(project, zone, node, key, add=True)
+
+    def remove_ssh_key(self, project: str, zone: str, node: str, key: KeyLine) -> MetadataChange:
+        """Remove ``key``'s line from the node's ``ssh-keys``. Not there is success."""
+        return self._edit_ssh_keys(project, zone, node, key, add=False)
+
+    def _edit_ssh_keys(
+        self, project: str, zone: str, node: str, key: KeyLine, *, add: bool
+    ) -> MetadataChange:
+        """Read-modify-write of the whole metadata map, changing one ``ssh-keys`` line.
+
+        UpdateNode with mask ``metadata`` replaces the whole map, and v2's Node carries
+        no etag or fingerprint to make the write conditional. So: read, compute the new
+        map, read again right before writing and start over when anything changed since
+        the first read; after the operation, read once more and start over when our
+        line is not as we left it. What remains is the time between the second read
+        and the server applying the write (one round trip): a change someone else
+        makes inside it is lost, and nothing the API offers can close that window.
+        """
+        config = self.config
+        attempts = max(1, config.metadata_attempts)
+        last_reason = ""
+        for attempt in range(1, attempts + 1):
+            if attempt > 1:
+                ceiling = config.metadata_retry_pause
+                pause = random.uniform(ceiling / 2, ceiling)  # noqa: S311 - jitter
+                logger.info("%s ssh-keys: %s; try %d in %.2fs", node, last_reason, attempt, pause)
+                time.sleep(pause)
+            before = self.node_metadata(project, zone, node)
+            value = before.get(sshkeys.SSH_KEYS, "")
+            new_value = sshkeys.with_line(value, key) if add else sshkeys.without_line(value, key)
+            if new_value == value:
+                return MetadataChange(changed=False, attempts=attempt, metadata=before)
+            wanted = dict(before)
+            if new_value:
+                wanted[sshkeys.SSH_KEYS] = new_value
+            else:
+                del wanted[sshkeys.SSH_KEYS]
+            if self.node_metadata(project, zone, node) != before:
+                last_reason = "the metadata changed while it was being edited"
+                continue
+            try:
+                self._update_metadata(project, zone, node, wanted)
+            except CloudError as error:
+                # Another update of the node is running (the API answers ABORTED).
+                if error.code != "ABORTED":
+                    raise
+                last_reason = "another update of the node was running"
+                continue
+            after = self.node_metadata(project, zone, node)
+            if sshkeys.has_line(after.get(sshkeys.SSH_KEYS, ""), key) == add:
+                return MetadataChange(changed=True, attempts=attempt, metadata=after)
+            last_reason = "the metadata was changed again right after the update"
+        raise CloudError(
+            f"Could not change the ssh-keys metadata of {node} in {attempts} tries: "
+            f"{last_reason}. Try again in a minute.",
+            code="ABORTED",
+            retryable=True,
+            method="UpdateNode",
+        )
+
+    def _update_metadata(self, project: str, zone: str, node: str, metadata: dict) -> None:
+        request = tpu_v2.UpdateNodeRequest(
+            node=tpu_v2.Node(
+                name=f"projects/{project}/locations/{zone}/nodes/{node}", metadata=metadata
+            ),
+            update_mask={"paths": ["metadata"]},
+        )
+
+        def send():
+            v2, _ = self._tpu()
+            operation = v2.update_node(request=request, timeout=self.config.timeout, retry=None)
+            return self._wait(operation)
+
+        self._call("UpdateNode", send, read=False)
 
     # -- disks ----------------------------------------------------------------------
 

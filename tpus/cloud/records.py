@@ -75,6 +75,16 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
+class MetadataChange:
+    """How an edit of a node's metadata ended: whether it wrote anything, after how
+    many tries, and the metadata as read back afterwards."""
+
+    changed: bool
+    attempts: int
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class GuestHostKeys:
     """SSH host keys each worker published under guest attributes ``hostkeys/``.
 

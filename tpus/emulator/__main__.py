@@ -55,10 +55,44 @@ def _add_node(c: Controls, a: argparse.Namespace) -> None:
         external_ips=a.external_ip,
         host_keys=_host_keys(a.host_key),
         labels=dict(label.split("=", 1) for label in a.label),
+        metadata=_metadata_values(a.metadata, a.metadata_from_file),
         preemptible=a.preemptible,
         spot=a.spot,
     )
     print(name)
+
+
+def _metadata_values(
+    pairs: list[str], files: list[str], removed: list[str] = ()
+) -> dict[str, str | None]:
+    """``KEY=VALUE`` and ``KEY=PATH`` (the file's text, for multi-line ``ssh-keys``)
+    arguments, as gcloud's ``--metadata`` and ``--metadata-from-file`` take them."""
+    values: dict[str, str | None] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ControlError(f"{pair!r}: expected KEY=VALUE")
+        values[key] = value
+    for pair in files:
+        key, sep, path = pair.partition("=")
+        if not sep:
+            raise ControlError(f"{pair!r}: expected KEY=PATH")
+        try:
+            with open(path) as handle:
+                values[key] = handle.read()
+        except OSError as exc:
+            raise ControlError(f"{path}: {exc.strerror}") from None
+    for key in removed:
+        values[key] = None
+    return values
+
+
+def _set_metadata(c: Controls, a: argparse.Namespace) -> None:
+    values = _metadata_values(a.pairs, a.metadata_from_file, a.remove)
+    if a.after_next_get:
+        c.change_metadata_after_next_get(a.node, values)
+    else:
+        c.set_metadata(a.node, values, replace=a.replace)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
         help="publish PUBKEY (base64) under hostkeys/TYPE for WORKER; repeatable",
     )
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--metadata-from-file", action="append", default=[], metavar="KEY=PATH")
     p.add_argument("--preemptible", action="store_true")
     p.add_argument("--spot", action="store_true")
 
@@ -140,6 +176,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("disk", help="disk name in the node's zone, or its full path")
     p.add_argument("--mode", choices=["READ_ONLY", "READ_WRITE"], default="READ_ONLY")
 
+    p = command("set-metadata", "set a node's metadata keys (as a change made elsewhere)")
+    p.add_argument("node")
+    p.add_argument("pairs", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--metadata-from-file", action="append", default=[], metavar="KEY=PATH")
+    p.add_argument("--remove", action="append", default=[], metavar="KEY")
+    p.add_argument("--replace", action="store_true", help="the given keys become the whole map")
+    p.add_argument(
+        "--after-next-get",
+        action="store_true",
+        help="apply the change right after the node's next GetNode (a concurrent change)",
+    )
+    p = command("metadata", "print a node's metadata as JSON")
+    p.add_argument("node")
+    p = command("deny-update", "UpdateNode of a node answers PERMISSION_DENIED")
+    p.add_argument("node")
+    p.add_argument("--allow", action="store_true", help="allow updates again")
+    p = command("oslogin", "turn OS Login on or off for a project (project metadata)")
+    p.add_argument("project")
+    p.add_argument("switch", choices=["on", "off"])
+
     p = command("fail", "make the next N calls fail with a gRPC status code")
     p.add_argument("count", type=int)
     p.add_argument("code", help="e.g. UNAVAILABLE, RESOURCE_EXHAUSTED, PERMISSION_DENIED")
@@ -172,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
             c.add_disk(args.project, args.zone, args.name, size_gb=args.size_gb)
         ),
         "attach": lambda: c.attach(args.node, args.disk, args.mode),
+        "set-metadata": lambda: _set_metadata(c, args),
+        "metadata": lambda: print(json.dumps(c.metadata(args.node), indent=2, sort_keys=True)),
+        "deny-update": lambda: c.deny_update(args.node, not args.allow),
+        "oslogin": lambda: c.set_oslogin(args.project, args.switch == "on"),
         "fail": lambda: c.fail(args.count, args.code, method=args.method),
         "clear-faults": c.clear_faults,
         "show": lambda: print(json.dumps(c.show(), indent=2, sort_keys=True)),

@@ -1,7 +1,7 @@
 """Controls for the emulated lab: add nodes and disks, move IPs, start maintenance,
-preempt, delete, and make the next calls fail. The command line and the tests both
-use these; each call is one transaction on the state file, so a running server sees
-the change at its next request.
+preempt, delete, set node metadata and project settings, and make the next calls fail.
+The command line and the tests both use these; each call is one transaction on the
+state file, so a running server sees the change at its next request.
 
 Nodes are named by their short id (``tpu5``) when that is unique, or by their full
 resource name (``projects/p/locations/z/nodes/tpu5``).
@@ -121,6 +121,46 @@ def _check_ip(ip: str) -> str:
     return ip
 
 
+_METADATA_KEY = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
+# Compute Engine's limit for one value; the total is 512 KB.
+_METADATA_VALUE_MAX = 256 * 1024
+
+
+def _checked_metadata(values: Mapping[str, str | None], *, allow_none: bool = False) -> dict:
+    checked: dict[str, str | None] = {}
+    for key, value in values.items():
+        if not _METADATA_KEY.match(key):
+            raise ControlError(f"metadata key {key!r}: letters, digits, - and _ only")
+        if value is None and allow_none:
+            checked[key] = None
+            continue
+        if not isinstance(value, str):
+            raise ControlError(f"metadata value of {key!r} must be a string")
+        if len(value.encode()) > _METADATA_VALUE_MAX:
+            raise ControlError(f"metadata value of {key!r} is longer than 256 KB")
+        checked[key] = value
+    return checked
+
+
+def _merged(current: dict[str, str], changes: Mapping[str, str | None]) -> dict[str, str]:
+    merged = dict(current)
+    for key, value in changes.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
+
+
+def apply_metadata_after_get(record: dict[str, Any]) -> bool:
+    """Apply a pending ``change_metadata_after_next_get``; True when there was one."""
+    pending = record.pop("metadata_after_get", None)
+    if pending is None:
+        return False
+    record["metadata"] = _merged(record.get("metadata", {}), pending)
+    return True
+
+
 class Controls:
     """The emulated lab behind one state file."""
 
@@ -153,6 +193,7 @@ class Controls:
         host_keys: Mapping[int, Mapping[str, str]] | None = None,
         generate_host_keys: bool = True,
         labels: Mapping[str, str] | None = None,
+        metadata: Mapping[str, str] | None = None,
         state: str = "READY",
         health: str = "HEALTHY",
         preemptible: bool = False,
@@ -185,6 +226,7 @@ class Controls:
                 "health": health,
                 "health_description": "",
                 "labels": dict(labels or {}),
+                "metadata": _checked_metadata(metadata or {}),
                 "preemptible": preemptible,
                 "spot": spot,
                 "create_time": _now(),
@@ -282,6 +324,59 @@ class Controls:
         with self.store.transaction() as data:
             name, _ = find_node(data, node)
             del data["nodes"][name]
+
+    # -- metadata and project settings ----------------------------------------------
+
+    def metadata(self, node: str) -> dict[str, str]:
+        """A node's metadata, as ``GetNode`` shows it."""
+        _, record = find_node(self.store.read(), node)
+        return dict(record.get("metadata", {}))
+
+    def set_metadata(
+        self, node: str, values: Mapping[str, str | None], *, replace: bool = False
+    ) -> dict[str, str]:
+        """Set metadata keys (a None value removes the key), or with ``replace`` make
+        ``values`` the whole map; as a change made outside the portal would."""
+        checked = _checked_metadata(values, allow_none=True)
+
+        def change(record):
+            current = {} if replace else dict(record.get("metadata", {}))
+            record["metadata"] = _merged(current, checked)
+
+        return dict(self._update(node, change)["metadata"])
+
+    def change_metadata_after_next_get(self, node: str, values: Mapping[str, str | None]) -> None:
+        """Right after the next GetNode of ``node`` has been read, apply ``values`` (as
+        ``set_metadata``): a change made by someone else between a client's read and
+        its write, to test that a read-modify-write notices it."""
+        checked = _checked_metadata(values, allow_none=True)
+
+        def change(record):
+            record["metadata_after_get"] = checked
+
+        self._update(node, change)
+
+    def deny_update(self, node: str, denied: bool = True) -> None:
+        """UpdateNode of this node answers PERMISSION_DENIED (the caller lacks
+        ``tpu.nodes.update``), until called again with ``denied=False``."""
+
+        def change(record):
+            record["deny_update"] = denied
+
+        self._update(node, change)
+
+    def set_oslogin(self, project: str, enabled: bool = True) -> None:
+        """Turn OS Login on or off for a whole project. Real projects do this with
+        ``enable-oslogin`` in Compute Engine project metadata, which the TPU API does
+        not show; only the guest agent on the workers sees it."""
+        with self.store.transaction() as data:
+            settings = data.setdefault("projects", {}).setdefault(project, {})
+            settings["enable_oslogin"] = enabled
+
+    def oslogin_enabled(self, project: str) -> bool:
+        return bool(
+            self.store.read().get("projects", {}).get(project, {}).get("enable_oslogin", False)
+        )
 
     # -- disks ----------------------------------------------------------------------
 

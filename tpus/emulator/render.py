@@ -46,6 +46,7 @@ def render_node(types: ModuleType, name: str, record: dict[str, Any]):
         health_description=record["health_description"],
         description=record.get("description", ""),
         labels=record["labels"],
+        metadata=record.get("metadata", {}),
         create_time=datetime.fromisoformat(record["create_time"].replace("Z", "+00:00")),
         network_endpoints=endpoints,
         network_config=types.NetworkConfig(

@@ -22,7 +22,13 @@ import grpc
 from google.cloud import tpu_v2, tpu_v2alpha1
 from google.longrunning import operations_pb2
 
-from tpus.emulator.controls import ControlError, Controls, new_host_key, next_ip
+from tpus.emulator.controls import (
+    ControlError,
+    Controls,
+    apply_metadata_after_get,
+    new_host_key,
+    next_ip,
+)
 from tpus.emulator.operations import OperationBook
 from tpus.emulator.render import render_node, split_node_name
 from tpus.emulator.store import State
@@ -34,7 +40,11 @@ DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 # v2's documented UpdateNode masks leave data disks out; gcloud attaches disks through
 # v2alpha1 with update_mask=data_disks, and so does the portal.
-_UPDATABLE = {"v2": {"labels", "description"}, "v2alpha1": {"labels", "description", "data_disks"}}
+# Metadata is replaced as a whole map, as the real API does.
+_UPDATABLE = {
+    "v2": {"labels", "description", "metadata"},
+    "v2alpha1": {"labels", "description", "data_disks", "metadata"},
+}
 ACCELERATOR_TYPES = ["v2-8", "v3-8", "v4-8", "v4-16", "v4-32", "v5litepod-8", "v5p-8", "v6e-8"]
 RUNTIME_VERSIONS = ["tpu-ubuntu2204-base", "tpu-vm-base", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e"]
 
@@ -208,8 +218,14 @@ class TpuEmulator:
         return types.ListNodesResponse(nodes=nodes, next_page_token=token)
 
     def get_node(self, types, request, context):
-        record = self._find(self.store.read(), request.name)
-        return render_node(types, request.name, record)
+        state = self.store.read()
+        record = self._find(state, request.name)
+        node = render_node(types, request.name, record)
+        if "metadata_after_get" in record:
+            # A test asked for a change by "someone else" right after this read.
+            with self.store.transaction() as data:
+                apply_metadata_after_get(self._find(data, request.name))
+        return node
 
     def guest_attributes(self, types, request, context):
         """Per-worker guest attributes, in worker order (or the order asked for)."""
@@ -319,6 +335,14 @@ class TpuEmulator:
             )
         with self.store.transaction() as data:
             record = self._find(data, name)
+            if record.get("deny_update"):
+                raise Abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"Permission 'tpu.nodes.update' denied on resource '{name}' "
+                    "(or it may not exist).",
+                )
+            if "metadata" in paths:
+                record["metadata"] = dict(request.node.metadata)
             if "labels" in paths:
                 record["labels"] = dict(request.node.labels)
             if "description" in paths:

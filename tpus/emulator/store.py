@@ -37,6 +37,9 @@ def empty_state() -> State:
         "disks": {},
         # Pending injected failures, consumed in order: {"code", "method", "remaining"}.
         "faults": [],
+        # Project id -> settings the TPU API does not show, e.g. {"enable_oslogin": true}
+        # (a real project sets enable-oslogin in its Compute Engine project metadata).
+        "projects": {},
         # Counters used to hand out addresses and ids that never repeat.
         "counters": {"internal_ip": 0, "external_ip": 0, "node_id": 0},
     }

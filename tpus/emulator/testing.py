@@ -27,6 +27,7 @@ def fast_config(endpoint: str, **overrides) -> CloudConfig:
         poll_initial=0.01,
         poll_multiplier=1.5,
         poll_maximum=0.1,
+        metadata_retry_pause=0.01,
     )
     values.update(overrides)
     return CloudConfig(**values)

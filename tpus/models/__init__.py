@@ -1,22 +1,34 @@
 from tpus.models.audit import AuditAction, AuditEvent
+from tpus.models.connections import ConnectionState, VmConnection
 from tpus.models.grants import Grant, WorkerSync
-from tpus.models.inventory import DataDisk, DiskAttachment, TpuVm, Worker
-from tpus.models.labs import Invite, Lab, Membership
-from tpus.models.network import ConfigFeed, IpChange, IpChangeNotice
+from tpus.models.inventory import DataDisk, DiskAttachment, HostKeyScan, TpuVm, Worker
+from tpus.models.jobs import Job, JobState, JobWorker
+from tpus.models.labs import Invite, Lab, LabKey, Membership
+from tpus.models.network import ConfigFeed, IpChange, IpChangeNotice, PortForward
+from tpus.models.sync import ZoneSync
 
 __all__ = [
     "AuditAction",
     "AuditEvent",
     "ConfigFeed",
+    "ConnectionState",
     "DataDisk",
     "DiskAttachment",
+    "HostKeyScan",
     "Grant",
     "Invite",
+    "Job",
+    "JobState",
+    "JobWorker",
     "IpChange",
     "IpChangeNotice",
     "Lab",
+    "LabKey",
     "Membership",
+    "PortForward",
     "TpuVm",
+    "VmConnection",
     "Worker",
     "WorkerSync",
+    "ZoneSync",
 ]

@@ -44,6 +44,8 @@ class Grant(models.Model):
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # When the grant last changed in any way an API client can see (state, sudo, expiry,
+    # error): the ``updated_since`` filter reads it.
     changed_at = models.DateTimeField(default=timezone.now)
     activated_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
@@ -51,10 +53,19 @@ class Grant(models.Model):
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     expiry_warned_at = models.DateTimeField(null=True, blank=True)
+    # A failure the hosts may get over by themselves (a local account holding the
+    # person's UID or name, which an admin removes): the sweep tries again from then on,
+    # backing off with each failure.
+    retry_at = models.DateTimeField(null=True, blank=True)
+    failures = models.PositiveIntegerField(default=0)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["user", "vm"], name="one_grant_per_vm")]
-        indexes = [models.Index(fields=["vm", "state"]), models.Index(fields=["state"])]
+        indexes = [
+            models.Index(fields=["vm", "state"]),
+            models.Index(fields=["state"]),
+            models.Index(fields=["changed_at"]),
+        ]
         ordering = ["vm__name", "user__email"]
 
     def __str__(self) -> str:

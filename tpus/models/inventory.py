@@ -8,6 +8,8 @@ from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
+from tpus.remote import rules
+
 # Cloud TPU node ids: lowercase letters, digits and hyphens, starting with a letter.
 validate_node_name = RegexValidator(
     r"^[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?\Z",
@@ -21,25 +23,12 @@ validate_disk_name = RegexValidator(
 validate_accelerator_type = RegexValidator(
     r"^v[0-9]+[a-z]*(?:litepod)?-[0-9]+\Z", "An accelerator type looks like v4-32 or v5litepod-8."
 )
-_mount_point_shape = RegexValidator(
-    r"^/(?:[A-Za-z0-9._-]+/)*[A-Za-z0-9._-]+\Z",
-    "A mount point is an absolute path of letters, digits, dots, hyphens and underscores.",
-)
-# Mounting a disk over (or inside) these would break the host or hide users' homes.
-SYSTEM_DIRECTORIES = (
-    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
-    "/proc", "/root", "/run", "/sbin", "/snap", "/srv", "/sys", "/tmp", "/usr", "/var",  # noqa: S108
-)  # fmt: skip
 
 
 def validate_mount_point(value: str) -> None:
-    _mount_point_shape(value)
-    if any(part in {".", ".."} for part in value.split("/")):
-        raise ValidationError("A mount point has no . or .. in it.")
-    if any(value == d or value.startswith(d + "/") for d in SYSTEM_DIRECTORIES):
-        raise ValidationError(
-            f"{value} is a system directory; use something like /ssd or /mnt/data."
-        )
+    """The hosts' rule for mount points (``tpus.remote.rules``)."""
+    if (problem := rules.mount_point_problem(value)) is not None:
+        raise ValidationError(problem)
 
 
 class NodeState(models.TextChoices):
@@ -113,6 +102,15 @@ class TpuVm(models.Model):
     desired_version = models.PositiveIntegerField(default=0)
     # One reconcile at a time: claimed with a conditional UPDATE, expires by itself.
     reconcile_claimed_until = models.DateTimeField(null=True, blank=True)
+    # The node's create_time as the API reports it: another one means the VM was
+    # deleted and created again under the same name, with new hosts.
+    node_created_at = models.DateTimeField(null=True, blank=True)
+    # Jobs: one pass over the VM's queue at a time (start, poll, cancel), claimed like
+    # a reconcile; and what the last look at the workers found holding a chip outside
+    # the portal ([{worker, device, pid, user, command}]) and when.
+    jobs_claimed_until = models.DateTimeField(null=True, blank=True)
+    outside_holders = models.JSONField(default=list, blank=True)
+    usage_checked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -157,6 +155,12 @@ class Worker(models.Model):
     # this worker until an admin looks. The key it showed is kept for that review.
     host_key_mismatch_at = models.DateTimeField(null=True, blank=True)
     presented_host_key = models.TextField(blank=True)
+    # The host keys the Cloud TPU API published for this worker (guest attributes
+    # ``hostkeys/``) when they were last compared with the pins, and when that was.
+    # ``published_keys_recheck`` asks the next sync to compare them again (a reboot).
+    published_host_keys = models.JSONField(default=list, blank=True)
+    published_keys_checked_at = models.DateTimeField(null=True, blank=True)
+    published_keys_recheck = models.BooleanField(default=False)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["vm", "index"], name="one_worker_per_index")]
@@ -173,6 +177,29 @@ class Worker(models.Model):
     @property
     def is_pinned(self) -> bool:
         return bool(self.host_keys)
+
+    def published_key_changes(self) -> list[str]:
+        """The published host keys that contradict the pinned ones (see
+        ``published_key_changes``); empty when what the API published is no change."""
+        return published_key_changes(self.host_keys, self.published_host_keys)
+
+
+def published_key_changes(pinned: list[str], published: list[str]) -> list[str]:
+    """Which published ``"type base64"`` lines say the worker's host keys changed.
+
+    A key type that is both pinned and published with another key is a change. So is
+    a published set that shares no key type with the pins (nothing published confirms
+    them). Not a change: nothing published (the guest agent has not written the keys
+    yet, or guest attributes are off), a published set equal to the pins, one that
+    lacks some pinned type, or one that only adds a type the portal does not pin."""
+    if not pinned or not published:
+        return []
+    pins = {line.split()[0]: line.split()[1] for line in pinned if len(line.split()) >= 2}
+    offered = {line.split()[0]: line for line in published if len(line.split()) >= 2}
+    common = pins.keys() & offered.keys()
+    if not common:
+        return sorted(offered.values())
+    return sorted(offered[t] for t in common if offered[t].split()[1] != pins[t])
 
 
 class DataDisk(models.Model):
@@ -248,6 +275,9 @@ class DiskOperation(models.Model):
     )
     created_at = models.DateTimeField(default=timezone.now)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # While running: the worker that claimed it owns it until then. A worker that dies
+    # leaves the lease to run out, and the periodic sweep hands the operation on.
+    claimed_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -258,3 +288,35 @@ class DiskOperation(models.Model):
     @property
     def in_flight(self) -> bool:
         return self.state in (DiskOperationState.PENDING, DiskOperationState.RUNNING)
+
+
+class ScanState(models.TextChoices):
+    QUEUED = "queued", "Queued"
+    SCANNING = "scanning", "Scanning"
+    DONE = "done", "Done"
+    FAILED = "failed", "Failed"
+
+
+class HostKeyScan(models.Model):
+    """The last reading of the host keys a worker offers, started by an admin and run
+    as queued work (``services.hostkey_scans``): one row per worker, reset by each new
+    scan. ``address`` is where the keys were (or are being) read; the admin's
+    confirmation is bound to the worker, this address and exactly these keys."""
+
+    worker = models.OneToOneField(Worker, on_delete=models.CASCADE, related_name="key_scan")
+    state = models.CharField(max_length=16, choices=ScanState.choices, default=ScanState.QUEUED)
+    address = models.GenericIPAddressField()
+    keys = models.JSONField(default=list, blank=True)
+    error = models.TextField(blank=True)
+    requested_by = models.ForeignKey(
+        "accounts.User", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    requested_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"host key scan of {self.worker} ({self.state})"
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state in {ScanState.QUEUED, ScanState.SCANNING}

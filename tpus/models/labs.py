@@ -50,8 +50,17 @@ class Lab(models.Model):
 
     name = models.CharField(max_length=100, validators=[validate_plain_text])
     slug = models.SlugField(max_length=50, unique=True)
+    # Set by a site admin only: the project's TPU VMs are the lab's, so two labs can
+    # never share one (the message does not say which lab has it).
     gcp_project_id = models.CharField(
-        "GCP project id", max_length=30, validators=[validate_project_id]
+        "GCP project id",
+        max_length=30,
+        unique=True,
+        validators=[validate_project_id],
+        error_messages={
+            "unique": "This GCP project already belongs to another lab; a project can "
+            "belong to one lab only."
+        },
     )
     zones = models.JSONField(default=list, blank=True, validators=[validate_zones])
     grant_end_date = models.DateField(
@@ -67,10 +76,30 @@ class Lab(models.Model):
     discoverable = models.BooleanField(
         default=True, help_text="Listed for signed-in people to ask to join."
     )
+    # Set by a site admin only, for at most one lab: the portal logs in to this lab's
+    # workers with the site-wide PORTAL_ADMIN_SSH_KEY(_FILE) instead of the lab's own key.
+    uses_site_key = models.BooleanField(
+        "uses the site-wide SSH key",
+        default=False,
+        help_text="Log in to this lab's workers with PORTAL_ADMIN_SSH_KEY_FILE instead of "
+        "the lab's own key. At most one lab; for a portal that serves a single lab.",
+    )
+    max_queued_jobs = models.PositiveSmallIntegerField(
+        "queued jobs per person and VM",
+        default=3,
+        help_text="How many jobs one person may have waiting on one TPU VM; 0: no limit.",
+    )
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["uses_site_key"],
+                condition=models.Q(uses_site_key=True),
+                name="one_lab_uses_site_key",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.name
@@ -116,12 +145,17 @@ class Membership(models.Model):
         related_name="+",
     )
     decision_note = models.TextField(max_length=500, blank=True)
+    # When the state, role or accepted policy last changed (the API's updated_since).
+    changed_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["user", "lab"], name="one_membership_per_lab")
         ]
-        indexes = [models.Index(fields=["lab", "state"])]
+        indexes = [
+            models.Index(fields=["lab", "state"]),
+            models.Index(fields=["lab", "changed_at"]),
+        ]
         ordering = ["-requested_at"]
 
     def __str__(self) -> str:
@@ -176,3 +210,35 @@ class Invite(models.Model):
     @property
     def is_usable(self) -> bool:
         return self.used_at is None and self.revoked_at is None and self.expires_at > timezone.now()
+
+
+class LabKey(models.Model):
+    """The SSH key pair the portal logs in to one lab's TPU VM workers with. Made by the
+    portal (ed25519); the private half is stored encrypted with ``PORTAL_SECRETS_KEY``
+    (``portal.secrets``), never shown, never logged. Its public half goes into the
+    VMs' ``ssh-keys`` metadata when a lab admin connects them."""
+
+    lab = models.OneToOneField(Lab, on_delete=models.CASCADE, related_name="ssh_key")
+    # "ssh-ed25519 <base64>", without a comment.
+    public_key = models.CharField(max_length=200)
+    fingerprint = models.CharField(max_length=100)
+    private_key_encrypted = models.TextField(editable=False)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = "lab SSH key"
+
+    def __str__(self) -> str:
+        return f"{self.lab}: {self.fingerprint}"
+
+    def __repr__(self) -> str:
+        return f"<LabKey {self.lab_id} {self.fingerprint}>"
+
+    @property
+    def comment(self) -> str:
+        return f"tpu-portal@{self.lab.slug}"
+
+    @property
+    def public_line(self) -> str:
+        """The public key as one OpenSSH line, with a comment naming the lab."""
+        return f"{self.public_key} {self.comment}"

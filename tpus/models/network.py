@@ -57,3 +57,39 @@ class ConfigFeed(models.Model):
 
     def __str__(self) -> str:
         return f"ssh config feed of {self.user}"
+
+
+FORWARD_PORT_MIN, FORWARD_PORT_MAX = 1024, 65535
+
+
+class PortForward(models.Model):
+    """A port on one of a person's TPU VMs that they reach on their own machine (for
+    TensorBoard, Jupyter): a ``LocalForward local localhost:remote`` line in that VM's
+    Host block of their ssh config. One local port forwards one thing per VM; ports
+    below 1024 need root on the laptop and are privileged on the VM, so never."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="port_forwards"
+    )
+    vm = models.ForeignKey("tpus.TpuVm", on_delete=models.CASCADE, related_name="port_forwards")
+    local_port = models.PositiveIntegerField()
+    remote_port = models.PositiveIntegerField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["local_port"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "vm", "local_port"], name="one_forward_per_local_port"
+            ),
+            models.CheckConstraint(
+                condition=models.Q(local_port__gte=FORWARD_PORT_MIN)
+                & models.Q(local_port__lte=FORWARD_PORT_MAX)
+                & models.Q(remote_port__gte=FORWARD_PORT_MIN)
+                & models.Q(remote_port__lte=FORWARD_PORT_MAX),
+                name="forward_ports_in_range",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} {self.local_port} → {self.vm}:{self.remote_port}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import paramiko
 from cryptography.hazmat.primitives import serialization
@@ -15,9 +15,20 @@ from django.core.exceptions import ImproperlyConfigured
 
 
 @dataclass(frozen=True)
-class RemoteConfig:
+class Login:
+    """Who the door logs in as on a worker: an account and its private key. Each lab
+    has its own (``tpus.services.labkeys.login_for``), so a host that was never given
+    a lab's public key cannot be changed on that lab's behalf."""
+
     user: str
-    key: paramiko.PKey
+    key: paramiko.PKey = field(repr=False)
+
+    def __repr__(self) -> str:
+        return f"Login({self.user!r}, {self.key.get_name()} {self.key.fingerprint})"
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
     connect_timeout: float
     auth_timeout: float
     script_timeout: float
@@ -27,14 +38,23 @@ class RemoteConfig:
 
 def current() -> RemoteConfig:
     return RemoteConfig(
-        user=settings.PORTAL_ADMIN_SSH_USER,
-        key=admin_key(),
         connect_timeout=float(settings.PORTAL_REMOTE_CONNECT_TIMEOUT),
         auth_timeout=float(settings.PORTAL_REMOTE_AUTH_TIMEOUT),
         script_timeout=float(settings.PORTAL_REMOTE_SCRIPT_TIMEOUT),
         max_parallel=int(settings.PORTAL_REMOTE_MAX_PARALLEL),
         dry_run=bool(settings.PORTAL_REMOTE_DRY_RUN),
     )
+
+
+def site_login() -> Login:
+    """The site-wide key from settings, as ``PORTAL_ADMIN_SSH_USER``: only for the one
+    lab a site admin marked as using it (and for tests of the scripts themselves)."""
+    return Login(settings.PORTAL_ADMIN_SSH_USER, admin_key())
+
+
+def private_key_from_text(text: str) -> paramiko.PKey:
+    """A paramiko key from OpenSSH or PEM private key text (unencrypted)."""
+    return _key_from_text(text)
 
 
 def admin_key() -> paramiko.PKey:

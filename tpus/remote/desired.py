@@ -29,18 +29,12 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tpus.remote import rules
+
 HEADER = "tpu-portal-desired 1"
 END = "end"
 
-KEY_TYPES: tuple[str, ...] = (
-    "ssh-ed25519",
-    "sk-ssh-ed25519@openssh.com",
-    "ecdsa-sha2-nistp256",
-    "ecdsa-sha2-nistp384",
-    "ecdsa-sha2-nistp521",
-    "sk-ecdsa-sha2-nistp256@openssh.com",
-    "ssh-rsa",
-)
+KEY_TYPES = rules.KEY_TYPES
 # A 16384-bit RSA key is about 2,800 base64 characters.
 MAX_KEY_BASE64 = 4096
 MAX_KEYS_PER_USER = 64
@@ -51,21 +45,10 @@ MAX_UID = 2_000_000_000
 # nobody / nogroup and the 16-bit "-1" mean something special to many tools.
 RESERVED_UIDS = frozenset({65534, 65535})
 
-_USERNAME = re.compile(r"[a-z][a-z0-9-]{0,30}")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
 _COMMENT = re.compile(r"[A-Za-z0-9._@:+=/-]{1,100}")
-# Google's device names: lower-case letters, digits and hyphens, starting with a letter;
-# the disk appears as /dev/disk/by-id/google-<device>.
-_DEVICE = re.compile(r"[a-z](?:[a-z0-9-]{0,61}[a-z0-9])?")
-_PATH_PART = re.compile(r"[A-Za-z0-9._-]{1,128}")
-MAX_MOUNT_POINT = 255
-# Mounting a disk over, or below, any of these would hide the system or reach into a
-# place a collaborator can write to (their home, /tmp), where a root mkdir could be
-# led through a symlink. (Refused paths, never used: hence the noqa for S108.)
-FORBIDDEN_MOUNT_TREES: tuple[str, ...] = (
-    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
-    "/proc", "/root", "/run", "/sbin", "/snap", "/sys", "/tmp", "/usr", "/var",  # noqa: S108
-)  # fmt: skip
+# Key lines and mounts follow tpus/remote/rules.py, the portal's one home of these facts.
+FORBIDDEN_MOUNT_TREES = rules.FORBIDDEN_MOUNT_TREES
 
 
 @dataclass(frozen=True)
@@ -148,7 +131,7 @@ def encode(state: DesiredState) -> bytes:
 
 
 def check_username(value: object) -> str:
-    if not isinstance(value, str) or not _USERNAME.fullmatch(value):
+    if not rules.is_username(value):
         raise ValueError("a username is 1-31 of a-z, 0-9 and '-', starting with a letter")
     return value
 
@@ -180,23 +163,17 @@ def check_key_line(value: object) -> str:
 
 
 def check_device(value: object) -> str:
-    if not isinstance(value, str) or not _DEVICE.fullmatch(value):
+    if not rules.is_device(value):
         raise ValueError("a device name is a-z, 0-9 and '-', starting with a letter")
     return value
 
 
 def check_mount_point(value: object) -> str:
     """An absolute path of plain parts (no '.', '..', doubled or trailing slashes),
-    outside the system's own trees and the homes."""
-    if not isinstance(value, str) or not value.startswith("/") or len(value) > MAX_MOUNT_POINT:
-        raise ValueError("a mount point is an absolute path")
-    parts = value[1:].split("/")
-    for part in parts:
-        if not _PATH_PART.fullmatch(part) or part in (".", ".."):
-            raise ValueError("a mount point's parts are letters, digits and ._- only")
-    if any(value == tree or value.startswith(tree + "/") for tree in FORBIDDEN_MOUNT_TREES):
-        raise ValueError(f"disks are never mounted at or under {value.split('/')[1]!r}")
-    return value
+    outside the system's own trees and the homes (``rules.mount_point_problem``)."""
+    if (problem := rules.mount_point_problem(value)) is not None:
+        raise ValueError(problem)
+    return value  # type: ignore[return-value]
 
 
 def _inner_type(blob: bytes) -> str:

@@ -47,24 +47,64 @@ def run_on_workers(
     at a time). ``data`` is the same for all, or a function of the worker. Outcomes come
     back in the order of ``workers``; nothing is retried here (callers decide, from
     ``error.retryable``)."""
-    if not workers:
-        return []
-    loaded = _script(script)
-    limit = max(1, min(max_parallel or settings.PORTAL_REMOTE_MAX_PARALLEL, len(workers)))
+    with Sessions(workers, max_parallel=max_parallel) as sessions:
+        return sessions.run(script, data, dry_run=dry_run)
 
-    def one(worker: Worker) -> WorkerOutcome:
-        payload = data(worker) if callable(data) else data
-        try:
-            return WorkerOutcome(
-                worker, ssh.execute(worker, loaded, _bytes(payload), dry_run=dry_run)
-            )
-        except RemoteError as exc:
-            return WorkerOutcome(worker, error=exc)
 
-    if limit == 1:
-        return [one(worker) for worker in workers]
-    with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="remote") as pool:
-        return list(pool.map(one, workers))
+class Sessions:
+    """Every worker of a VM over one connection each, kept for several runs in parallel
+    (a job's pre-flight on every worker, then its start on every worker): one login per
+    worker instead of one per step. A connection that broke is made again by the next
+    run; all are closed on leaving the ``with`` block."""
+
+    def __init__(self, workers: Sequence[Worker], *, max_parallel: int | None = None):
+        self.workers = list(workers)
+        self.connections = {id(w): ssh.Connection(w) for w in self.workers}
+        self.limit = max(
+            1, min(max_parallel or settings.PORTAL_REMOTE_MAX_PARALLEL, len(workers) or 1)
+        )
+        self.pool = (
+            ThreadPoolExecutor(max_workers=self.limit, thread_name_prefix="remote")
+            if self.limit > 1
+            else None
+        )
+
+    def __enter__(self) -> Sessions:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        for connection in self.connections.values():
+            connection.close()
+
+    def run(
+        self,
+        script: str | scripts.Script,
+        data: Data = b"",
+        *,
+        only: Sequence[Worker] | None = None,
+        dry_run: bool | None = None,
+    ) -> list[WorkerOutcome]:
+        """Like ``run_on_workers``, on these connections (``only``: some of the workers)."""
+        chosen = self.workers if only is None else list(only)
+        if not chosen:
+            return []
+        loaded = _script(script)
+
+        def one(worker: Worker) -> WorkerOutcome:
+            payload = data(worker) if callable(data) else data
+            try:
+                connection = self.connections[id(worker)]
+                return WorkerOutcome(
+                    worker, connection.run(loaded, _bytes(payload), dry_run=dry_run)
+                )
+            except RemoteError as exc:
+                return WorkerOutcome(worker, error=exc)
+
+        if self.pool is None:
+            return [one(worker) for worker in chosen]
+        return list(self.pool.map(one, chosen))
 
 
 def _script(script: str | scripts.Script) -> scripts.Script:

@@ -64,6 +64,8 @@ class Worker:
     pins: HostKeyPins
     port: int = 22
     name: str = ""
+    # The lab's account and key; a worker without one is never contacted.
+    login: remote_config.Login | None = None
 
     def __str__(self) -> str:
         return self.name or self.address
@@ -103,41 +105,81 @@ def execute(
     """Connect to ``worker``, run ``script`` with ``data`` on stdin, return its answer.
 
     Raises RemoteError (HostKeyMismatch for a host key other than the pinned one)."""
-    check_allowed(worker)
-    cfg = remote_config.current()
-    if dry_run if dry_run is not None else cfg.dry_run:
-        log.info("dry run: would run %s on %s with %d bytes", script.name, worker, len(data))
-        return ScriptResult(worker, script.name, 0, dry_run=True)
-    if not worker.pins:
-        raise RemoteError(
-            "no host key is pinned for this worker; refusing to connect",
-            kind=RemoteError.NO_PIN,
-            retryable=False,
-            worker=str(worker),
-        )
-    started = time.monotonic()
-    client = _connect(worker, cfg)
-    try:
-        payload = f"{len(script.body):010d}".encode() + script.body + data
-        status, out, err = _run(client, command_for(script), payload, cfg.script_timeout, worker)
-    finally:
-        client.close()
-    elapsed = time.monotonic() - started
-    stdout = out.decode(errors="replace")
-    stderr = err.decode(errors="replace")
-    log.info("%s on %s: exit %s in %.2f s", script.name, worker, status, elapsed)
-    if status != 0:
-        reason = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
-        raise RemoteError(
-            f"{script.name} failed (exit {status}): {reason[:500] or 'no message'}",
-            kind=RemoteError.SCRIPT,
-            retryable=False,
-            worker=str(worker),
-            exit_status=status,
-            stderr=stderr[-4000:],
-        )
-    pairs = [(m[1], m[2]) for ln in stdout.splitlines() if (m := _RESULT_LINE.match(ln))]
-    return ScriptResult(worker, script.name, status, stdout, stderr, pairs, elapsed)
+    with Connection(worker) as connection:
+        return connection.run(script, data, dry_run=dry_run)
+
+
+class Connection:
+    """One SSH connection to a worker that runs scripts one after another (each in its
+    own channel), for work with steps on every worker of a VM (a job's pre-flight, then
+    its start) that should log in once. Connects on the first run; every check of
+    ``execute`` applies."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.client: paramiko.SSHClient | None = None
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def run(
+        self, script: Script, data: bytes = b"", *, dry_run: bool | None = None
+    ) -> ScriptResult:
+        worker = self.worker
+        check_allowed(worker)
+        cfg = remote_config.current()
+        if dry_run if dry_run is not None else cfg.dry_run:
+            log.info("dry run: would run %s on %s with %d bytes", script.name, worker, len(data))
+            return ScriptResult(worker, script.name, 0, dry_run=True)
+        if not worker.pins:
+            raise RemoteError(
+                "no host key is pinned for this worker; refusing to connect",
+                kind=RemoteError.NO_PIN,
+                retryable=False,
+                worker=str(worker),
+            )
+        if worker.login is None:
+            raise RemoteError(
+                "no login is known for this worker's lab; refusing to connect",
+                kind=RemoteError.AUTH,
+                retryable=False,
+                worker=str(worker),
+            )
+        started = time.monotonic()
+        if self.client is None:
+            self.client = _connect(worker, cfg)
+        try:
+            payload = f"{len(script.body):010d}".encode() + script.body + data
+            status, out, err = _run(
+                self.client, command_for(script), payload, cfg.script_timeout, worker
+            )
+        except RemoteError:
+            self.close()  # a broken connection is not used again
+            raise
+        elapsed = time.monotonic() - started
+        stdout = out.decode(errors="replace")
+        stderr = err.decode(errors="replace")
+        log.info("%s on %s: exit %s in %.2f s", script.name, worker, status, elapsed)
+        if status != 0:
+            reason = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+            raise RemoteError(
+                f"{script.name} failed (exit {status}): {reason[:500] or 'no message'}",
+                kind=RemoteError.SCRIPT,
+                retryable=False,
+                worker=str(worker),
+                exit_status=status,
+                stderr=stderr[-4000:],
+            )
+        pairs = [(m[1], m[2]) for ln in stdout.splitlines() if (m := _RESULT_LINE.match(ln))]
+        return ScriptResult(worker, script.name, status, stdout, stderr, pairs, elapsed)
 
 
 def check_allowed(worker: Worker) -> None:
@@ -215,14 +257,15 @@ def _connect(worker: Worker, cfg: remote_config.RemoteConfig) -> paramiko.SSHCli
     for key in worker.pins.paramiko_keys():
         known.add(lookup, key.get_name(), key)
     where = str(worker)
+    login = worker.login
     try:
         sock = open_socket(worker.address, worker.port, cfg.connect_timeout)
         client.connect(
             worker.address,
             port=worker.port,
             sock=sock,
-            username=cfg.user,
-            pkey=cfg.key,
+            username=login.user,
+            pkey=login.key,
             timeout=cfg.connect_timeout,
             banner_timeout=cfg.auth_timeout,
             auth_timeout=cfg.auth_timeout,
@@ -244,8 +287,18 @@ def _connect(worker: Worker, cfg: remote_config.RemoteConfig) -> paramiko.SSHCli
         ) from None
     except paramiko.AuthenticationException as exc:
         client.close()
+        if "timeout" in str(exc).lower():
+            # paramiko reports a server too busy to answer within auth_timeout as an
+            # authentication failure; it is a timeout, and trying again can help.
+            raise RemoteError(
+                f"timed out logging in: {exc}",
+                kind=RemoteError.TIMEOUT,
+                retryable=True,
+                worker=where,
+            ) from None
         raise RemoteError(
-            f"the worker refused the admin key for {cfg.user!r}: {exc}",
+            f"the worker does not accept the lab's key for {login.user!r} ({exc}); "
+            "connect the VM to the lab (its ssh-keys metadata) first",
             kind=RemoteError.AUTH,
             retryable=False,
             worker=where,

@@ -3,8 +3,8 @@
 Desired state lives in the database; hosts are made to match it by the reconciler of
 each TPU VM. When something about a person changes that every VM they use must
 reflect (a key added or deleted), the use case that made the change calls the
-function here once, and it asks for a reconcile of each affected VM. Because
-reconciling is idempotent, asking too often is harmless; forgetting to ask is not.
+function here once, and it tells each affected VM's hosts they must change
+(``tpus.services.hosts``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from tpus.models import TpuVm
 from tpus.models.grants import WANTED_STATES
+from tpus.services.hosts import hosts_must_change
 
 
 def vms_with_access(user) -> Sequence[TpuVm]:
@@ -20,17 +21,8 @@ def vms_with_access(user) -> Sequence[TpuVm]:
     return list(TpuVm.objects.filter(grants__user=user, grants__state__in=WANTED_STATES))
 
 
-def request_reconcile(vm: TpuVm) -> None:
-    """The VM's hosts must change: bump its desired version and reconcile after commit."""
-    from tpus.services.grants import bump_version
-    from tpus.services.grants import request_reconcile as enqueue
-
-    bump_version(vm)
-    enqueue(vm)
-
-
 def user_keys_changed(user) -> None:
     """``user``'s SSH keys changed: every TPU VM where they have access must rewrite
     their ``authorized_keys``. Called once per change, inside the change's transaction."""
     for vm in vms_with_access(user):
-        request_reconcile(vm)
+        hosts_must_change(vm, f"SSH keys of user {user.pk} changed")

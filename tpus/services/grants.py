@@ -10,42 +10,51 @@ from __future__ import annotations
 import datetime as dt
 
 from django.db import transaction
-from django.db.models import F
 from django.utils import timezone
 
-from tpus import audit
+from portal import audit
+from tpus import queue
 from tpus.models import AuditAction, Grant, Lab, Membership, TpuVm
 from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.labs import MembershipState
+from tpus.services import jobs
+from tpus.services.hosts import hosts_must_change
 
 
 class GrantError(ValueError):
     """A grant use case refused; the message is for the admin."""
 
 
-def bump_version(vm: TpuVm) -> int:
-    """Record that the VM's hosts must change; returns the new desired version."""
-    TpuVm.objects.filter(pk=vm.pk).update(desired_version=F("desired_version") + 1)
-    vm.refresh_from_db(fields=["desired_version"])
-    return vm.desired_version
-
-
-def request_reconcile(vm: TpuVm) -> None:
-    """Reconcile ``vm`` once the current transaction commits."""
-    from tpus.tasks import reconcile_vm
-
-    reconcile_vm.delay_on_commit(vm.pk)
+def why_not_grantable(lab: Lab, membership: Membership | None) -> str:
+    """Why this person cannot be given access in ``lab`` yet ("" when they can): an
+    approved member who accepted the current policy and chose a unix username."""
+    if membership is None:
+        return f"That person is not a member of {lab.name}."
+    email = membership.user.email
+    if membership.state != MembershipState.APPROVED:
+        state = {
+            MembershipState.REQUESTED: "their request to join is waiting for approval",
+            MembershipState.REJECTED: "their request to join was rejected",
+            MembershipState.REMOVED: "they were removed from the lab",
+        }.get(membership.state, membership.state)
+        return f"{email} is not an approved member of {lab.name}: {state}."
+    if membership.policy_version_accepted != lab.policy_version:
+        return f"{email} has not accepted the lab's current policy yet."
+    account = getattr(membership.user, "unix_account", None)
+    if account is None or not account.username:
+        return (
+            f"{email} has not chosen a unix username yet; they choose one on their SSH keys page."
+        )
+    return ""
 
 
 def _check_grantable(lab: Lab, user, vms: list[TpuVm], expires_on: dt.date | None) -> None:
-    membership = Membership.objects.filter(lab=lab, user=user).first()
-    if membership is None or membership.state != MembershipState.APPROVED:
-        raise GrantError(f"{user.email} is not an approved member of {lab.name}.")
-    if membership.policy_version_accepted != lab.policy_version:
-        raise GrantError(f"{user.email} has not accepted the lab's current policy yet.")
-    account = getattr(user, "unix_account", None)
-    if account is None or not account.username:
-        raise GrantError(f"{user.email} has not chosen a unix username yet.")
+    membership = (
+        Membership.objects.filter(lab=lab, user=user).select_related("user__unix_account").first()
+    )
+    problem = why_not_grantable(lab, membership)
+    if problem:
+        raise GrantError(problem if membership else f"{user.email} is not a member of {lab.name}.")
     today = timezone.localdate()
     if expires_on is not None and expires_on <= today:
         raise GrantError("The expiry date must be in the future.")
@@ -100,7 +109,7 @@ def grant_access(
             grant = grant or Grant(user=user, vm=vm, created_by=admin)
             grant.sudo, grant.expires_on = sudo, expires_on
             grant.state, grant.error = GrantState.PENDING, ""
-            grant.version = bump_version(vm)
+            grant.version = hosts_must_change(vm, f"access granted to user {user.pk}")
             grant.changed_at = timezone.now()
             grant.revoked_at = grant.revoked_by = grant.expiry_warned_at = None
             grant.save()
@@ -114,7 +123,6 @@ def grant_access(
                 data={"vm": vm.pk, "grant": grant.pk, "sudo": sudo},
                 request=request,
             )
-            request_reconcile(vm)
             grants.append(grant)
     return grants
 
@@ -128,7 +136,7 @@ def revoke_access(actor, grant: Grant, *, reason: str = "", request=None) -> Gra
         if grant.state in (GrantState.REVOKING, GrantState.REVOKED):
             return grant
         grant.state = GrantState.REVOKING
-        grant.version = bump_version(vm)
+        grant.version = hosts_must_change(vm, f"grant {grant.pk} revoked")
         grant.changed_at = timezone.now()
         grant.revoked_by = actor
         grant.error = ""
@@ -142,7 +150,8 @@ def revoke_access(actor, grant: Grant, *, reason: str = "", request=None) -> Gra
             data={"vm": vm.pk, "grant": grant.pk},
             request=request,
         )
-        request_reconcile(vm)
+        # Jobs run as the person: those waiting end, a running one is stopped.
+        jobs.cancel_jobs_of(grant.user, vm, f"Access to {vm.name} was revoked.")
     return grant
 
 
@@ -154,9 +163,10 @@ def retry_grant(admin, grant: Grant, *, request=None) -> Grant:
         if grant.state != GrantState.FAILED:
             return grant
         grant.state, grant.error = GrantState.PENDING, ""
-        grant.version = bump_version(vm)
+        grant.retry_at, grant.failures = None, 0
+        grant.version = hosts_must_change(vm, f"grant {grant.pk} retried")
+        grant.changed_at = timezone.now()
         grant.save()
-        request_reconcile(vm)
     return grant
 
 
@@ -196,3 +206,16 @@ def grants_expiring_soon(days: int = 7, today: dt.date | None = None):
         state__in=WANTED_STATES, expiry_warned_at=None, vm__lab__grant_end_date__lte=horizon
     )
     return (by_grant | by_lab).select_related("user", "vm__lab").distinct()
+
+
+def warn_expiring_grants() -> int:
+    """Email each person once, a week before a grant of theirs ends: the warning is
+    claimed with a conditional UPDATE, so two runs never both send it."""
+    warned = 0
+    for grant in grants_expiring_soon():
+        if Grant.objects.filter(pk=grant.pk, expiry_warned_at=None).update(
+            expiry_warned_at=timezone.now()
+        ):
+            queue.expiry_warning(grant.pk)
+            warned += 1
+    return warned

@@ -15,7 +15,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
-from tpus import audit
+from portal import audit
 from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, Lab
@@ -30,12 +30,29 @@ from tpus.models.inventory import (
     VmSource,
     Worker,
 )
+from tpus.services.hosts import hosts_must_change
+from tpus.services.ownership import (
+    addresses_of_other_labs,
+    host_key_taken_message,
+    host_keys_pinned_elsewhere,
+)
 
 log = logging.getLogger(__name__)
 
 
 class InventoryError(ValueError):
     """An inventory use case refused; the message is for the admin."""
+
+
+MANUAL_SITE_ADMIN_ONLY = (
+    "Only a site admin can register a TPU VM by hand: import the lab's VMs from its "
+    "GCP project instead."
+)
+
+
+def _refuse_keys_pinned_elsewhere(worker: Worker, lines: list[str]) -> None:
+    if host_keys_pinned_elsewhere(worker.vm.lab, lines):
+        raise InventoryError(host_key_taken_message(worker))
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,35 @@ class Candidate:
 class ImportPreview:
     candidates: list[Candidate] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # zone -> what the API said
+    # Set when no zone can be read at all (no credentials, no permission): one
+    # explanation instead of the same error per zone.
+    blocking_error: str = ""
+
+    @property
+    def zones_read(self) -> list[str]:
+        return [zone for zone in self.zones if zone not in self.errors]
+
+    zones: list[str] = field(default_factory=list)
+
+
+def _blocking(error: CloudError, lab: Lab) -> str:
+    """The explanation for an error that every zone would give, or "" for others."""
+    if error.code == "UNAUTHENTICATED":
+        return (
+            "The portal has no usable Google credentials for the Cloud TPU API. Set "
+            "TPU_API_CREDENTIALS_FILE to a service-account key file (roles/tpu.viewer on "
+            f"{lab.gcp_project_id} to import; roles/tpu.admin to connect VMs and attach "
+            "disks), or give the portal application default credentials. To try the "
+            "portal without Google, run bin/demo, or point TPU_API_ENDPOINT at the "
+            "emulator (docs/emulator.md)."
+        )
+    if error.code == "PERMISSION_DENIED":
+        return (
+            f"The portal's Google credentials may not list TPU VMs in {lab.gcp_project_id}: "
+            "grant its service account roles/tpu.viewer there (roles/tpu.admin to connect "
+            f"VMs and attach disks). The API said: {error.message}"
+        )
+    return ""
 
 
 def _choice(value: str, choices) -> str:
@@ -62,12 +108,17 @@ def _choice(value: str, choices) -> str:
 
 def preview_import(lab: Lab) -> ImportPreview:
     """What the lab's project has in each of its zones (one ListNodes per zone)."""
-    preview = ImportPreview()
+    preview = ImportPreview(zones=list(lab.zones))
     known = set(TpuVm.objects.filter(lab=lab).values_list("zone", "name"))
     for zone in lab.zones:
         try:
             nodes = cloud_tpu().list_nodes(lab.gcp_project_id, zone)
         except CloudError as exc:
+            blocking = _blocking(exc, lab)
+            if blocking:  # every other zone would say the same
+                preview.blocking_error = blocking
+                preview.errors = {z: str(exc) for z in lab.zones}
+                return preview
             preview.errors[zone] = str(exc)
             continue
         preview.candidates += [Candidate(n, (n.zone, n.name) in known) for n in nodes]
@@ -86,6 +137,8 @@ def apply_node(vm: TpuVm, node: NodeInfo) -> list[str]:
         "labels": dict(node.labels),
         "preemptible": node.preemptible or node.spot,
     }
+    if node.create_time is not None:
+        values["node_created_at"] = node.create_time
     changed = [name for name, value in values.items() if getattr(vm, name) != value]
     for name in changed:
         setattr(vm, name, values[name])
@@ -106,23 +159,38 @@ def apply_workers(vm: TpuVm, node: NodeInfo) -> None:
         worker.save()
 
 
-def _pin_from_guest_attributes(vm: TpuVm, node: NodeInfo) -> None:
+def _pin_from_guest_attributes(vm: TpuVm, node: NodeInfo) -> list[str]:
     """Pin each worker's host keys from guest attributes, for workers not pinned yet.
-    This runs at import, before any collaborator has a shell on the VM."""
-    unpinned = {w.index: w for w in vm.workers.all() if not w.is_pinned}
+    This runs at import, before any collaborator has a shell on the VM. A worker whose
+    published key is pinned for another lab's worker stays unpinned; the returned
+    messages say which."""
+    unpinned = {w.index: w for w in vm.workers.select_related("vm__lab") if not w.is_pinned}
     if not unpinned:
-        return
+        return []
     published = cloud_tpu().guest_host_keys(
         vm.lab.gcp_project_id, node.zone, node.name, workers=sorted(unpinned)
     )
     now = timezone.now()
+    refused = []
     for index, worker in unpinned.items():
         lines = sorted(published.for_worker(index).values())
-        if lines:
+        if lines and host_keys_pinned_elsewhere(vm.lab, lines):
+            log.warning("%s publishes a host key pinned for another lab; not pinned", worker)
+            refused.append(host_key_taken_message(worker))
+        elif lines:
             worker.host_keys = lines
             worker.host_keys_source = HostKeySource.GUEST_ATTRIBUTES
             worker.host_keys_pinned_at = now
-            worker.save(update_fields=["host_keys", "host_keys_source", "host_keys_pinned_at"])
+            # What was published is what got pinned: the sync compares from here.
+            worker.published_host_keys = lines
+            worker.published_keys_checked_at = now
+            worker.save(
+                update_fields=[
+                    "host_keys", "host_keys_source", "host_keys_pinned_at",
+                    "published_host_keys", "published_keys_checked_at",
+                ]
+            )  # fmt: skip
+    return refused
 
 
 def apply_disks(vm: TpuVm, node: NodeInfo) -> None:
@@ -141,7 +209,9 @@ def apply_disks(vm: TpuVm, node: NodeInfo) -> None:
 
 def import_vms(admin, lab: Lab, keys: list[str], *, request=None) -> list[TpuVm]:
     """Register the chosen nodes (``"zone/name"`` keys) with their workers, pinned
-    host keys and disks. Importing a known VM refreshes it; pins stay as they are."""
+    host keys and disks. Importing a known VM refreshes it; pins stay as they are.
+    Each returned VM's ``host_key_refusals`` lists the workers whose published host
+    key was not pinned because another lab's worker has it."""
     wanted: dict[str, set[str]] = defaultdict(set)
     for key in keys:
         zone, _, name = key.partition("/")
@@ -173,18 +243,19 @@ def _import_one(admin, lab: Lab, node: NodeInfo, *, request=None) -> TpuVm:
         apply_disks(vm, node)
     # Outside the row lock: one more API call, and a failure leaves an unpinned VM
     # that the admin can pin by confirming fingerprints.
+    vm.host_key_refusals = []
     try:
-        _pin_from_guest_attributes(vm, node)
+        vm.host_key_refusals = _pin_from_guest_attributes(vm, node)
     except CloudError as exc:
         log.warning("guest attributes of %s unavailable: %s", vm, exc)
     if vm.attachments.exists() or vm.grants.exists():
-        _hosts_must_follow(vm)
+        hosts_must_change(vm, "imported again")
     audit.record(
         AuditAction.VM_IMPORTED,
         actor=admin,
         lab=lab,
         summary=f"{vm.name} ({vm.accelerator_type}, {len(node.workers)} workers)",
-        data={"vm": vm.pk, "created": created},
+        data={"vm": vm.pk, "created": created, "host_key_refusals": vm.host_key_refusals},
         request=request,
     )
     return vm
@@ -206,10 +277,19 @@ def register_manual_vm(
     workers: list[ManualWorker],
     request=None,
 ) -> TpuVm:
-    """Register a VM the API cannot see. Its host keys are pinned when an admin
-    confirms the fingerprints the portal reads from each worker."""
+    """Register a VM the API cannot see (site admins only). Its host keys are pinned
+    when an admin confirms the fingerprints the portal reads from each worker. An
+    address another lab's worker has is refused: it is that lab's machine."""
+    if not admin.is_site_admin:
+        raise InventoryError(MANUAL_SITE_ADMIN_ONLY)
     if not workers:
         raise InventoryError("Give the external IP of at least one worker.")
+    given = {a for w in workers for a in (w.external_ip, w.internal_ip) if a}
+    if taken := addresses_of_other_labs(lab, given):
+        raise InventoryError(
+            f"{', '.join(sorted(taken))} already belongs to a worker of another lab; a TPU "
+            "VM registered by hand cannot use it."
+        )
     if TpuVm.objects.filter(lab=lab, zone=zone, name=name).exists():
         raise InventoryError(f"{name} in {zone} is already registered.")
     vm = TpuVm(
@@ -244,6 +324,7 @@ def pin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) -> W
     worker keeps its keys: changing them is a deliberate re-pin."""
     if not lines:
         raise InventoryError("There are no host keys to pin.")
+    _refuse_keys_pinned_elsewhere(worker, lines)
     updated = Worker.objects.filter(pk=worker.pk, host_keys=[]).update(
         host_keys=sorted(lines),
         host_keys_source=HostKeySource.ADMIN,
@@ -262,13 +343,6 @@ def pin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) -> W
         request=request,
     )
     return worker
-
-
-def _hosts_must_follow(vm: TpuVm) -> None:
-    """Mounts or accounts on the VM's workers must change: reconcile after commit."""
-    from tpus.services.access_changes import request_reconcile
-
-    request_reconcile(vm)
 
 
 def register_disk(
@@ -300,7 +374,7 @@ def attach_disk(admin, disk: DataDisk, vm: TpuVm, mode: str, *, request=None) ->
     with transaction.atomic():
         apply_disks(vm, node)
     attachment = DiskAttachment.objects.get(disk=disk, vm=vm)
-    _hosts_must_follow(vm)
+    hosts_must_change(vm, f"disk {disk.name} attached")
     audit.record(
         AuditAction.DISK_ATTACHED,
         actor=admin,
@@ -348,7 +422,7 @@ def detach_disk(admin, disk: DataDisk, vm: TpuVm, *, request=None) -> None:
         raise InventoryError(f"The Cloud TPU API refused: {exc}") from None
     with transaction.atomic():
         apply_disks(vm, node)
-    _hosts_must_follow(vm)
+    hosts_must_change(vm, f"disk {disk.name} detached")
     audit.record(
         AuditAction.DISK_DETACHED,
         actor=admin,
@@ -365,6 +439,7 @@ def repin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) ->
     reconcile reaches the worker again."""
     if not lines:
         raise InventoryError("There are no host keys to pin.")
+    _refuse_keys_pinned_elsewhere(worker, lines)
     previous = list(worker.host_keys)
     Worker.objects.filter(pk=worker.pk).update(
         host_keys=sorted(lines),
@@ -383,5 +458,5 @@ def repin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) ->
         data={"worker": worker.pk, "keys": sorted(lines), "previous": previous},
         request=request,
     )
-    _hosts_must_follow(worker.vm)
+    hosts_must_change(worker.vm, f"{worker.alias}: host keys pinned")
     return worker

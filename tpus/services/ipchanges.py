@@ -3,9 +3,16 @@ person per change, with the new address and their refreshed ssh config."""
 
 from __future__ import annotations
 
-from tpus import audit, notify
+import datetime as dt
+
+from django.conf import settings
+from django.utils import timezone
+
+from portal import audit
+from tpus import queue
 from tpus.models import AuditAction, Grant, IpChange, IpChangeNotice, TpuVm
 from tpus.models.grants import WANTED_STATES
+from tpus.services.hosts import hosts_must_change
 
 
 def announce(vm: TpuVm, changes: list[IpChange]) -> None:
@@ -25,13 +32,31 @@ def announce(vm: TpuVm, changes: list[IpChange]) -> None:
         for user in users.values():
             notice, created = IpChangeNotice.objects.get_or_create(change=change, user=user)
             if created:
-                notify.ip_changed(notice)
+                queue.ip_changed(notice.pk)
 
 
-def request_reconcile_after_event(vm: TpuVm) -> None:
+# A notice's email task normally runs within seconds of the change; one still unsent
+# after this long was lost with the broker's queue.
+NOTICE_LOST_AFTER = dt.timedelta(minutes=5)
+
+
+def notices_to_resend(limit: int = 500) -> list[int]:
+    """Notices whose email task never ran (say Redis lost its queue), for the sweep to
+    queue again; the task's claim keeps it to one email. Changes older than the
+    outbox's give-up time are no longer news and are left alone."""
+    now = timezone.now()
+    oldest = now - dt.timedelta(seconds=settings.PORTAL_MAIL_GIVE_UP_SECONDS)
+    return list(
+        IpChangeNotice.objects.filter(
+            sent_at=None, change__seen_at__lt=now - NOTICE_LOST_AFTER, change__seen_at__gte=oldest
+        )
+        .order_by("pk")
+        .values_list("pk", flat=True)[:limit]
+    )
+
+
+def hosts_must_be_checked(vm: TpuVm, event: str) -> None:
     """After maintenance, a reboot or a new address, make sure users and mounts are
     still right on every worker (only if the VM has anything to keep right)."""
     if vm.grants.exists() or vm.attachments.exists():
-        from tpus.services.access_changes import request_reconcile
-
-        request_reconcile(vm)
+        hosts_must_change(vm, event)

@@ -9,13 +9,18 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from portal import audit
 from portal.validators import validate_multiline_text, validate_plain_text
-from tpus import audit, notify
+from tpus import queue
 from tpus.models import AuditAction, Invite, Lab, Membership
 from tpus.models.labs import MembershipState, Role, hash_invite_token
 
 PURPOSE_MAX = 500
 INVITE_DAYS = 14
+# A lab's fields that only a site admin sets: the project decides whose TPU VMs the
+# lab can import and log in to.
+SITE_ADMIN_FIELDS = ("gcp_project_id", "zones")
+SITE_ADMIN_ONLY = "Only a site admin can change a lab's GCP project or zones."
 
 
 class LabError(ValueError):
@@ -63,6 +68,7 @@ def request_membership(
     membership.decision_note = ""
     membership.policy_version_accepted = lab.policy_version
     membership.policy_accepted_at = now
+    membership.changed_at = now
     try:
         with transaction.atomic():
             membership.save()
@@ -77,7 +83,7 @@ def request_membership(
         summary=purpose[:200],
         request=request,
     )
-    notify.membership_requested(membership)
+    queue.membership_requested(membership.pk)
     return membership
 
 
@@ -85,7 +91,7 @@ def _decide(admin, membership: Membership, state: str) -> bool:
     """Move a pending request to ``state``; False when someone else decided first."""
     now = timezone.now()
     updated = Membership.objects.filter(pk=membership.pk, state=MembershipState.REQUESTED).update(
-        state=state, decided_at=now, decided_by=admin
+        state=state, decided_at=now, decided_by=admin, changed_at=now
     )
     membership.refresh_from_db()
     return bool(updated)
@@ -106,7 +112,7 @@ def approve_membership(admin, membership: Membership, *, request=None) -> Member
             target_user=membership.user,
             request=request,
         )
-        notify.membership_decided(membership)
+        queue.membership_decided(membership.pk)
     return membership
 
 
@@ -129,7 +135,7 @@ def reject_membership(admin, membership: Membership, *, note: str = "", request=
             summary=note[:200],
             request=request,
         )
-        notify.membership_decided(membership)
+        queue.membership_decided(membership.pk)
     return membership
 
 
@@ -147,7 +153,7 @@ def set_role(admin, membership: Membership, role: str, *, request=None) -> Membe
         admins = lab.memberships.filter(state=MembershipState.APPROVED, role=Role.ADMIN)
         if admins.count() <= 1:
             raise LabError("A lab needs at least one admin; make someone else admin first.")
-    Membership.objects.filter(pk=membership.pk).update(role=role)
+    Membership.objects.filter(pk=membership.pk).update(role=role, changed_at=timezone.now())
     membership.role = role
     audit.record(
         AuditAction.ROLE_CHANGED,
@@ -197,7 +203,7 @@ def create_invite(
         request=request,
     )
     if email:
-        notify.invite_created(invite, raw)
+        queue.invite_created(invite.pk, raw)
     return invite, raw
 
 
@@ -245,6 +251,7 @@ def accept_invite(user, raw: str, *, accept_policy: bool, request=None) -> Membe
     membership.decided_by = invite.created_by
     membership.policy_version_accepted = lab.policy_version
     membership.policy_accepted_at = now
+    membership.changed_at = now
     membership.save()
     Invite.objects.filter(pk=invite.pk).update(used_at=now, used_by=user)
     audit.record(
@@ -268,7 +275,7 @@ def accept_policy(user, membership: Membership, *, request=None) -> Membership:
         return membership
     now = timezone.now()
     Membership.objects.filter(pk=membership.pk).update(
-        policy_version_accepted=lab.policy_version, policy_accepted_at=now
+        policy_version_accepted=lab.policy_version, policy_accepted_at=now, changed_at=now
     )
     membership.policy_version_accepted = lab.policy_version
     membership.policy_accepted_at = now
@@ -283,20 +290,35 @@ def accept_policy(user, membership: Membership, *, request=None) -> Membership:
     return membership
 
 
+def _save_lab(lab: Lab) -> None:
+    """Validate and save; a project another lab took meanwhile is the same refusal
+    as one it had before."""
+    try:
+        lab.full_clean()
+        with transaction.atomic():
+            lab.save()
+    except ValidationError as exc:
+        raise LabError(" ".join(exc.messages)) from None
+    except IntegrityError:
+        raise LabError(Lab._meta.get_field("gcp_project_id").error_messages["unique"]) from None
+
+
 @transaction.atomic
 def update_lab(admin, lab: Lab, changes: dict, *, request=None) -> Lab:
     """Change a lab's settings from already-validated form data. A changed policy gets
-    a new version, which members accept again."""
+    a new version, which members accept again. Only a site admin changes the lab's GCP
+    project and zones: whoever sets them decides whose TPU VMs the lab can import."""
     lab = Lab.objects.select_for_update().get(pk=lab.pk)
     changed = sorted(field for field, value in changes.items() if getattr(lab, field) != value)
     if not changed:
         return lab
+    if not admin.is_site_admin and set(changed) & set(SITE_ADMIN_FIELDS):
+        raise LabError(SITE_ADMIN_ONLY)
     for field in changed:
         setattr(lab, field, changes[field])
     if "policy_text" in changed:
         lab.policy_version += 1
-    lab.full_clean()
-    lab.save()
+    _save_lab(lab)
     audit.record(
         AuditAction.LAB_UPDATED, actor=admin, lab=lab, data={"fields": changed}, request=request
     )
@@ -319,8 +341,7 @@ def create_lab(site_admin, *, admin_emails: list[str], request=None, **fields) -
     if not admins:
         raise LabError("Name at least one lab admin.")
     lab = Lab(**fields)
-    lab.full_clean()
-    lab.save()
+    _save_lab(lab)
     now = timezone.now()
     for user in admins:
         Membership.objects.create(
@@ -354,8 +375,9 @@ def remove_member(admin, membership: Membership, *, request=None) -> Membership:
         ).exclude(pk=membership.pk)
         if not others.exists():
             raise LabError("A lab needs at least one admin; make someone else admin first.")
+    now = timezone.now()
     Membership.objects.filter(pk=membership.pk).update(
-        state=MembershipState.REMOVED, decided_at=timezone.now(), decided_by=admin
+        state=MembershipState.REMOVED, decided_at=now, decided_by=admin, changed_at=now
     )
     membership.refresh_from_db()
     from tpus.services.grants import revoke_all_in_lab

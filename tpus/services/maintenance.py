@@ -1,4 +1,6 @@
-"""Which TPU VMs the periodic sweep should reconcile."""
+"""The periodic sweeps: which work is stuck or lost, queued again (reconciles,
+connection checks, disk operations, IP-change emails), and which VMs are due a
+reconcile to find and mend drift."""
 
 from __future__ import annotations
 
@@ -8,15 +10,20 @@ from django.conf import settings
 from django.db.models import F, Min, Q
 from django.utils import timezone
 
+from tpus import queue
 from tpus.models import Grant, TpuVm
 from tpus.models.grants import GrantState
+from tpus.services import connect, disk_operations, hostkey_scans, ipchanges, reconcile
 
 
 def vms_to_reconcile() -> list[int]:
     """VMs with grants still in flight, workers behind the desired version, or no full
     reconcile for a while (drift check)."""
     in_flight = Grant.objects.filter(
-        state__in=(GrantState.PENDING, GrantState.REVOKING)
+        Q(state__in=(GrantState.PENDING, GrantState.REVOKING))
+        # Failed on a worker in a way the host may get over (a local account in the
+        # way): tried again once its back-off has passed.
+        | Q(state=GrantState.FAILED, retry_at__lte=timezone.now())
     ).values_list("vm_id", flat=True)
     stale_before = timezone.now() - dt.timedelta(seconds=settings.PORTAL_DRIFT_CHECK_SECONDS)
     behind = (
@@ -33,3 +40,28 @@ def vms_to_reconcile() -> list[int]:
         .values_list("pk", flat=True)
     )
     return sorted(set(in_flight) | set(behind))
+
+
+def requeue_stuck_work() -> None:
+    """Queue again anything stuck: pending or revoking grants, workers behind, disk
+    operations whose worker died, IP-change emails whose task was lost; and every VM
+    due a drift check. Each task re-checks, so queuing twice does no harm."""
+    for vm_id in vms_to_reconcile():
+        queue.reconcile_vm(vm_id)
+    for connection_id, attempt in connect.stalled_connections():
+        queue.check_vm_connection(connection_id, attempt)
+    for operation_id in disk_operations.operations_to_resume():
+        queue.run_disk_operation(operation_id)
+    for notice_id in ipchanges.notices_to_resend():
+        queue.ip_changed(notice_id)
+    for scan_id in hostkey_scans.stalled_scans():
+        queue.scan_host_keys(scan_id)
+
+
+def rerun_stalled_claims() -> None:
+    """A reconcile or disk operation whose holder died stops renewing its claim: run
+    it again now, instead of waiting for the next sweep."""
+    for vm_id in reconcile.release_stalled_claims():
+        queue.reconcile_vm(vm_id)
+    for operation_id in disk_operations.release_stalled_operations():
+        queue.run_disk_operation(operation_id)

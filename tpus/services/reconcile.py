@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import random
+import re
+import time
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, close_old_connections, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from accounts.unix import mark_names_provisioned
-from tpus import audit, notify
+from portal import audit
+from tpus import queue
 from tpus.models import (
     AuditAction,
     DiskAttachment,
@@ -32,9 +36,13 @@ from tpus.models import (
 from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.inventory import DiskMode
 from tpus.models.labs import MembershipState
-from tpus.remote import HostKeyMismatch, HostKeyPins, run_on_workers
-from tpus.remote import Worker as RemoteWorker
+from tpus.remote import HostKeyMismatch, run_on_workers
 from tpus.remote.desired import DesiredMount, DesiredState, DesiredUser, encode
+from tpus.services import leases
+from tpus.services.hostkey_alarms import raise_alarm
+from tpus.services.hosts import remote_worker
+from tpus.services.labkeys import login_for
+from tpus.services.leases import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -122,29 +130,56 @@ def desired_state(vm: TpuVm) -> DesiredState:
     )
 
 
+def _lease() -> dt.timedelta:
+    return leases.length()
+
+
 def _claim(vm_id: int) -> bool:
-    """Take the VM's reconcile claim; False when another run holds it."""
+    """Take the VM's reconcile claim (a short lease); False when another run holds it."""
     now = timezone.now()
     return bool(
         TpuVm.objects.filter(pk=vm_id)
         .filter(Q(reconcile_claimed_until__isnull=True) | Q(reconcile_claimed_until__lt=now))
-        .update(
-            reconcile_claimed_until=now
-            + dt.timedelta(seconds=settings.PORTAL_RECONCILE_CLAIM_SECONDS)
-        )
+        .update(reconcile_claimed_until=now + _lease())
     )
 
 
 def _release(vm_id: int) -> None:
-    TpuVm.objects.filter(pk=vm_id).update(reconcile_claimed_until=None)
+    """Give the claim back. Tried a few times: a run that failed because the database
+    went away should not hold the VM once it is back. If it still cannot, the lease
+    lapses by itself and ``release_stalled_claims`` hands the VM on."""
+    for attempt in range(3):
+        try:
+            TpuVm.objects.filter(pk=vm_id).update(reconcile_claimed_until=None)
+            return
+        except DatabaseError:
+            log.warning("cannot release the reconcile claim of VM %s yet", vm_id)
+            close_old_connections()
+            time.sleep(0.5 * (attempt + 1))
 
 
-def _remote(worker: Worker) -> RemoteWorker:
-    return RemoteWorker(
-        address=worker.external_ip or "",
-        pins=HostKeyPins.parse(worker.host_keys),
-        name=worker.alias,
+def release_stalled_claims() -> list[int]:
+    """VMs whose claim lapsed without being released (the run died: killed worker,
+    lost database): clear the claim and return them, to be reconciled again now."""
+    now = timezone.now()
+    stalled = list(
+        TpuVm.objects.filter(reconcile_claimed_until__lt=now).values_list("pk", flat=True)
     )
+    released = []
+    for vm_id in stalled:
+        if TpuVm.objects.filter(pk=vm_id, reconcile_claimed_until__lt=now).update(
+            reconcile_claimed_until=None
+        ):
+            released.append(vm_id)
+            log.warning("VM %s: a reconcile stopped renewing its claim; running it again", vm_id)
+    return released
+
+
+def unreachable_retry_delay(retries: int) -> float:
+    """Seconds before trying unreachable workers again after ``retries`` tries: 2, 4,
+    8 … up to 300, half of it random so retries of many VMs spread out."""
+    base = min(2 ** (retries + 1), 300)
+    return base / 2 + random.uniform(0, base / 2)  # noqa: S311 (jitter, not secrecy)
 
 
 def reconcile_vm(vm_id: int) -> ReconcileReport:
@@ -156,7 +191,8 @@ def reconcile_vm(vm_id: int) -> ReconcileReport:
         return report
     try:
         while True:
-            _run_once(vm_id, report)
+            with Heartbeat(TpuVm.objects.filter(pk=vm_id), "reconcile_claimed_until"):
+                _run_once(vm_id, report)
             _release(vm_id)
             vm = TpuVm.objects.get(pk=vm_id)
             if vm.desired_version <= report.version or not _claim(vm_id):
@@ -200,7 +236,9 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
         reason, retryable = skipped
         (report.retryable if retryable else report.failed)[worker.index] = reason
         _record(worker, version, error=reason, retryable=retryable)
-    outcomes = run_on_workers([_remote(w) for w in reachable], "reconcile.sh", data)
+    # Only ever the VM's own lab's key: a host that was never given it refuses us.
+    login = login_for(vm.lab) if reachable else None
+    outcomes = run_on_workers([remote_worker(w, login) for w in reachable], "reconcile.sh", data)
     for worker, outcome in zip(reachable, outcomes, strict=True):
         if outcome.ok:
             result = outcome.result
@@ -212,11 +250,13 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
             }
             report.ok.append(worker.index)
             report.changed += int(result.values.get("changed", "0") or 0)
+            if worker.host_key_mismatch_at:
+                _host_key_matches_again(worker)
             _record(worker, version, answer=answer, boot_id=result.values.get("boot_id", ""))
             continue
         error = outcome.error
         if isinstance(error, HostKeyMismatch):
-            _host_key_changed(worker, error)
+            raise_alarm(worker, str(getattr(error, "presented", "") or ""))
         bucket = report.retryable if error.retryable else report.failed
         bucket[worker.index] = str(error)
         _record(worker, version, error=str(error), retryable=error.retryable)
@@ -237,11 +277,24 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
 
 
 def _why_skipped(worker: Worker) -> tuple[str, bool] | None:
-    """Why the portal will not contact this worker now, and whether that can pass."""
-    if worker.host_key_mismatch_at:
-        return "its host key changed; an admin must review it", False
+    """Why the portal will not contact this worker now, and whether that can pass.
+
+    A worker whose host key alarm is up because it presented another key is still
+    contacted: the connection checks the host key before any credential is sent, so a
+    host with another key learns nothing and changes nothing, while the real host back
+    at its address (its key matches the pin again) clears the alarm by itself. One
+    whose alarm came from the keys the API publishes is not: the host may well still
+    present the pinned key, and that would not make the published change go away."""
     if not worker.is_pinned:
         return "no pinned host key", False
+    if worker.host_key_mismatch_at and worker.published_key_changes():
+        # The API says the host has other keys now (a re-created VM, or a tampered
+        # guest attribute): nothing is sent until an admin re-pins or resumes it.
+        return (
+            "the Cloud TPU API publishes a host key for it that is not the pinned one; "
+            "an admin must review it",
+            False,
+        )
     if not worker.external_ip:
         return "no external IP (under maintenance?)", True
     return None
@@ -269,7 +322,10 @@ def _record(worker: Worker, version: int, *, answer=None, error="", retryable=Fa
         sync.failures += 1
     sync.save()
     if boot_id and boot_id != worker.boot_id:
-        Worker.objects.filter(pk=worker.pk).update(boot_id=boot_id[:64])
+        # A new boot may be a new host: the next sync compares its published keys.
+        Worker.objects.filter(pk=worker.pk).update(
+            boot_id=boot_id[:64], published_keys_recheck=bool(worker.boot_id)
+        )
         if worker.boot_id:
             audit.record(
                 AuditAction.WORKER_REBOOTED,
@@ -288,23 +344,21 @@ def _drift_found(worker: Worker, usernames: list[str]) -> None:
         summary=f"{worker.alias}: {', '.join(usernames)}"[:300],
         data={"worker": worker.pk, "users": usernames},
     )
-    notify.drift_found(worker, usernames)
+    queue.drift_found(worker.pk, usernames)
 
 
-def _host_key_changed(worker: Worker, error: HostKeyMismatch) -> None:
-    """Stop provisioning this worker and tell the lab's admins, once per change."""
-    presented = getattr(error, "presented", "") or ""
-    updated = Worker.objects.filter(pk=worker.pk, host_key_mismatch_at=None).update(
-        host_key_mismatch_at=timezone.now(), presented_host_key=str(presented)[:2000]
-    )
-    if updated:
+def _host_key_matches_again(worker: Worker) -> None:
+    """The worker presented its pinned key again (the impostor at its address is gone,
+    or the address came back to the real host): the alarm ends, on the record."""
+    if Worker.objects.filter(pk=worker.pk, host_key_mismatch_at__isnull=False).update(
+        host_key_mismatch_at=None, presented_host_key=""
+    ):
         audit.record(
-            AuditAction.HOST_KEY_CHANGED,
+            AuditAction.HOST_KEY_ALARM_CLEARED,
             lab=worker.vm.lab,
-            summary=f"{worker.alias} presented a host key that is not the pinned one",
-            data={"worker": worker.pk, "presented": str(presented)[:2000]},
+            summary=f"{worker.alias} presents its pinned host key again",
+            data={"worker": worker.pk, "alarm_since": worker.host_key_mismatch_at.isoformat()},
         )
-        notify.host_key_changed(worker)
 
 
 def settle_grants(vm_id: int) -> None:
@@ -313,11 +367,11 @@ def settle_grants(vm_id: int) -> None:
     workers = list(Worker.objects.filter(vm_id=vm_id).select_related("sync"))
     syncs = [getattr(w, "sync", None) for w in workers]
     applied = min((s.applied_version if s else 0) for s in syncs) if syncs else 0
-    user_errors = {}
-    for sync in syncs:
+    user_errors: dict[str, tuple[str, str]] = {}  # username -> (worker alias, reason)
+    for worker, sync in zip(workers, syncs, strict=True):
         for entry in (sync.last_report or {}).get("user_error", []) if sync else []:
             name, _, reason = entry.partition(":")
-            user_errors.setdefault(name, reason)
+            user_errors.setdefault(name, (worker.alias, reason))
     hard_errors = {
         w.alias: s.last_error
         for w, s in zip(workers, syncs, strict=True)
@@ -332,12 +386,18 @@ def settle_grants(vm_id: int) -> None:
     for grant in waiting:
         username = getattr(getattr(grant.user, "unix_account", None), "username", "")
         if username in user_errors:
-            _fail(grant, f"The host refused {username}: {user_errors[username]}")
+            alias, reason = user_errors[username]
+            _fail(grant, clash_message(username, alias, reason), retry=True)
         elif hard_errors:
             _fail(grant, "; ".join(f"{alias}: {err}" for alias, err in sorted(hard_errors.items())))
         elif grant.version <= applied:
             if Grant.objects.filter(pk=grant.pk, state=grant.state, version=grant.version).update(
-                state=GrantState.ACTIVE, activated_at=now, error=""
+                state=GrantState.ACTIVE,
+                activated_at=now,
+                error="",
+                changed_at=now,
+                retry_at=None,
+                failures=0,
             ):
                 audit.record(
                     AuditAction.GRANT_ACTIVE,
@@ -346,18 +406,61 @@ def settle_grants(vm_id: int) -> None:
                     summary=grant.vm.name,
                     data={"grant": grant.pk},
                 )
-                notify.access_active(grant)
+                queue.access_active(grant.pk)
     revoking = Grant.objects.filter(vm_id=vm_id, state=GrantState.REVOKING, version__lte=applied)
     for grant in revoking.select_related("user", "vm__lab"):
         if Grant.objects.filter(pk=grant.pk, state=GrantState.REVOKING).update(
-            state=GrantState.REVOKED, revoked_at=now
+            state=GrantState.REVOKED, revoked_at=now, changed_at=now
         ):
-            notify.access_revoked(grant)
+            queue.access_revoked(grant.pk)
 
 
-def _fail(grant: Grant, reason: str) -> None:
+_OWNER = re.compile(r"^(?:uid|gid) \d+ belongs to (?:the group )?(\S+)$")
+
+
+def clash_message(username: str, alias: str, reason: str) -> str:
+    """What a worker's refusal of one person means, and what an admin can do."""
+    owner = _OWNER.match(reason)
+    if owner:
+        advice = (
+            f"The local account {owner.group(1)} on {alias} holds the number the portal "
+            f"gives {username}: remove or renumber it there (it was not made by the portal)."
+        )
+    elif "already exists" in reason:
+        advice = (
+            f"The name {username} is taken on {alias} by something the portal did not make: "
+            "remove it there, or give the person another username."
+        )
+    else:
+        advice = f"Fix it on {alias}."
+    return (
+        f"{alias} refused {username}: {reason}. {advice} The portal tries again by itself; "
+        "the other workers keep the account ready."
+    )
+
+
+def retry_delay(failures: int) -> dt.timedelta:
+    """How long a grant waits before the next try after its ``failures``-th failure."""
+    base = settings.PORTAL_GRANT_RETRY_SECONDS
+    return dt.timedelta(seconds=min(base * 2 ** max(0, failures - 1), 3600))
+
+
+def _fail(grant: Grant, reason: str, *, retry: bool = False) -> None:
+    """The grant failed (again). The first failure is audited and mailed; a retryable
+    one is tried again later by the sweep, further apart each time."""
+    failures = grant.failures + 1
+    retry_at = timezone.now() + retry_delay(failures) if retry else None
+    if grant.state == GrantState.FAILED:
+        Grant.objects.filter(pk=grant.pk, state=GrantState.FAILED).update(
+            error=reason[:2000], retry_at=retry_at, failures=failures, changed_at=timezone.now()
+        )
+        return
     if Grant.objects.filter(pk=grant.pk, state=GrantState.PENDING).update(
-        state=GrantState.FAILED, error=reason[:2000]
+        state=GrantState.FAILED,
+        error=reason[:2000],
+        retry_at=retry_at,
+        failures=failures,
+        changed_at=timezone.now(),
     ):
         audit.record(
             AuditAction.GRANT_FAILED,
@@ -366,7 +469,7 @@ def _fail(grant: Grant, reason: str) -> None:
             summary=f"{grant.vm.name}: {reason}"[:300],
             data={"grant": grant.pk, "reason": reason[:2000]},
         )
-        notify.grant_failed(grant)
+        queue.grant_failed(grant.pk)
 
 
 def give_up(vm_id: int) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.utils import timezone
 
-from tpus.models import Grant, TpuVm
+from tpus.models import Grant, PortForward, TpuVm
 from tpus.models.grants import WANTED_STATES
 
 CONFIG_PATH = "~/.ssh/config.d/tpu-portal"
@@ -24,38 +25,98 @@ class HostEntry:
     hostname: str  # the worker's current external IP
     alias: str  # the stable HostKeyAlias
     host_keys: tuple[str, ...]
+    main: bool = False  # the VM's own name (worker 0), where its port forwards go
 
 
-def key_alias(vm: TpuVm, index: int) -> str:
-    return f"tpu-portal.{vm.lab.slug}.{vm.name}.w{index}"
+@dataclass(frozen=True)
+class VmNames:
+    host: str  # what the collaborator types for worker 0
+    alias_prefix: str  # the HostKeyAlias without the worker suffix
+
+    def alias(self, index: int) -> str:
+        return f"{self.alias_prefix}.w{index}"
 
 
-def _host_names(vms: list[TpuVm]) -> dict[int, str]:
-    """``tpu5``, or ``<lab>-tpu5`` when two of the person's labs both have a tpu5."""
-    counts: dict[str, int] = {}
+def names_for(vms: list[TpuVm]) -> dict[int, VmNames]:
+    """The ``Host`` name and ``HostKeyAlias`` of each of one person's VMs, unique among
+    them and the same every time for the same set of VMs.
+
+    A VM whose name is unique among the person's VMs is ``tpu5`` with alias
+    ``tpu-portal.<lab>.tpu5``, as always, so existing configs do not change. When two
+    labs both have a tpu5, the host names get the lab in front (``<lab>-tpu5``); when
+    one lab has a tpu5 in two zones, the zone goes after the name (``tpu5-us-central1-f``)
+    and into the alias. A generated name that clashes with another VM's own name (which
+    that VM keeps) falls back to ``tpu5.<zone>.<lab>``, which cannot clash: VM names, zones and lab
+    slugs contain no dots, and a lab has one VM per name and zone.
+    """
+    by_name: dict[str, list[TpuVm]] = {}
     for vm in vms:
-        counts[vm.name] = counts.get(vm.name, 0) + 1
-    return {vm.pk: vm.name if counts[vm.name] == 1 else f"{vm.lab.slug}-{vm.name}" for vm in vms}
+        by_name.setdefault(vm.name, []).append(vm)
+    names: dict[int, VmNames] = {}
+    for name, group in by_name.items():
+        many_labs = len({vm.lab_id for vm in group}) > 1
+        per_lab: dict[int, int] = {}
+        for vm in group:
+            per_lab[vm.lab_id] = per_lab.get(vm.lab_id, 0) + 1
+        for vm in group:
+            in_zones = per_lab[vm.lab_id] > 1
+            host = f"{vm.lab.slug}-{name}" if many_labs else name
+            alias = f"tpu-portal.{vm.lab.slug}.{name}"
+            if in_zones:
+                host, alias = f"{host}-{vm.zone}", f"{alias}.{vm.zone}"
+            names[vm.pk] = VmNames(host, alias)
+    taken: dict[str, int] = {}
+    for entry in names.values():
+        taken[entry.host] = taken.get(entry.host, 0) + 1
+    for vm in vms:
+        host = names[vm.pk].host
+        if taken[host] > 1 and host != vm.name:
+            names[vm.pk] = VmNames(f"{vm.name}.{vm.zone}.{vm.lab.slug}", names[vm.pk].alias_prefix)
+    return names
 
 
-def entries_for(vms: list[TpuVm]) -> list[tuple[HostEntry, TpuVm]]:
+def entries_for(
+    vms: list[TpuVm], among: list[TpuVm] | None = None
+) -> list[tuple[HostEntry, TpuVm]]:
     """One entry per reachable worker: ``tpu5`` is worker 0, and a pod's workers are
-    also ``tpu5-w0`` … ``tpu5-w3``."""
-    names = _host_names(vms)
+    also ``tpu5-w0`` … ``tpu5-w3``. Names are made unique over ``among`` (all of the
+    person's VMs; by default just ``vms``)."""
+    names = names_for(merged(vms, among))
     entries = []
     for vm in vms:
         workers = sorted(vm.workers.all(), key=lambda w: w.index)
         pod = len(workers) > 1
+        vm_names = names[vm.pk]
         for worker in workers:
             if not worker.external_ip:
                 continue
-            keys, alias = tuple(worker.host_keys), key_alias(vm, worker.index)
+            keys, alias = tuple(worker.host_keys), vm_names.alias(worker.index)
             if worker.index == 0:
-                entries.append((HostEntry(names[vm.pk], worker.external_ip, alias, keys), vm))
+                main = HostEntry(vm_names.host, worker.external_ip, alias, keys, main=True)
+                entries.append((main, vm))
             if pod:
-                host = f"{names[vm.pk]}-w{worker.index}"
+                host = f"{vm_names.host}-w{worker.index}"
                 entries.append((HostEntry(host, worker.external_ip, alias, keys), vm))
     return entries
+
+
+def merged(vms: list[TpuVm], among: list[TpuVm] | None) -> list[TpuVm]:
+    """``among`` and whichever of ``vms`` it lacks: the set names are made unique over."""
+    if among is None:
+        return list(vms)
+    seen = {vm.pk for vm in among}
+    return [*among, *(vm for vm in vms if vm.pk not in seen)]
+
+
+def host_name_for(user, vm: TpuVm) -> str:
+    """What the person types for the VM's worker 0 (``tpu5``, or ``vision-tpu5`` …)."""
+    return names_for(merged([vm], naming_peers(user)))[vm.pk].host
+
+
+def naming_peers(user) -> list[TpuVm]:
+    """The VMs whose names a person's host names must not clash with (no workers)."""
+    grants = Grant.objects.filter(user=user, state__in=WANTED_STATES)
+    return list(TpuVm.objects.filter(grants__in=grants).select_related("lab").distinct())
 
 
 def vms_for(user) -> list[TpuVm]:
@@ -77,19 +138,43 @@ def forward_agent(user, vm: TpuVm) -> bool:
     return bool(vm.lab.default_agent_forwarding)
 
 
-def render_config(user, vms: list[TpuVm] | None = None) -> str:
+def forwards_for(user, vms: list[TpuVm]) -> dict[int, list[tuple[int, int]]]:
+    """The person's chosen port forwards, ``{vm id: [(local, remote), …]}``, in one query."""
+    if not getattr(user, "pk", None) or not vms:
+        return {}
+    found: dict[int, list[tuple[int, int]]] = {}
+    rows = PortForward.objects.filter(user=user, vm__in=vms).order_by("local_port")
+    for vm_id, local, remote in rows.values_list("vm_id", "local_port", "remote_port"):
+        found.setdefault(vm_id, []).append((local, remote))
+    return found
+
+
+def host_blocks(user, vms: list[TpuVm], *, among: list[TpuVm] | None = None) -> str:
+    """The ``Host`` blocks of ``vms``, line for line as in the person's downloaded
+    config: the page shows them, the emails carry them, and the config is a header and
+    them. Names are unique over ``among`` (all the person's VMs; looked up when not
+    given).
+
+    Every block needs the pinned keys in ``KNOWN_HOSTS_PATH`` (strict checking, no
+    prompt). Without them ssh says only "No … host key is known for tpu-portal.…", so a
+    comment over each VM's blocks names the file, and goes wherever the lines are
+    pasted. Comments hold only names the portal validated (a lab's display name could
+    hold a line break, and so a config line of its own).
+    """
     account = getattr(user, "unix_account", None)
-    if account is None or not account.username:
-        return "# Choose your unix username on the portal first; this file is empty until then.\n"
-    vms = vms_for(user) if vms is None else vms
-    username = account.username
-    lines = [
-        f"# TPU Portal ssh config for {username}, generated {timezone.now():%Y-%m-%d %H:%M} UTC.",
-        f"# Keep it in {CONFIG_PATH} with `Include config.d/*` at the top of ~/.ssh/config,",
-        f"# and the host keys in {KNOWN_HOSTS_PATH}. Regenerated whenever an IP changes.",
-        "",
-    ]
-    for entry, vm in entries_for(vms):
+    username = account.username if account and account.username else "<your unix username>"
+    if among is None:
+        among = naming_peers(user) if getattr(user, "pk", None) else []
+    forwards = forwards_for(user, vms)
+    blocks, commented = [], set()
+    for entry, vm in entries_for(vms, among):
+        lines = []
+        if vm.pk not in commented:
+            commented.add(vm.pk)
+            lines.append(
+                f"# {vm.name} (lab {vm.lab.slug}) needs its host keys in {KNOWN_HOSTS_PATH},"
+                f" from {settings.SITE_URL}/ssh/"
+            )
         lines += [
             f"Host {entry.host}",
             f"    HostName {entry.hostname}",
@@ -98,38 +183,50 @@ def render_config(user, vms: list[TpuVm] | None = None) -> str:
             f"    UserKnownHostsFile {KNOWN_HOSTS_PATH}",
             "    StrictHostKeyChecking yes",
             f"    ForwardAgent {'yes' if forward_agent(user, vm) else 'no'}",
-            "",
         ]
-    return "\n".join(lines)
+        if entry.main:
+            lines += [
+                f"    LocalForward {local} localhost:{remote}"
+                for local, remote in forwards.get(vm.pk, [])
+            ]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
-def render_known_hosts(vms: list[TpuVm]) -> str:
+def render_config(user, vms: list[TpuVm] | None = None) -> str:
+    """The whole file: where it and the host keys go, then every VM's blocks."""
+    account = getattr(user, "unix_account", None)
+    if account is None or not account.username:
+        return "# Choose your unix username on the portal first; this file is empty until then.\n"
+    vms = vms_for(user) if vms is None else vms
+    generated = f"{timezone.now():%Y-%m-%d %H:%M} UTC"
+    header = [
+        f"# TPU Portal ssh config for {account.username}, generated {generated}.",
+        f"# Regenerated whenever an IP changes; both files are on {settings.SITE_URL}/ssh/",
+        f"# Save this file as {CONFIG_PATH}, with `Include config.d/*`",
+        "# at the top of ~/.ssh/config, and the host keys (the known_hosts download)",
+        f"# as {KNOWN_HOSTS_PATH}. Without them, ssh stops with",
+        '# "No ... host key is known for tpu-portal..." and "Host key verification failed".',
+        "",
+    ]
+    blocks = host_blocks(user, vms, among=vms)
+    return "\n".join(header) + "\n" + (blocks + "\n" if blocks else "")
+
+
+def render_known_hosts(vms: list[TpuVm], *, among: list[TpuVm] | None = None) -> str:
+    """One line per pinned key, under the stable alias (names unique over ``among``)."""
+    names = names_for(merged(vms, among))
     lines = []
     for vm in vms:
         for worker in sorted(vm.workers.all(), key=lambda w: w.index):
             for key in worker.host_keys:
-                lines.append(f"{key_alias(vm, worker.index)} {key}")
+                lines.append(f"{names[vm.pk].alias(worker.index)} {key}")
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def snippet_for(user, vms: list[TpuVm]) -> str:
-    """The short form for an email or a copy button: one block per host."""
-    account = getattr(user, "unix_account", None)
-    username = account.username if account and account.username else "<your unix username>"
-    blocks = []
-    for entry, vm in entries_for(vms):
-        blocks.append(
-            "\n".join(
-                [
-                    f"Host {entry.host}",
-                    f"    HostName {entry.hostname}",
-                    f"    User {username}",
-                    f"    HostKeyAlias {entry.alias}",
-                    f"    ForwardAgent {'yes' if forward_agent(user, vm) else 'no'}",
-                ]
-            )
-        )
-    return "\n\n".join(blocks)
+def snippet_for(user, vms: list[TpuVm], *, among: list[TpuVm] | None = None) -> str:
+    """What the page and the emails show: the same blocks as the downloaded config."""
+    return host_blocks(user, vms, among=among)
 
 
 # --- The refresh URL ------------------------------------------------------------------
@@ -191,7 +288,6 @@ def user_for_token(token: str):
 
 
 def feed_urls(user) -> dict[str, str] | None:
-    from django.conf import settings
     from django.urls import reverse
 
     feed = feed_for(user, create=False)

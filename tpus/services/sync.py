@@ -2,7 +2,10 @@
 then each registered VM is updated from what was listed.
 
 A zone whose listing failed is left exactly as it was: a transient API error never
-marks a VM missing or changes an address.
+marks a VM missing or changes an address. How each zone's listing went is recorded
+for the lab's pages, API and admins (``sync_health``). Then the host keys the API
+publishes are compared with the pins for the VMs that have a reason and a few more
+(``published_keys``).
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from dataclasses import dataclass, field
 from django.db import transaction
 from django.utils import timezone
 
-from tpus import audit
+from portal import audit
 from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, IpChange, Lab, Worker
 from tpus.models.inventory import NodeHealth, NodeState, TpuVm, VmSource
-from tpus.services import ipchanges
+from tpus.services import ipchanges, published_keys, sync_health
 from tpus.services.inventory import apply_node
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,11 @@ class SyncReport:
     ip_changes: int = 0
     missing: int = 0
     errors: dict[str, str] = field(default_factory=dict)  # "project/zone" -> message
+    # VMs whose published host keys must be compared now (new address, came back,
+    # re-created), and the workers found with a published key change.
+    keys_due: set[int] = field(default_factory=set)
+    listed_vms: set[int] = field(default_factory=set)
+    host_key_changes: list = field(default_factory=list)
 
 
 def _pairs(labs) -> dict[tuple[str, str], list[Lab]]:
@@ -52,10 +60,14 @@ def sync_inventory(labs=None) -> SyncReport:
         except CloudError as exc:
             report.errors[f"{project}/{zone}"] = str(exc)
             log.warning("listing %s/%s failed: %s", project, zone, exc)
+            sync_health.record_failure(zone_labs, zone, str(exc))
             continue
         report.listed += len(nodes)
         for lab in zone_labs:
             _sync_zone(lab, zone, {n.name: n for n in nodes}, report)
+        sync_health.record_success(zone_labs, zone)
+    checked = published_keys.vms_to_check(report.listed_vms, report.keys_due)
+    report.host_key_changes = published_keys.check_vms(checked)
     return report
 
 
@@ -72,8 +84,12 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
             continue
         seen.append(vm.pk)
         before = (vm.state, vm.health)
+        recreated = _recreated(vm, node)
         changed = apply_node(vm, node)
         came_back = vm.missing_since is not None
+        if recreated or came_back:
+            # Maybe new hosts behind the same name: compare their published host keys.
+            report.keys_due.add(vm.pk)
         if not changed and not came_back and not _workers_differ(vm, node):
             continue
         with transaction.atomic():
@@ -83,12 +99,15 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
             report.ip_changes += len(moved)
             if moved:
                 ipchanges.announce(vm, moved)
+                report.keys_due.add(vm.pk)
             if changed:
                 report.updated += 1
             healthy = (NodeState.READY, NodeHealth.HEALTHY)
             if (before != healthy and (vm.state, vm.health) == healthy) or moved:
                 # Back from maintenance or a reboot: mounts and accounts are checked again.
-                ipchanges.request_reconcile_after_event(vm)
+                ipchanges.hosts_must_be_checked(
+                    vm, "external address changed" if moved else "ready and healthy again"
+                )
             if before != (vm.state, vm.health) or came_back:
                 audit.record(
                     AuditAction.VM_STATE_CHANGED,
@@ -97,6 +116,15 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
                     data={"vm": vm.pk, "from": list(before), "to": [vm.state, vm.health]},
                 )
     TpuVm.objects.filter(pk__in=seen).update(last_seen_at=now)
+    report.listed_vms.update(seen)
+
+
+def _recreated(vm: TpuVm, node: NodeInfo) -> bool:
+    """Whether the node was created again since the portal last saw it (a create_time
+    differing by a second or more; the API's nanoseconds are not stored)."""
+    if vm.node_created_at is None or node.create_time is None:
+        return False
+    return abs((node.create_time - vm.node_created_at).total_seconds()) >= 1
 
 
 def _mark_missing(lab: Lab, vm: TpuVm, now, report: SyncReport) -> None:

@@ -16,3 +16,15 @@ def host_key_fingerprint(line: str) -> str:
         return f"{key_type} {fingerprint_sha256(base64.b64decode(blob, validate=True))}"
     except (binascii.Error, ValueError):
         return f"{key_type} (unreadable)"
+
+
+@register.simple_tag(takes_context=True)
+def query_with(context, key: str, value) -> str:
+    """The current query string with ``key`` set to ``value`` (removed when empty), so
+    paging links keep the search and filters: ``?{% query_with "page" 2 %}``."""
+    query = context["request"].GET.copy()
+    if value in (None, ""):
+        query.pop(key, None)
+    else:
+        query[key] = value
+    return query.urlencode()

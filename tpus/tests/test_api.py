@@ -128,12 +128,65 @@ def test_an_admin_lists_pending_requests(client, cast, token_for):
     response = client.get(
         f"/api/v1/labs/{cast.lab.slug}/memberships?state=requested", **token_for(cast.admin)
     )
-    assert [m["user"] for m in response.json()] == ["pat@vision.example"]
+    assert [m["user"] for m in response.json()["items"]] == ["pat@vision.example"]
 
 
 def test_labs_show_my_own_state(client, cast, token_for):
     response = client.get("/api/v1/labs", **token_for(cast.pending))
-    labs = {lab["slug"]: lab for lab in response.json()}
+    labs = {lab["slug"]: lab for lab in response.json()["items"]}
     assert labs == {"vision": labs["vision"]}
     assert labs["vision"]["my_state"] == "requested"
     assert json.dumps(labs)  # plain JSON all the way down
+
+
+def test_a_refusal_inside_the_api_is_json_with_its_reason(client, cast, token_for):
+    response = client.get(f"/api/v1/labs/{cast.lab.slug}/memberships", **token_for(cast.member))
+    assert response.status_code == 403
+    assert response["Content-Type"].startswith("application/json")
+    assert response.json() == {"detail": "Only the lab's admins can do that."}
+
+
+def test_an_unknown_lab_in_the_api_is_a_json_404(client, cast, token_for):
+    response = client.get("/api/v1/labs/no-such-lab/memberships", **token_for(cast.member))
+    assert response.status_code == 404
+    assert response["Content-Type"].startswith("application/json")
+
+
+def test_a_lab_admin_retries_a_failed_grant_through_the_api(
+    client, cast, token_for, django_capture_on_commit_callbacks
+):
+    from tpus.models import Grant, TpuVm
+
+    vm = TpuVm.objects.create(lab=cast.lab, name="tpu5", zone="us-central1-f", source="imported")
+    grant = Grant.objects.create(user=cast.member, vm=vm, state="failed", error="tpu5-w0: down")
+    url = f"/api/v1/labs/{cast.lab.slug}/grants/{grant.pk}/retry"
+    with django_capture_on_commit_callbacks() as callbacks:
+        response = client.post(url, **token_for(cast.admin))
+    assert response.status_code == 200
+    assert response.json()["state"] == "pending" and response.json()["error"] == ""
+    assert len(callbacks) == 1  # the reconcile, after commit
+    again = client.post(url, **token_for(cast.admin))
+    assert again.status_code == 409 and "only a failed one" in again.json()["detail"]
+
+
+def test_a_site_admin_creates_a_lab_through_the_api(client, cast, token_for):
+    body = {
+        "name": "Speech Lab", "slug": "speech", "gcp_project_id": "speech-lab-1",
+        "zones": ["europe-west4-a"], "admin_emails": [cast.member.email],
+    }  # fmt: skip
+    response = client.post(
+        "/api/v1/labs", body, content_type="application/json", **token_for(cast.site_admin)
+    )
+    assert response.status_code == 201, response.content
+    assert response.json()["gcp_project_id"] == "speech-lab-1"
+    taken = client.post(
+        "/api/v1/labs", {**body, "slug": "speech2"}, content_type="application/json",
+        **token_for(cast.site_admin),
+    )  # fmt: skip
+    assert taken.status_code == 400 and "another lab" in taken.json()["detail"]
+    refused = client.post(
+        "/api/v1/labs", {**body, "slug": "speech3", "gcp_project_id": "speech-lab-3"},
+        content_type="application/json", **token_for(cast.admin),
+    )  # fmt: skip
+    assert refused.status_code == 403
+    assert "Only site admins" in refused.json()["detail"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from tpus import audit
+from portal import audit
 from tpus.models import AuditAction, AuditEvent
 
 

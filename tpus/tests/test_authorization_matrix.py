@@ -10,7 +10,7 @@ import pytest
 from django.urls import reverse
 
 from accounts.tests.keydata import ECDSA_256
-from tpus.models import TpuVm
+from tpus.models import HostKeyScan, TpuVm, Worker
 
 ROLES = ["anonymous", "outsider", "pending", "member", "admin", "site_admin"]
 
@@ -32,12 +32,18 @@ def _urls(cast):
     second = Membership.objects.create(
         lab=cast.lab, user=User.objects.create_user("second@vision.example"), state="requested"
     )
+    # Someone the lab's admins make an admin and then remove, through the API.
+    third = Membership.objects.create(
+        lab=cast.lab, user=User.objects.create_user("third@vision.example"), state="approved"
+    )
     invite, _ = create_invite(cast.admin, cast.lab)
     vm = TpuVm.objects.create(lab=cast.lab, name="tpu5", zone="us-central1-f", source="manual")
     Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10")
     disk = DataDisk.objects.create(lab=cast.lab, name="imagenet", zone="us-central1-f")
     grant = Grant.objects.create(user=cast.member, vm=vm, state="failed")
     operation = DiskOperation.objects.create(disk=disk, vm=vm, action="attach")
+    job = _ended_job(vm, cast.member)
+    jobs = f"labs/{lab}/vms/{vm.pk}/jobs/{job.pk}"
     token, _ = create_token(cast.admin, "admin's token")
     key = add_key(cast.member, ED25519, "member's laptop")
     api_key = add_key(cast.member, ECDSA_384, "member's desktop")
@@ -70,9 +76,23 @@ def _urls(cast):
             [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
         (
+            # A lab admin's attempt to set the lab's GCP project: site admins only (their
+            # incomplete form is shown again).
+            "lab_settings_project",
+            "post",
+            reverse("lab_settings", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, FORBIDDEN, OK],
+        ),
+        (
             "lab_audit",
             "get",
             reverse("lab_audit", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "people_search",
+            "get",
+            reverse("people_search", args=[lab]) + "?user=milo",
             [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
         (
@@ -147,6 +167,12 @@ def _urls(cast):
         ("api_me", "get", "/api/v1/me", [401, OK, OK, OK, OK, OK]),
         ("api_labs", "get", "/api/v1/labs", [401, OK, OK, OK, OK, OK]),
         (
+            "api_lab_create",
+            "post",
+            "/api/v1/labs",
+            [401, FORBIDDEN, FORBIDDEN, FORBIDDEN, FORBIDDEN, 201],
+        ),
+        (
             "api_lab",
             "get",
             f"/api/v1/labs/{lab}",
@@ -196,6 +222,81 @@ def _urls(cast):
             [401, MISSING, 201, 201, 201, 201],
         ),
         (
+            "api_member_role",
+            "post",
+            f"/api/v1/labs/{lab}/memberships/{third.pk}/role",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_member_remove",
+            "post",
+            f"/api/v1/labs/{lab}/memberships/{third.pk}/remove",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_lab_settings",
+            "get",
+            f"/api/v1/labs/{lab}/settings",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_lab_settings_update",
+            "patch",
+            f"/api/v1/labs/{lab}/settings",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            # Moving the lab to another GCP project: site admins only.
+            "api_lab_settings_project",
+            "patch",
+            f"/api/v1/labs/{lab}/settings",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, OK],
+        ),
+        (
+            "api_audit",
+            "get",
+            f"/api/v1/labs/{lab}/audit",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_invites",
+            "get",
+            f"/api/v1/labs/{lab}/invites",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_invite_create",
+            "post",
+            f"/api/v1/labs/{lab}/invites",
+            [401, MISSING, MISSING, FORBIDDEN, 201, 201],
+        ),
+        (
+            # Revoked already by the page above: the same answer again.
+            "api_invite_revoke",
+            "post",
+            f"/api/v1/labs/{lab}/invites/{invite.pk}/revoke",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            # Queued work: the sync runs after commit.
+            "api_refresh",
+            "post",
+            f"/api/v1/labs/{lab}/refresh",
+            [401, MISSING, MISSING, FORBIDDEN, 202, 202],
+        ),
+        (
+            "api_disk_register",
+            "post",
+            f"/api/v1/labs/{lab}/disks/register",
+            [401, MISSING, MISSING, FORBIDDEN, 201, 201],
+        ),
+        (
+            "api_vm_register",
+            "post",
+            f"/api/v1/labs/{lab}/vms/register",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, 201],
+        ),
+        (
             "vm_list",
             "get",
             reverse("vm_list", args=[lab]),
@@ -211,13 +312,25 @@ def _urls(cast):
             "vm_register",
             "get",
             reverse("vm_register", args=[lab]),
-            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, FORBIDDEN, OK],
+        ),
+        (
+            "vm_register_post",
+            "post",
+            reverse("vm_register", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, FORBIDDEN, REDIRECT],
         ),
         (
             "vm_sync",
             "post",
             reverse("vm_sync", args=[lab]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "vm_search",
+            "get",
+            reverse("vm_search", args=[lab]) + "?vm=tpu",
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
         (
             "vm_detail",
@@ -230,6 +343,24 @@ def _urls(cast):
             "get",
             reverse("vm_progress", args=[lab, vm.pk]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "vm_connection",
+            "get",
+            reverse("vm_connection", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "vm_connect",
+            "post",
+            reverse("vm_connect", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "vm_disconnect",
+            "post",
+            reverse("vm_disconnect", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
         ),
         (
             "grant_create",
@@ -272,6 +403,20 @@ def _urls(cast):
         ("ssh_feed_disable", "post", reverse("ssh_feed_disable"), [REDIRECT] * 6),
         ("ssh_forwarding", "post", reverse("ssh_forwarding"), [REDIRECT] * 6),
         (
+            # Port forwards are the person's own: only someone with a grant on the VM
+            # (here the member, whose grant failed but is still wanted) reaches them.
+            "ssh_forward",
+            "post",
+            reverse("ssh_forward", args=[vm.pk]),
+            [REDIRECT, MISSING, MISSING, REDIRECT, MISSING, MISSING],
+        ),
+        (
+            "ssh_forward_remove",
+            "post",
+            reverse("ssh_forward_remove", args=[vm.pk, 6006]),
+            [REDIRECT, MISSING, MISSING, REDIRECT, MISSING, MISSING],
+        ),
+        (
             "ssh_feed_config",
             "get",
             reverse("ssh_feed_config", args=[f"{cast.member.pk}-forged"]),
@@ -296,11 +441,19 @@ def _urls(cast):
             [401, MISSING, MISSING, FORBIDDEN, 400, 400],
         ),
         (
+            # The page's retry above has made the grant pending again: nothing to retry.
+            "api_grant_retry",
+            "post",
+            f"/api/v1/labs/{lab}/grants/{grant.pk}/retry",
+            [401, MISSING, MISSING, FORBIDDEN, 409, 409],
+        ),
+        (
             "api_grant_revoke",
             "post",
             f"/api/v1/labs/{lab}/grants/{grant.pk}/revoke",
             [401, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
+        ("healthz", "get", "/healthz", [OK, OK, OK, OK, OK, OK]),
         ("api_my_grants", "get", "/api/v1/me/grants", [401, OK, OK, OK, OK, OK]),
         ("api_my_ssh_config", "get", "/api/v1/me/ssh-config", [401, OK, OK, OK, OK, OK]),
         ("api_my_known_hosts", "get", "/api/v1/me/known-hosts", [401, OK, OK, OK, OK, OK]),
@@ -315,6 +468,13 @@ def _urls(cast):
             "get",
             reverse("worker_keys", args=[lab, vm.pk, 0]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            # An unsigned confirmation: refused with a message, nothing pinned.
+            "worker_keys_pin",
+            "post",
+            reverse("worker_keys", args=[lab, vm.pk, 0]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
         ),
         (
             "disk_progress",
@@ -354,6 +514,76 @@ def _urls(cast):
             [401, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
         (
+            "api_vm_connection",
+            "get",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/connection",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_vm_connect",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/connect",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
+        (
+            "api_vm_disconnect",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/disconnect",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
+        (
+            # No alarm is up on tpu5's worker: nothing to resume.
+            "api_worker_resume",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/workers/0/resume",
+            [401, MISSING, MISSING, FORBIDDEN, 409, 409],
+        ),
+        (
+            "api_vm_progress",
+            "get",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/progress",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_worker_keys",
+            "get",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/workers/0/host-keys",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            # Queued work: the scan runs after commit.
+            "api_worker_keys_scan",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/workers/0/host-keys/scan",
+            [401, MISSING, MISSING, FORBIDDEN, 202, 202],
+        ),
+        (
+            # An unsigned confirmation: refused, nothing pinned.
+            "api_worker_keys_pin",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/workers/0/host-keys/pin",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
+        (
+            "worker_keys_resume",
+            "post",
+            reverse("worker_keys", args=[lab, vm.pk, 0]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            # Starts a scan as queued work (the task runs after commit).
+            "worker_keys_scan_start",
+            "post",
+            reverse("worker_keys", args=[lab, vm.pk, 0]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "worker_keys_scan",
+            "get",
+            reverse("worker_keys_scan", args=[lab, vm.pk, 0]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
             "api_import_candidates",
             "get",
             f"/api/v1/labs/{lab}/import-candidates",
@@ -383,7 +613,102 @@ def _urls(cast):
             f"/api/v1/labs/{lab}/disks/{disk.pk}/detach",
             [401, MISSING, MISSING, FORBIDDEN, 400, 400],
         ),
+        # Jobs: the member ran the job; no one here has active access to run another.
+        (
+            "lab_usage",
+            "get",
+            reverse("lab_usage", args=[lab]),
+            [REDIRECT, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
+            "lab_usage_csv",
+            "get",
+            reverse("lab_usage_csv", args=[lab]),
+            [REDIRECT, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
+            "vm_jobs",
+            "get",
+            reverse("vm_jobs", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
+            "job_submit",
+            "get",
+            reverse("job_submit", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
+            "job_submit_post",
+            "post",
+            reverse("job_submit", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
+        ),
+        ("job_detail", "get", f"/{jobs}/", [REDIRECT, MISSING, MISSING, OK, OK, OK]),
+        ("job_live", "get", f"/{jobs}/live/", [REDIRECT, MISSING, MISSING, OK, OK, OK]),
+        # The worker's address is outside the allowed networks: it cannot give the log.
+        ("job_log", "get", f"/{jobs}/workers/0/log", [REDIRECT, MISSING, MISSING, 502, 502, 502]),
+        # Ended: nothing to cancel, said in a message.
+        (
+            "job_cancel",
+            "post",
+            f"/{jobs}/cancel/",
+            [REDIRECT, MISSING, MISSING, REDIRECT, REDIRECT, REDIRECT],
+        ),
+        # The owner is told why not in a message; the admins may not run someone's job.
+        (
+            "job_rerun",
+            "post",
+            f"/{jobs}/rerun/",
+            [REDIRECT, MISSING, MISSING, REDIRECT, FORBIDDEN, FORBIDDEN],
+        ),
+        (
+            "api_jobs",
+            "get",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/jobs",
+            [401, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
+            "api_job_submit",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/jobs",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
+        ),
+        ("api_job", "get", f"/api/v1/{jobs}", [401, MISSING, MISSING, OK, OK, OK]),
+        (
+            "api_job_cancel",
+            "post",
+            f"/api/v1/{jobs}/cancel",
+            [401, MISSING, MISSING, 409, 409, 409],
+        ),
+        (
+            "api_job_rerun",
+            "post",
+            f"/api/v1/{jobs}/rerun",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
+        ),
+        (
+            "api_job_log",
+            "get",
+            f"/api/v1/{jobs}/workers/0/log",
+            [401, MISSING, MISSING, 502, 502, 502],
+        ),
+        ("api_usage", "get", f"/api/v1/labs/{lab}/usage", [401, MISSING, MISSING, OK, OK, OK]),
     ]
+
+
+def _ended_job(vm, user):
+    from django.utils import timezone
+
+    from tpus.models import Job, JobWorker
+
+    now = timezone.now()
+    job = Job.objects.create(
+        vm=vm, user=user, host_id="20260101-matrix", state="succeeded", args=["true"],
+        started_at=now, ended_at=now,
+    )  # fmt: skip
+    JobWorker.objects.create(job=job, worker=vm.workers.get(index=0), index=0, state="ended")
+    return job
 
 
 def _user(cast, role):
@@ -402,26 +727,67 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
             client.force_login(user)
         else:
             client.logout()
-        if url.startswith("/api/") and method in {"post", "put"}:
+        if url.startswith("/api/") and method in {"post", "put", "patch"}:
             body = {
                 "api_join": {"purpose": "Research.", "accept_policy": True},
+                "api_member_role": {"role": "admin"},
+                "api_lab_settings_update": {"discoverable": True},
+                "api_lab_settings_project": {"gcp_project_id": "moved-project"},
+                "api_disk_register": {"name": "matrix-disk", "zone": "us-central1-f"},
+                "api_vm_register": {
+                    "name": "tpu10",
+                    "zone": "us-central1-f",
+                    "accelerator_type": "v3-8",
+                    "workers": [{"external_ip": "192.0.2.98"}],
+                },
                 "api_token_create": {"name": "matrix"},
+                "api_lab_create": {
+                    "name": "Matrix Lab",
+                    "slug": "matrix",
+                    "gcp_project_id": "matrix-project",
+                    "zones": ["us-central1-f"],
+                    "admin_emails": ["admin@vision.example"],
+                },
                 "api_import": {"nodes": ["us-central1-f/tpu9"]},
                 "api_grant_create": {"user_email": "nobody@example.org", "vm_ids": [vm_id]},
                 "api_attach": {"vm_id": vm_id},
                 "api_detach": {"vm_id": vm_id},
                 "api_key_add": {"key": ECDSA_256, "label": "matrix"},
                 "api_unix_account_set": {"username": "matrix"},
+                "api_worker_keys_pin": {"shown": "forged"},
+                "api_job_submit": {"args": ["true"]},
             }.get(name, {})
             response = getattr(client, method)(url, body, content_type="application/json")
         else:
-            response = getattr(client, method)(url)
+            data = {
+                "lab_settings_project": {"gcp_project_id": "another-project"},
+                "vm_register_post": {
+                    "name": "tpu9",
+                    "zone": "us-central1-f",
+                    "accelerator_type": "v3-8",
+                    "workers": "192.0.2.99",
+                },
+                "worker_keys_pin": {"shown": "forged"},
+                "worker_keys_resume": {"action": "resume"},
+                "worker_keys_scan_start": {"action": "scan"},
+                "job_submit_post": {"command": "true"},
+            }.get(name)
+            response = getattr(client, method)(url, data) if data else getattr(client, method)(url)
         if response.status_code != expected[role_index]:
             failures.append(
                 f"{name} {url}: {response.status_code}, expected {expected[role_index]}"
             )
         # Each state-changing request runs against a fresh cast: undo by reloading below.
         cast.pending_membership.refresh_from_db()
+    # Only a site admin's requests may have moved the lab or registered a VM.
+    cast.lab.refresh_from_db()
+    assert cast.lab.gcp_project_id != "another-project"
+    assert TpuVm.objects.filter(name="tpu9").exists() == (role == "site_admin")
+    assert TpuVm.objects.filter(name="tpu10").exists() == (role == "site_admin")
+    moved = cast.lab.gcp_project_id == "moved-project"
+    assert moved == (role == "site_admin")
+    assert not Worker.objects.filter(vm__name="tpu5").exclude(host_keys=[]).exists()
+    assert HostKeyScan.objects.exists() == (role in {"admin", "site_admin"})
     assert not failures, f"{role}:\n" + "\n".join(failures)
 
 
@@ -451,7 +817,10 @@ def test_a_missing_lab_and_a_hidden_lab_look_the_same(client, cast):
     hidden = client.get(reverse("lab_detail", args=[cast.lab.slug]))
     missing = client.get(reverse("lab_detail", args=["no-such-lab"]))
     assert hidden.status_code == missing.status_code == 404
-    assert hidden.content == missing.content
+    # Byte for byte, but for the CSRF token every page carries (masked anew each time).
+    token = re.compile(rb'(csrfmiddlewaretoken" value="|X-CSRFToken": ")[^"]+')
+    assert token.sub(rb"\1", hidden.content) == token.sub(rb"\1", missing.content)
+    assert hidden.content.count(b"X-CSRFToken") == 1
 
 
 def test_someone_elses_api_token_is_a_404(client, cast):

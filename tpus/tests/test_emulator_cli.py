@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tpus.cloud import CloudError, CloudTPU
+from tpus.cloud import CloudError, CloudTPU, KeyLine
 from tpus.emulator.controls import new_host_key
 from tpus.emulator.testing import fast_config, start_emulator
 
@@ -184,3 +184,28 @@ def test_serving_on_a_taken_port_fails_loudly(tpu_emulator, tmp_path):
 
     assert result.returncode == 2
     assert f"127.0.0.1:{tpu_emulator.port}" in result.stderr
+
+
+def test_metadata_controls_on_the_command_line_change_what_the_server_answers(served, tmp_path):
+    state, client, _ = served
+    keys = tmp_path / "keys"
+    keys.write_text("alice:ssh-ed25519 AAAA alice\nbob:ssh-ed25519 BBBB bob\n")
+    control(state, "add-node", PROJECT, ZONE, "tpu1", "--metadata", "team=vision")
+    control(state, "set-metadata", "tpu1", "--metadata-from-file", f"ssh-keys={keys}")
+    control(state, "deny-update", "tpu1")
+    control(state, "oslogin", PROJECT, "on")
+
+    assert client.node_metadata(PROJECT, ZONE, "tpu1") == {
+        "team": "vision",
+        "ssh-keys": keys.read_text(),
+    }
+    assert json.loads(control(state, "metadata", "tpu1"))["team"] == "vision"
+    with pytest.raises(CloudError) as caught:
+        client.remove_ssh_key(PROJECT, ZONE, "tpu1", KeyLine("bob", "ssh-ed25519 BBBB bob"))
+    assert caught.value.code == "PERMISSION_DENIED"
+    assert json.loads(control(state, "show"))["projects"][PROJECT] == {"enable_oslogin": True}
+
+    control(state, "deny-update", "tpu1", "--allow")
+    control(state, "set-metadata", "tpu1", "--remove", "team", "--after-next-get")
+    assert client.node_metadata(PROJECT, ZONE, "tpu1")["team"] == "vision"  # read, then changed
+    assert "team" not in client.node_metadata(PROJECT, ZONE, "tpu1")

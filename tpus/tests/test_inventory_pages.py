@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from tpus.models import DataDisk, DiskAttachment, TpuVm
+from tpus.models import DataDisk, DiskAttachment, Lab, TpuVm
 
 PROJECT, ZONE = "vision-lab-1", "us-central1-f"
 
@@ -16,6 +16,15 @@ def admin_client(client, make_lab, make_user, add_member):
     admin = make_user("boss@vision.example")
     add_member(lab, admin, role="admin")
     client.force_login(admin)
+    client.lab = lab
+    return client
+
+
+@pytest.fixture
+def site_client(client, make_lab, make_user):
+    """A site admin: the only one who registers a TPU VM by hand."""
+    lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
+    client.force_login(make_user("root@portal.example", is_superuser=True, is_staff=True))
     client.lab = lab
     return client
 
@@ -44,15 +53,22 @@ def test_an_import_of_a_node_that_is_not_offered_is_refused(admin_client, tpu_em
     assert not TpuVm.objects.exists()
 
 
-def test_an_api_outage_is_shown_on_the_import_page(admin_client, tpu_emulator):
+def test_an_api_outage_is_shown_per_zone_on_the_import_page(admin_client, tpu_emulator):
+    tpu_emulator.controls.fail(5, "UNAVAILABLE")
+    body = admin_client.get(reverse("vm_import", args=["vision"])).content.decode()
+    assert f"{ZONE}: Cloud TPU API ListNodes failed: UNAVAILABLE" in body
+    assert "lists no TPU VMs" not in body
+
+
+def test_a_permission_refusal_is_explained_once_on_the_import_page(admin_client, tpu_emulator):
     tpu_emulator.controls.fail(5, "PERMISSION_DENIED")
     body = admin_client.get(reverse("vm_import", args=["vision"])).content.decode()
-    assert ZONE in body
-    assert "PERMISSION_DENIED" in body or "permission" in body.lower()
+    assert body.count("may not list TPU VMs") == 1
+    assert "roles/tpu.viewer" in body and "PERMISSION_DENIED" not in body.split("said:")[0]
 
 
-def test_registering_by_hand_takes_worker_ips_one_per_line(admin_client):
-    response = admin_client.post(
+def test_registering_by_hand_takes_worker_ips_one_per_line(site_client):
+    response = site_client.post(
         reverse("vm_register", args=["vision"]),
         {
             "name": "tpu9",
@@ -80,10 +96,10 @@ def test_registering_by_hand_takes_worker_ips_one_per_line(admin_client):
         ("zone", "mars-north1-a", "Select a valid choice"),
     ],
 )
-def test_a_bad_manual_registration_names_the_problem(admin_client, field, value, message):
+def test_a_bad_manual_registration_names_the_problem(site_client, field, value, message):
     data = {"name": "tpu9", "zone": ZONE, "accelerator_type": "v3-8", "workers": "34.1.2.3"}
     data[field] = value
-    response = admin_client.post(reverse("vm_register", args=["vision"]), data)
+    response = site_client.post(reverse("vm_register", args=["vision"]), data)
     assert message in response.content.decode()
     assert not TpuVm.objects.exists()
 
@@ -182,3 +198,40 @@ def test_a_queued_attach_keeps_the_page_polling_until_it_ends(admin_client, tpu_
     body = admin_client.get(reverse("disk_progress", args=["vision", disk.pk])).content.decode()
     assert 'hx-trigger="every 1s"' in body
     assert "Waiting" in body
+
+
+def test_import_without_google_credentials_says_so_once_and_how_to_fix_it(client, cast, settings):
+    settings.TPU_API_INSECURE = False
+    settings.TPU_API_ENDPOINT = ""
+    settings.TPU_API_CREDENTIALS_FILE = "/nonexistent/tpu-portal-sa.json"
+    cast.lab.zones = ["us-central1-f", "europe-west4-a"]
+    cast.lab.save()
+    client.force_login(cast.admin)
+    body = client.get(reverse("vm_import", args=[cast.lab.slug])).content.decode()
+    assert body.count("no usable Google credentials") == 1
+    assert "TPU_API_CREDENTIALS_FILE" in body and "bin/demo" in body
+    assert "lists no TPU VMs" not in body
+    assert "europe-west4-a:" not in body
+
+
+def test_a_hand_registered_vm_page_offers_access_only_once_its_keys_are_confirmed(
+    site_client,
+):
+    from tpus.models import Worker
+
+    vm = TpuVm.objects.create(
+        lab=Lab.objects.get(slug="vision"), name="tpu9", zone=ZONE, source="manual"
+    )
+    worker = Worker.objects.create(vm=vm, index=0, external_ip="198.18.0.9")
+    body = site_client.get(reverse("vm_detail", args=["vision", vm.pk])).content.decode()
+    assert "Registered by hand" in body
+    assert "Unknown" not in body and "runtime <code>?" not in body
+    assert "No one can be given access until the host keys" in body
+    assert "Add to tpu9" not in body
+    Worker.objects.filter(pk=worker.pk).update(
+        host_keys=[
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIN8crqCQZGXDCh9KBbBRI4EGkWOX2SOeVCa1joX0XTan"
+        ]
+    )
+    body = site_client.get(reverse("vm_detail", args=["vision", vm.pk])).content.decode()
+    assert "Add to tpu9" in body

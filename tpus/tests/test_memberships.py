@@ -179,9 +179,9 @@ def test_a_changed_policy_must_be_accepted_again(client, open_lab, make_user, ad
     assert membership.policy_version_accepted == 2
 
 
-def test_lab_settings_refuse_a_bad_zone_and_keep_the_old_ones(client, open_lab):
-    lab, admin = open_lab
-    client.force_login(admin)
+def test_lab_settings_refuse_a_bad_zone_and_keep_the_old_ones(client, open_lab, make_user):
+    lab, _ = open_lab
+    client.force_login(make_user(is_superuser=True, is_staff=True))
     response = client.post(
         reverse("lab_settings", args=[lab.slug]),
         {
@@ -233,3 +233,15 @@ def test_a_lab_for_an_unknown_admin_is_not_created(client, make_user):
     from tpus.models import Lab
 
     assert not Lab.objects.filter(slug="new-lab").exists()
+
+
+def test_approving_in_place_tells_the_member_list_to_reload(client, cast):
+    from django.urls import reverse
+
+    client.force_login(cast.admin)
+    url = reverse("membership_approve", args=[cast.lab.slug, cast.pending_membership.pk])
+    response = client.post(url, HTTP_HX_REQUEST="true")
+    assert response.status_code == 200
+    assert response["HX-Trigger"] == "membersChanged"
+    page = client.get(reverse("lab_admin", args=[cast.lab.slug])).content.decode()
+    assert "membersChanged from:body" in page

@@ -3,8 +3,7 @@ Cloud TPU API: "add milo to tpu5" ends with milo logging in with plain ssh."""
 
 from __future__ import annotations
 
-import itertools
-import os
+import datetime as dt
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -13,11 +12,12 @@ from pathlib import Path
 import pytest
 from django.core import mail
 from django.db import connection
+from django.utils import timezone
 
 from accounts.keys import add_key
 from accounts.models import User
 from accounts.unix import choose_username
-from testfleet.fixtures import add_fleet_node
+from testfleet.fixtures import add_fleet_node, give_lab_key
 from tpus.models import AuditEvent, Grant, TpuVm
 from tpus.services import inventory, sshconfig
 from tpus.services.grants import grant_access, revoke_access
@@ -27,8 +27,6 @@ from tpus.services.reconcile import reconcile_vm
 pytestmark = pytest.mark.fleet
 
 PROJECT, ZONE = "vision-lab-1", "us-central1-f"
-# Hosts outlive a test's database: every test takes UIDs no other test uses.
-_uid_blocks = itertools.count(0)
 
 
 @dataclass
@@ -88,16 +86,15 @@ def _new_key(directory: Path, label: str) -> tuple[Path, str]:
 
 @pytest.fixture
 def pod(
-    tpu_emulator, fleet, fleet_hosts, fleet_settings, fleet_username, settings, tmp_path,
-    make_lab, make_user, add_member,
+    tpu_emulator, fleet, fleet_hosts, fleet_settings, fleet_username, fleet_uids, settings,
+    tmp_path, make_lab, make_user, add_member,
 ) -> Pod:  # fmt: skip
-    base = 200_000 + (os.getpid() % 500) * 2_000 + next(_uid_blocks) * 20
-    settings.PORTAL_UID_MIN, settings.PORTAL_UID_MAX = base, base + 19
     hosts = fleet_hosts(4)
     lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
     admin = make_user("boss@vision.example")
     add_member(lab, admin, role="admin")
     add_fleet_node(tpu_emulator.controls, fleet, hosts, PROJECT, ZONE, "tpu5")
+    give_lab_key(fleet, hosts, lab)
     [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
     milo = make_user("milo@uni.example")
     add_member(lab, milo)
@@ -324,3 +321,96 @@ def test_the_reconcile_checks_membership_again_whatever_the_grant_says(
     grant.refresh_from_db()
     assert grant.state == "active"  # the row is unchanged...
     assert pod.ssh("tpu5").returncode != 0  # ...but the hosts lock him out
+
+
+def test_a_host_key_alarm_clears_itself_once_the_real_host_is_back(
+    pod, django_capture_on_commit_callbacks
+):
+    real = pod.hosts[1]
+    spares = [h for h in pod.fleet.hosts.values() if h not in pod.hosts]
+    if not spares:
+        pytest.fail("this test needs a fleet host outside the pod: set TESTFLEET_HOSTS >= 5")
+    impostor = spares[0]
+    address = real.ip
+    try:
+        # The worker's address now answers with another machine.
+        pod.fleet.move(real.name, pod.fleet.free_ip())
+        pod.fleet.move(impostor.name, address)
+        grant = _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+        assert grant.state == "failed"
+        assert pod.vm.workers.get(index=1).host_key_mismatch_at is not None
+        assert pod.fleet.exec(impostor.name, ["getent", "passwd", "tpu-portal"], check=False)
+        # The address comes back to the real host, whose key matches the pin.
+        pod.fleet.move(impostor.name, pod.fleet.free_ip())
+        pod.fleet.move(real.name, address)
+        report = reconcile_vm(pod.vm.pk)  # what the sweep does
+        assert report.complete, report
+        worker = pod.vm.workers.get(index=1)
+        assert worker.host_key_mismatch_at is None and worker.presented_host_key == ""
+        assert AuditEvent.objects.filter(action="vm.host_key_alarm_cleared").count() == 1
+        grant.refresh_from_db()
+        assert grant.state == "active", grant.error
+        assert pod.ssh("tpu5-w1").returncode == 0
+    finally:
+        pod.fleet.heal(impostor.name)
+
+
+def test_a_local_account_on_the_persons_uid_fails_the_grant_until_it_is_gone(
+    pod, django_capture_on_commit_callbacks
+):
+    from tpus.services.maintenance import vms_to_reconcile
+
+    uid = pod.fresh(pod.milo).unix_account.uid
+    blocked = pod.hosts[2]
+    # As Google's guest agent or an admin's useradd might: a local account on that number.
+    pod.fleet.exec(blocked.name, ["useradd", "-M", "-u", str(uid), "localops"])
+    try:
+        grant = _grant(pod, django_capture_on_commit_callbacks, sudo=False)
+        assert grant.state == "failed"
+        assert "tpu5-w2 refused" in grant.error and "localops" in grant.error
+        assert "tries again by itself" in grant.error
+        assert grant.retry_at is not None and grant.failures == 1
+        # Still there at the next try: a second failure, further off, and no second email.
+        Grant.objects.filter(pk=grant.pk).update(retry_at=timezone.now())
+        assert pod.vm.pk in vms_to_reconcile()
+        reconcile_vm(pod.vm.pk)
+        grant.refresh_from_db()
+        assert grant.state == "failed" and grant.failures == 2
+        assert grant.retry_at > timezone.now() + dt.timedelta(seconds=90)
+        failed_mails = [m for m in mail.outbox if m.subject.endswith("failed")]
+        assert len(failed_mails) == 1
+    finally:
+        pod.fleet.exec(blocked.name, ["userdel", "localops"], check=False)
+    # Once the admin removed it, the sweep's next try succeeds without anyone clicking.
+    Grant.objects.filter(pk=grant.pk).update(retry_at=timezone.now())
+    assert pod.vm.pk in vms_to_reconcile()
+    reconcile_vm(pod.vm.pk)
+    grant.refresh_from_db()
+    assert grant.state == "active", grant.error
+    assert grant.retry_at is None and grant.error == ""
+    assert pod.ssh("tpu5-w2").returncode == 0
+
+
+def test_the_api_says_which_worker_holds_a_grant_up_and_why(pod, client):
+    from accounts.services import create_token
+
+    down = pod.hosts[3]
+    pod.fleet.down(down.name, hang=False)
+    [grant] = grant_access(pod.admin, pod.lab, pod.milo, [pod.vm], sudo=False)
+    reconcile_vm(pod.vm.pk)  # one run, as the first task's; the retries come later
+    token = create_token(pod.admin, "t")[1]
+    response = client.get(
+        f"/api/v1/labs/{pod.lab.slug}/grants?vm=tpu5", HTTP_AUTHORIZATION=f"Bearer {token}"
+    )
+    [body] = response.json()["items"]
+    assert body["state"] == "pending"
+    assert (body["workers_applied"], body["workers_total"]) == (3, 4)
+    [stuck] = body["workers"]  # only the one holding the grant up
+    assert (stuck["alias"], stuck["state"]) == ("tpu5-w3", "retrying")
+    assert stuck["error"] and stuck["last_attempt_at"]
+    assert body["error"].startswith("tpu5-w3 (retrying): ")
+    # Milo sees the same about his own access.
+    mine = client.get(
+        "/api/v1/me/grants", HTTP_AUTHORIZATION=f"Bearer {create_token(pod.milo, 't')[1]}"
+    )
+    assert mine.json()["items"][0]["workers"] == body["workers"]

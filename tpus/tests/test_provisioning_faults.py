@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tpus.models import Grant, TpuVm
-from tpus.services.grants import grant_access
+from tpus.services.grants import grant_access, revoke_access
 from tpus.services.maintenance import vms_to_reconcile
-from tpus.tasks import reconcile_vm
+from tpus.tasks import release_stalled_claims
 from tpus.tests.test_provisioning import pod  # noqa: F401 (the fixture)
 
 pytestmark = [pytest.mark.fleet, pytest.mark.slow]
@@ -32,6 +32,20 @@ def _worker(env_for_children: dict, log: Path) -> subprocess.Popen:
     )  # fmt: skip
 
 
+def _short_lease_worker_env(celery_worker_process, settings) -> dict:
+    """The environment of a Celery worker that shares this test's world, with 3-second
+    reconcile leases (so a dead run is noticed quickly) and this test's UID range."""
+    settings.PORTAL_RECONCILE_CLAIM_SECONDS = 3
+    return {
+        **celery_worker_process.env_for_children,
+        "PORTAL_TEST_QUEUE": settings.CELERY_TASK_DEFAULT_QUEUE,
+        "PORTAL_RECONCILE_CLAIM_SECONDS": "3",
+        "PORTAL_REMOTE_CONNECT_TIMEOUT": "5",
+        "PORTAL_UID_MIN": str(settings.PORTAL_UID_MIN),
+        "PORTAL_UID_MAX": str(settings.PORTAL_UID_MAX),
+    }
+
+
 def _wait(condition, seconds: float, what: str) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -46,18 +60,8 @@ def test_a_worker_killed_mid_reconcile_is_finished_by_the_next_run(
     settings,
     tmp_path,
 ):
-    settings.PORTAL_RECONCILE_CLAIM_SECONDS = 3
-    env = {
-        **celery_worker_process.env_for_children,
-        "PORTAL_TEST_QUEUE": settings.CELERY_TASK_DEFAULT_QUEUE,
-        "PORTAL_RECONCILE_CLAIM_SECONDS": "3",
-        "PORTAL_ADMIN_SSH_KEY_FILE": settings.PORTAL_ADMIN_SSH_KEY_FILE,
-        "PORTAL_ADMIN_SSH_USER": settings.PORTAL_ADMIN_SSH_USER,
-        "PORTAL_REMOTE_CONNECT_TIMEOUT": "5",
-        "PORTAL_UID_MIN": str(settings.PORTAL_UID_MIN),
-        "PORTAL_UID_MAX": str(settings.PORTAL_UID_MAX),
-    }
-    # The fixture's worker does not know the fleet's key; replace it with one that does.
+    env = _short_lease_worker_env(celery_worker_process, settings)
+    # The fixture's worker has the default lease; replace it with one that has 3 s.
     os.killpg(celery_worker_process.pid, signal.SIGKILL)
     first = _worker(env, tmp_path / "first.log")
     # One worker hangs like a dead VM, so the run is still going when the kill comes.
@@ -71,14 +75,93 @@ def test_a_worker_killed_mid_reconcile_is_finished_by_the_next_run(
     pod.fleet.start(slow.name)
     assert Grant.objects.get(user=pod.milo, vm=vm).state == "pending"
     second = _worker(env, tmp_path / "second.log")
+    killed_at = time.monotonic()
     try:
         # What the periodic sweep does: the pending grant brings the VM back.
         assert vm.pk in vms_to_reconcile()
-        time.sleep(3.5)  # the dead run's claim lapses
-        reconcile_vm.delay(vm.pk)
-        _wait(lambda: Grant.objects.get(user=pod.milo, vm=vm).state == "active", 60, "the grant")
+
+        # What beat does every PORTAL_STALLED_CHECK_SECONDS: the dead run stopped
+        # renewing its lease, so its claim is released and the VM runs again.
+        def active() -> bool:
+            release_stalled_claims.delay()
+            return Grant.objects.get(user=pod.milo, vm=vm).state == "active"
+
+        _wait(active, 60, "the grant")
+        print(f"kill -9 mid-reconcile → grant active in {time.monotonic() - killed_at:.1f} s")
     finally:
         os.killpg(second.pid, signal.SIGTERM)
         second.wait(timeout=20)
     for host in ("tpu5-w0", "tpu5-w3"):
         assert pod.ssh(host).returncode == 0
+
+
+def _database_outage(seconds: float) -> None:
+    """The test database refuses connections for ``seconds`` and every session on it
+    but this test's own is cut, as a PostgreSQL restart does to the worker. Done from
+    a session on the server's maintenance database, so the test keeps its own."""
+    import psycopg
+    from django.db import connection
+
+    params = connection.settings_dict
+    name = params["NAME"]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        [mine] = cursor.fetchone()
+    with psycopg.connect(
+        host=params["HOST"], port=params["PORT"] or 5432, user=params["USER"],
+        password=params["PASSWORD"], dbname="postgres", autocommit=True,
+    ) as admin:  # fmt: skip
+        admin.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+        try:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = %s AND pid <> %s",
+                [name, mine],
+            )
+            time.sleep(seconds)
+        finally:
+            admin.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
+
+
+def test_a_revoke_interrupted_by_a_database_outage_completes_soon_after(
+    pod,  # noqa: F811
+    celery_worker_process,
+    settings,
+    tmp_path,
+    django_capture_on_commit_callbacks,
+):
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        # The embedded backend has no server to take away; the services run covers it.
+        pytest.skip("a database outage needs PostgreSQL (PORTAL_TEST_BACKEND=services)")
+    env = _short_lease_worker_env(celery_worker_process, settings)
+    os.killpg(celery_worker_process.pid, signal.SIGKILL)
+    worker = _worker(env, tmp_path / "worker.log")
+    try:
+        [grant] = grant_access(pod.admin, pod.lab, pod.milo, [pod.vm], sudo=False)
+        _wait(lambda: Grant.objects.get(pk=grant.pk).state == "active", 60, "the grant")
+        assert pod.ssh("tpu5-w0").returncode == 0
+        # One worker hangs like a dead VM, so the revoke is mid-run when the database goes.
+        slow = pod.hosts[3]
+        pod.fleet.down(slow.name, hang=True)
+        revoke_access(pod.admin, Grant.objects.get(pk=grant.pk))
+        _wait(lambda: TpuVm.objects.get(pk=pod.vm.pk).reconcile_claimed_until is not None, 30,
+              "the revoke's reconcile")  # fmt: skip
+        outage_at = time.monotonic()
+        _database_outage(8)
+        pod.fleet.start(slow.name)
+
+        def revoked() -> bool:
+            release_stalled_claims.delay()  # what beat does every few seconds
+            return Grant.objects.get(pk=grant.pk).state == "revoked"
+
+        _wait(revoked, 90, "the revoke")
+        took = time.monotonic() - outage_at
+        print(f"database outage (8 s) mid-revoke → revoked {took:.1f} s after it began")
+        assert took < 70
+        for host in ("tpu5-w0", "tpu5-w3"):
+            assert pod.ssh(host).returncode != 0
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=20)

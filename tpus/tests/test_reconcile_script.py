@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import secrets
 import subprocess
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tpus.remote import HostKeyPins, RemoteError, Worker, run_script
+from tpus.remote import HostKeyPins, RemoteError, Worker, run_script, site_login
 from tpus.remote.desired import DesiredMount, DesiredState, DesiredUser, encode
 
 pytestmark = pytest.mark.fleet
@@ -53,7 +54,8 @@ class Target:
     def reconcile(self, desired: DesiredState | bytes):
         data = desired if isinstance(desired, bytes) else encode(desired)
         pins = HostKeyPins.parse(self.fleet.host_keys(self.host.name))
-        return run_script(Worker(self.host.ip, pins, name=self.host.name), "reconcile.sh", data)
+        worker = Worker(self.host.ip, pins, name=self.host.name, login=site_login())
+        return run_script(worker, "reconcile.sh", data)
 
     def sh(self, script: str, *, check: bool = True, input: bytes | None = None) -> str:
         """Run a shell snippet as root inside the host (``input`` on its stdin); its stdout."""
@@ -240,12 +242,13 @@ def test_revoke_locks_the_user_out_kills_their_processes_and_keeps_their_home(ta
     portal_key, public = target.new_key("portal")
     own_key, own_public = target.new_key("own")
     target.reconcile(state(user(name, uid, public, sudo=True)))
-    # Keys a collaborator adds by hand work while they have access.
+    # A key the collaborator adds by hand opens nothing; the portal's does.
     target.as_user(
         uid,
         f"mkdir -m 700 .ssh && echo '{own_public}' > .ssh/authorized_keys && echo data > out",
     )
-    assert target.ssh(name, own_key).returncode == 0
+    assert target.ssh(name, own_key).returncode == 255
+    assert target.ssh(name, portal_key).returncode == 0
     target.as_user(uid, "sleep 1000 </dev/null >/dev/null 2>&1 &")
     target.as_user(uid, "setsid sleep 1001 </dev/null >/dev/null 2>&1 &")
     assert len(target.live_processes(uid)) == 2
@@ -719,10 +722,10 @@ def test_a_disk_gets_one_fstab_line_and_waits_for_its_device(target):
     assert second.values["noop"] == "1"
     assert second.all("waiting_device") == ["persistent-disk-7", "scratch-2"]
     assert target.fstab_lines() == [
-        f"/dev/disk/by-id/google-persistent-disk-7 {point} ext4 ro,discard,defaults,nofail 0 2"
-        " # tpu-portal",
-        f"/dev/disk/by-id/google-scratch-2 {point}-scratch ext4 rw,discard,defaults,nofail 0 2"
-        " # tpu-portal",
+        f"/dev/disk/by-id/google-persistent-disk-7 {point} ext4 "
+        "ro,nosuid,nodev,discard,defaults,nofail 0 2 # tpu-portal",
+        f"/dev/disk/by-id/google-scratch-2 {point}-scratch ext4 "
+        "rw,nosuid,nodev,discard,defaults,nofail 0 2 # tpu-portal",
     ]
     assert target.sh(f"stat -c '%F %U %a' {point}").strip() == "directory root 755"
     assert target.sh("grep -v tpu-portal /etc/fstab; true") == others
@@ -751,23 +754,25 @@ def test_a_mount_point_reached_through_a_symlink_is_refused(target):
 
 
 @contextlib.contextmanager
-def attached_disk(target, tmp_path: Path, *, blank: bool):
-    """A real disk that the host sees as /dev/disk/by-id/google-<name> (ext4, or blank
-    as Google hands out a new disk): a loop device behind a private overlay of the
-    host's /dev. The host is rebooted afterwards, which drops the overlay and every
-    mount, and the loop device is detached."""
+def attached_disk(target, tmp_path: Path, *, blank: bool, tree: Path | None = None):
+    """A real disk that the host sees as /dev/disk/by-id/google-<name> (ext4, holding
+    a copy of ``tree`` if given, or blank as Google hands out a new disk): a loop
+    device, its node made in the host's own /dev. The host is rebooted afterwards,
+    which gives it a fresh /dev and drops every mount, and the loop device is
+    detached."""
     image = tmp_path / "disk.img"
     subprocess.run(["truncate", "-s", "16M", str(image)], check=True)
     if not blank:
-        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        populate = ["-d", str(tree)] if tree else []
+        subprocess.run(["mkfs.ext4", "-q", "-F", *populate, str(image)], check=True)
     loop = subprocess.run(
         ["losetup", "--find", "--show", str(image)], check=True, capture_output=True, text=True
     ).stdout.strip()
     name = f"test-{secrets.token_hex(3)}"
+    rdev = os.stat(loop).st_rdev
     try:
         target.sh(
-            "mkdir -p /tmp/dev-up /tmp/dev-work && mount -t overlay overlay "
-            "-o lowerdir=/dev,upperdir=/tmp/dev-up,workdir=/tmp/dev-work /dev && "
+            f"[ -e {loop} ] || mknod -m 660 {loop} b {os.major(rdev)} {os.minor(rdev)}; "
             f"mkdir -p /dev/disk/by-id && ln -s {loop} /dev/disk/by-id/google-{name}"
         )
         yield name

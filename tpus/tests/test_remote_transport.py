@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import paramiko
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -21,6 +22,7 @@ from tpus.remote import (
     Worker,
     run_on_workers,
     run_script,
+    site_login,
 )
 
 pytestmark = pytest.mark.fleet
@@ -29,7 +31,7 @@ TEST_SCRIPTS = Path(__file__).with_name("remote_scripts")
 
 def worker_for(fleet, host, **changes) -> Worker:
     fields = {"address": host.ip, "pins": HostKeyPins.parse(fleet.host_keys(host.name)),
-              "name": host.name} | changes  # fmt: skip
+              "name": host.name, "login": site_login()} | changes  # fmt: skip
     return Worker(**fields)
 
 
@@ -255,3 +257,17 @@ def test_key_exchange_prefers_p256_and_falls_back_to_x25519(
         assert kex_with(2222) == ["Kex: curve25519-sha256@libssh.org"]
     finally:
         fleet.exec(fleet_host.name, ["sh", "-c", 'kill "$(cat /run/kex.pid)"'])
+
+
+def test_a_login_the_host_is_too_busy_to_answer_is_a_timeout_not_a_refusal(
+    fleet, fleet_settings, fleet_host, monkeypatch
+):
+    # paramiko says "Authentication timeout." with the same exception as a refused key;
+    # a host under load must be retried, not written off (its grants would fail).
+    def busy(self, *args, **kwargs):
+        raise paramiko.AuthenticationException("Authentication timeout.")
+
+    monkeypatch.setattr(paramiko.SSHClient, "connect", busy)
+    with pytest.raises(RemoteError) as caught:
+        run_script(worker_for(fleet, fleet_host), "whoami.sh")
+    assert caught.value.kind == RemoteError.TIMEOUT and caught.value.retryable

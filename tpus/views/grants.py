@@ -2,31 +2,59 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.db.models import Q
 from django.shortcuts import redirect, render
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from portal.paging import page_of
 from tpus import access
-from tpus.forms_grants import GrantForm, MemberGrantForm
+from tpus.forms.grants import GrantForm, MemberGrantForm
 from tpus.models.grants import GrantState
+from tpus.services import directory, leases
 from tpus.services import grants as grant_services
 from tpus.services.grants import GrantError
 
+# The live part shows grants changed this recently (so the admin sees the outcome of
+# what they just did land), plus any still on their way, at most PROGRESS_GRANTS.
+RECENT = dt.timedelta(minutes=15)
+PROGRESS_GRANTS = 20
+
 
 def vm_progress_context(vm) -> dict:
-    """Grants and each worker's last reconcile, for the VM page and its live part."""
-    grants = vm.grants.select_related("user__unix_account").order_by("user__unix_account__username")
-    workers = vm.workers.select_related("sync").order_by("index")
-    in_flight = any(g.state in (GrantState.PENDING, GrantState.REVOKING) for g in grants)
-    return {"vm": vm, "grants": grants, "workers": workers, "in_flight": in_flight}
+    """What changes while a VM is being provisioned: the grants in flight or changed
+    lately, and each worker's last reconcile. Every grant is on the VM page, paged."""
+    moving = Q(state__in=(GrantState.PENDING, GrantState.REVOKING))
+    grants = list(
+        vm.grants.filter(moving | Q(changed_at__gte=timezone.now() - RECENT))
+        .select_related("user__unix_account")
+        .order_by("-changed_at", "-pk")[:PROGRESS_GRANTS]
+    )
+    workers = list(vm.workers.select_related("sync").order_by("index"))
+    in_flight = vm.grants.filter(moving).exists()
+    # Whether a reconcile is running now, or one died and stopped renewing its claim.
+    running, stalled_since = leases.held_or_stalled(vm.reconcile_claimed_until)
+    return {
+        "vm": vm,
+        "changes": grants,
+        "workers": workers,
+        "in_flight": in_flight,
+        "running": running,
+        "stalled_since": stalled_since,
+    }
 
 
 @login_required
 def vm_progress(request, slug, vm_id):
     lab = access.get_admin_lab(request.user, slug)
     vm = access.get_vm_for_admin(request.user, lab, vm_id)
-    return render(request, "tpus/_vm_progress.html", {"lab": lab, **vm_progress_context(vm)})
+    return render(
+        request, "tpus/_vm_progress.html", {"lab": lab, "partial": True, **vm_progress_context(vm)}
+    )
 
 
 @login_required
@@ -40,7 +68,7 @@ def grant_create(request, slug, vm_id):
         return redirect("vm_detail", lab.slug, vm.pk)
     user = form.cleaned_data["user"]
     try:
-        grant_services.grant_access(
+        [grant] = grant_services.grant_access(
             request.user,
             lab,
             user,
@@ -52,22 +80,30 @@ def grant_create(request, slug, vm_id):
     except GrantError as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(request, f"Adding {user.unix_account.username} to {vm.name}…")
+        # Tagged with the grant, so the live progress can replace it once it settles.
+        messages.success(
+            request,
+            f"Adding {user.unix_account.username} to {vm.name}…",
+            extra_tags=f"grant-{grant.pk}",
+        )
     return redirect("vm_detail", lab.slug, vm.pk)
 
 
 @login_required
 def member_grant(request, slug, membership_id):
+    """A member's own page for the lab's admins: their standing, their role, their
+    access (a page at a time), and giving them one more TPU VM."""
     lab = access.get_admin_lab(request.user, slug)
     membership = access.get_membership_for_admin(request.user, lab, membership_id)
     form = MemberGrantForm(request.POST or None, lab=lab)
     if request.method == "POST" and form.is_valid():
+        vm = form.cleaned_data["vm"]
         try:
             grant_services.grant_access(
                 request.user,
                 lab,
                 membership.user,
-                list(form.cleaned_data["vms"]),
+                [vm],
                 sudo=form.cleaned_data["sudo"],
                 expires_on=form.cleaned_data["expires_on"],
                 request=request,
@@ -75,13 +111,29 @@ def member_grant(request, slug, membership_id):
         except GrantError as exc:
             form.add_error(None, str(exc))
         else:
-            messages.success(request, f"Giving {membership.user.email} access…")
-            return redirect("lab_admin", lab.slug)
-    grants = membership.user.grants.filter(vm__lab=lab).select_related("vm")
+            messages.success(request, f"Giving {membership.user.email} access to {vm.name}…")
+            return redirect("member_grant", lab.slug, membership.pk)
+    grants = membership.user.grants.filter(vm__lab=lab).select_related("vm").order_by("vm__name")
     return render(
         request,
         "tpus/member_grant.html",
-        {"lab": lab, "membership": membership, "form": form, "grants": grants},
+        {"lab": lab, "membership": membership, "form": form, "page": page_of(request, grants)},
+    )
+
+
+@login_required
+def vm_search(request, slug):
+    """The member page's TPU VM picker: at most a screenful of the lab's VMs."""
+    lab = access.get_admin_lab(request.user, slug)
+    q = request.GET.get("vm", "")
+    options = [
+        directory.Candidate(value=vm.name, label=f"{vm.name} ({vm.zone})", problem="")
+        for vm in directory.vm_candidates(lab, q)
+    ]
+    return render(
+        request,
+        "tpus/_picker_options.html",
+        {"options": options, "q": q, "listbox_id": "grant-vm-options"},
     )
 
 

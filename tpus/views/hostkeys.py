@@ -5,58 +5,69 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core import signing
 from django.shortcuts import redirect, render
 
 from tpus import access
-from tpus.remote import RemoteError, scan_host_keys
-from tpus.remote.pins import HostKeyPins, InvalidHostKey
-from tpus.services import inventory
+from tpus.services import hostkey_alarms, hostkey_scans, inventory
 
-SALT = "tpu-portal.host-keys-shown"
+
+def _scan_context(lab, worker) -> dict:
+    """What the scan part of the page shows: the worker's scan of its current
+    address, and for finished ones the signed confirmation of exactly those keys."""
+    scan = hostkey_scans.current_scan(worker)
+    scanned = hostkey_scans.scanned_keys(scan)
+    return {
+        "lab": lab,
+        "worker": worker,
+        "vm": worker.vm,
+        "scan": scan,
+        "scanned": scanned,
+        "shown": hostkey_scans.shown_token(worker, scan.address, scanned) if scanned else "",
+        "same_as_pinned": bool(scanned) and sorted(scanned) == sorted(worker.host_keys),
+    }
 
 
 @login_required
 def worker_keys(request, slug, vm_id, index):
-    """GET: read the keys the worker offers now and show their fingerprints. POST:
-    pin exactly the keys that were shown (signed into the form, so what is pinned is
-    what the admin saw)."""
+    """GET: the pinned and published keys, and the last scan of what the worker offers
+    now. POST ``action=scan``: read the keys again, as queued work (the page polls
+    ``worker_keys_scan``). POST ``shown``: pin exactly the keys that were shown, for
+    the worker and address they were read from (signed into the form, so what is
+    pinned is what the admin saw)."""
     lab = access.get_admin_lab(request.user, slug)
     worker = access.get_worker_for_admin(request.user, lab, vm_id, index)
+    action = request.POST.get("action") if request.method == "POST" else None
+    if action == "resume":
+        if hostkey_alarms.resume_after_alarm(request.user, worker, request=request):
+            messages.success(
+                request,
+                f"Provisioning of {worker.alias} resumes; if it still presents another key, "
+                "the alarm comes back.",
+            )
+        return redirect("vm_detail", lab.slug, vm_id)
+    if action == "scan":
+        try:
+            hostkey_scans.start_scan(request.user, worker)
+        except inventory.InventoryError as exc:
+            messages.error(request, str(exc))
+        return redirect("worker_keys", lab.slug, vm_id, index)
     if request.method == "POST":
         try:
-            lines = signing.loads(request.POST.get("shown", ""), salt=SALT, max_age=900)
-            HostKeyPins.parse(lines)
-            if worker.is_pinned:
-                inventory.repin_host_keys(request.user, worker, lines, request=request)
-            else:
-                inventory.pin_host_keys(request.user, worker, lines, request=request)
-        except (signing.BadSignature, InvalidHostKey, TypeError):
-            messages.error(request, "Those keys were not the ones shown; scan again.")
+            hostkey_scans.pin_shown_keys(
+                request.user, worker, request.POST.get("shown", ""), request=request
+            )
         except inventory.InventoryError as exc:
             messages.error(request, str(exc))
         else:
             messages.success(request, f"Host keys of {worker.alias} are pinned.")
             return redirect("vm_detail", lab.slug, vm_id)
         return redirect("worker_keys", lab.slug, vm_id, index)
-    scanned, error = [], ""
-    if worker.external_ip:
-        try:
-            scanned = scan_host_keys(worker.external_ip)
-        except RemoteError as exc:
-            error = str(exc)
-    else:
-        error = "The worker has no external IP right now."
-    return render(
-        request,
-        "tpus/worker_keys.html",
-        {
-            "lab": lab,
-            "worker": worker,
-            "vm": worker.vm,
-            "scanned": scanned,
-            "error": error,
-            "shown": signing.dumps(scanned, salt=SALT) if scanned else "",
-            "same_as_pinned": sorted(scanned) == sorted(worker.host_keys),
-        },
-    )
+    return render(request, "tpus/worker_keys.html", _scan_context(lab, worker))
+
+
+@login_required
+def worker_keys_scan(request, slug, vm_id, index):
+    """The scan part of the keys page alone, polled by htmx while the scan runs."""
+    lab = access.get_admin_lab(request.user, slug)
+    worker = access.get_worker_for_admin(request.user, lab, vm_id, index)
+    return render(request, "tpus/_worker_keys_scan.html", _scan_context(lab, worker))

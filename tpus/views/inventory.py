@@ -4,32 +4,65 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Count, Prefetch, Q
+from django.db.models import Count, IntegerField, OuterRef, Prefetch, Subquery
+from django.db.models.functions import Coalesce
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from tpus import access
+from portal.paging import page_of
+from tpus import access, queue
 from tpus.cloud import CloudError
-from tpus.forms_grants import GrantForm
-from tpus.forms_inventory import AttachForm, DiskForm, ImportForm, ManualVmForm
-from tpus.models import DiskAttachment, IpChange
+from tpus.forms.grants import GrantForm
+from tpus.forms.inventory import AttachForm, DiskForm, ImportForm, ManualVmForm, VmFilterForm
+from tpus.models import DiskAttachment, Grant, IpChange, Worker
 from tpus.models.grants import WANTED_STATES
-from tpus.services import disk_operations, inventory, sshconfig
+from tpus.services import directory, disk_operations, inventory, sshconfig, sync_health
 from tpus.services.inventory import InventoryError
+from tpus.views.connect import connection_context
 from tpus.views.grants import vm_progress_context
+from tpus.views.jobs import vm_jobs_context
+
+
+def _count(rows) -> Subquery:
+    """``COUNT(*)`` of ``rows`` (correlated to the outer row) as a subquery."""
+    counted = rows.order_by().values("vm").annotate(n=Count("pk")).values("n")
+    return Coalesce(Subquery(counted, output_field=IntegerField()), 0)
 
 
 @login_required
 def vm_list(request, slug):
+    """One page of the lab's TPU VMs, found by name, zone, state and type."""
     lab = access.get_admin_lab(request.user, slug)
-    vms = lab.vms.annotate(
-        worker_count=Count("workers", distinct=True),
-        people=Count("grants", filter=Q(grants__state__in=WANTED_STATES), distinct=True),
-    ).order_by("name")
-    disks = lab.disks.prefetch_related(
-        Prefetch("attachments", queryset=DiskAttachment.objects.select_related("vm"))
+    accelerators = lab.vms.exclude(accelerator_type="").values_list("accelerator_type", flat=True)
+    filters = VmFilterForm(
+        request.GET or None,
+        zones=sorted({*lab.zones, *lab.vms.values_list("zone", flat=True).distinct()}),
+        accelerators=sorted(set(accelerators.distinct())),
     )
-    return render(request, "tpus/vm_list.html", {"lab": lab, "vms": vms, "disks": disks})
+    # Counted per row by subqueries on the page's 50 VMs, not by joining every VM's
+    # workers and grants and grouping before the page is cut.
+    vms = directory.vms(lab, **filters.filters()).annotate(
+        worker_count=_count(Worker.objects.filter(vm=OuterRef("pk"))),
+        people=_count(Grant.objects.filter(vm=OuterRef("pk"), state__in=WANTED_STATES)),
+    )
+    disks = lab.disks.prefetch_related(
+        Prefetch(
+            "attachments",
+            queryset=DiskAttachment.objects.select_related("vm").order_by("vm__name"),
+        )
+    )
+    return render(
+        request,
+        "tpus/vm_list.html",
+        {
+            "lab": lab,
+            "filters": filters,
+            "page": page_of(request, vms),
+            "disks": disks,
+            "site_admin": request.user.is_site_admin,
+            "zone_syncs": sync_health.for_lab(lab),
+        },
+    )
 
 
 @login_required
@@ -46,13 +79,17 @@ def vm_import(request, slug):
             form.add_error(None, str(exc))
         else:
             messages.success(request, f"Imported {', '.join(vm.name for vm in vms)}.")
+            for refusal in (r for vm in vms for r in vm.host_key_refusals):
+                messages.error(request, refusal)
             return redirect("vm_list", lab.slug)
     return render(request, "tpus/vm_import.html", {"lab": lab, "preview": preview, "form": form})
 
 
 @login_required
 def vm_register(request, slug):
-    lab = access.get_admin_lab(request.user, slug)
+    """Site admins only: a hand-typed address is not proven to be the lab's VM, so it
+    takes someone who runs the portal for every lab to vouch for it."""
+    lab = access.get_lab_for_site_admin(request.user, slug, inventory.MANUAL_SITE_ADMIN_ONLY)
     form = ManualVmForm(request.POST or None, lab=lab)
     if request.method == "POST" and form.is_valid():
         try:
@@ -79,10 +116,23 @@ def vm_detail(request, slug, vm_id):
         "vm": vm,
         "is_admin": is_admin,
         "attachments": vm.attachments.select_related("disk"),
-        "ip_changes": IpChange.objects.filter(worker__vm=vm).select_related("worker")[:20],
+        "ip_changes": IpChange.objects.filter(worker__vm=vm).select_related("worker__vm")[:20],
+        **vm_jobs_context(request.user, lab, vm, is_admin=is_admin),
     }
     if is_admin:
-        context.update(grant_form=GrantForm(lab=lab), **vm_progress_context(vm))
+        grants = vm.grants.select_related("user__unix_account").order_by(
+            "user__unix_account__username", "user__email", "pk"
+        )
+        progress = vm_progress_context(vm)
+        context.update(
+            grant_form=GrantForm(lab=lab),
+            readiness=directory.grant_readiness(lab),
+            grants_page=page_of(request, grants, param="grants"),
+            # "Give access" waits until every worker's host keys are confirmed.
+            unpinned_workers=[w for w in progress["workers"] if not w.is_pinned],
+            **progress,
+            **connection_context(vm),
+        )
     else:
         context.update(
             workers=vm.workers.order_by("index"),
@@ -96,9 +146,7 @@ def vm_detail(request, slug, vm_id):
 @require_POST
 def vm_sync(request, slug):
     lab = access.get_admin_lab(request.user, slug)
-    from tpus.tasks import sync_lab_inventory
-
-    sync_lab_inventory.delay_on_commit(lab.pk)
+    queue.refresh_lab(lab.pk)
     messages.success(request, "Refreshing from the Cloud TPU API; reload in a moment.")
     return redirect("vm_list", lab.slug)
 

@@ -7,26 +7,29 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.core.paginator import Paginator
 from django.db.models import Count, Q
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from portal import heartbeat
+from portal import heartbeat, outbox
 from portal.htmx import is_htmx
-from tpus import access
-from tpus.forms import (
+from portal.paging import page_of
+from tpus import access, audit
+from tpus.forms.labs import (
     AcceptInviteForm,
     InviteForm,
     JoinForm,
     LabCreateForm,
     LabSettingsForm,
+    MemberFilterForm,
     RejectForm,
     RoleForm,
+    SiteLabSettingsForm,
 )
-from tpus.models import AuditEvent
-from tpus.models.labs import MembershipState
+from tpus.models.grants import GrantState
+from tpus.models.labs import MembershipState, Role
+from tpus.services import directory, sync_health
 from tpus.services import labs as lab_services
 from tpus.services.labs import LabError
 
@@ -50,6 +53,7 @@ def dashboard(request):
             "worker_seen": heartbeat.last_seen() if user.is_site_admin else None,
             "worker_alive": user.is_site_admin
             and heartbeat.is_alive(settings.PORTAL_HEARTBEAT_SECONDS),
+            "mail_backlog": outbox.backlog() if user.is_site_admin else None,
         },
     )
 
@@ -58,7 +62,8 @@ def dashboard(request):
 def lab_list(request):
     labs = access.visible_labs(request.user)
     mine = {m.lab_id: m for m in request.user.memberships.all()}
-    rows = [(lab, mine.get(lab.pk)) for lab in labs]
+    shown = access.project_visible_lab_ids(request.user)
+    rows = [(lab, mine.get(lab.pk), lab.pk in shown) for lab in labs]
     return render(request, "tpus/lab_list.html", {"rows": rows})
 
 
@@ -75,7 +80,7 @@ def lab_create(request):
                 request.user, admin_emails=emails, request=request, **data
             )
         except LabError as exc:
-            form.add_error("admin_emails", str(exc))
+            form.add_error(None, str(exc))
         else:
             messages.success(request, f"{lab.name} is open.")
             return redirect("lab_admin", lab.slug)
@@ -84,6 +89,8 @@ def lab_create(request):
 
 @login_required
 def lab_detail(request, slug):
+    """What a member needs: their own VMs and access, whom to ask (the lab's admins),
+    and the policy. Other members' names and addresses are for the admins' page."""
     lab = access.get_visible_lab(request.user, slug)
     membership = request.user.memberships.filter(lab=lab).first()
     is_member = access.member_labs(request.user).filter(pk=lab.pk).exists()
@@ -95,9 +102,15 @@ def lab_detail(request, slug):
         "join_form": JoinForm(),
     }
     if is_member:
-        context["members"] = lab.memberships.filter(state=MembershipState.APPROVED).select_related(
-            "user"
+        context["my_grants"] = (
+            request.user.grants.filter(vm__lab=lab)
+            .exclude(state=GrantState.REVOKED)
+            .select_related("vm")
+            .order_by("vm__name")
         )
+        context["admins"] = lab.memberships.filter(
+            state=MembershipState.APPROVED, role=Role.ADMIN
+        ).select_related("user")
     return render(request, "tpus/lab_detail.html", context)
 
 
@@ -136,22 +149,51 @@ def policy_accept(request, slug):
     return redirect("lab_detail", lab.slug)
 
 
+# The admin page shows this many of the oldest requests to join; deciding them
+# brings up the next ones.
+REQUESTS_SHOWN = 20
+
+
 @login_required
 def lab_admin(request, slug):
+    """Requests to join (the oldest first), then one page of members found by name,
+    email or username and by state. An htmx search swaps just the member list."""
     lab = access.get_admin_lab(request.user, slug)
-    memberships = lab.memberships.select_related("user", "decided_by")
+    filters = MemberFilterForm(request.GET or None)
+    members = page_of(request, directory.memberships(lab, **filters.filters()))
+    if is_htmx(request):
+        return render(request, "tpus/_members.html", {"lab": lab, "page": members})
+    requests = lab.memberships.filter(state=MembershipState.REQUESTED).select_related("user")
     return render(
         request,
         "tpus/lab_admin.html",
         {
             "lab": lab,
-            "pending": memberships.filter(state=MembershipState.REQUESTED),
-            "members": memberships.filter(state=MembershipState.APPROVED).order_by(
-                "role", "user__email"
-            ),
+            "pending": requests.order_by("requested_at", "pk")[:REQUESTS_SHOWN],
+            "pending_count": requests.count(),
+            "filters": filters,
+            "page": members,
             "invites": lab.invites.filter(used_at=None, revoked_at=None),
             "invite_form": InviteForm(),
             "reject_form": RejectForm(),
+            "zone_syncs": sync_health.for_lab(lab),
+        },
+    )
+
+
+@login_required
+def people_search(request, slug):
+    """The "Give access" picker's matches: at most a screenful of the lab's approved
+    members, those not eligible yet marked with the reason."""
+    lab = access.get_admin_lab(request.user, slug)
+    q = request.GET.get("user", "")
+    return render(
+        request,
+        "tpus/_picker_options.html",
+        {
+            "options": directory.grantee_candidates(lab, q),
+            "q": q,
+            "listbox_id": "grant-user-options",
         },
     )
 
@@ -159,11 +201,14 @@ def lab_admin(request, slug):
 def _membership_row(request, lab, membership, error: str = ""):
     """After an approve/reject: the table row for htmx, or back to the admin page."""
     if is_htmx(request):
-        return render(
+        response = render(
             request,
             "tpus/_membership_row.html",
             {"lab": lab, "m": membership, "error": error, "reject_form": RejectForm()},
         )
+        if not error:  # the member list below reloads itself (with its filters)
+            response["HX-Trigger"] = "membersChanged"
+        return response
     if error:
         messages.error(request, error)
     return redirect("lab_admin", lab.slug)
@@ -212,7 +257,7 @@ def membership_role(request, slug, membership_id):
         lab_services.set_role(request.user, membership, form.cleaned_data["role"], request=request)
     except LabError as exc:
         messages.error(request, str(exc))
-    return redirect("lab_admin", lab.slug)
+    return redirect("member_grant", lab.slug, membership.pk)
 
 
 @login_required
@@ -231,22 +276,34 @@ def membership_remove(request, slug, membership_id):
 
 @login_required
 def lab_settings(request, slug):
+    """A lab admin edits the lab's own settings; a site admin also its GCP project and
+    zones. A lab admin's request that tries to set those is refused outright."""
     lab = access.get_admin_lab(request.user, slug)
-    form = LabSettingsForm(request.POST or None, instance=lab)
+    site_admin = request.user.is_site_admin
+    if not site_admin and request.POST.keys() & set(lab_services.SITE_ADMIN_FIELDS):
+        raise PermissionDenied(lab_services.SITE_ADMIN_ONLY)
+    form_class = SiteLabSettingsForm if site_admin else LabSettingsForm
+    form = form_class(request.POST or None, instance=lab)
     if request.method == "POST" and form.is_valid():
         # The form validated a copy of the lab; the service applies and records it.
-        lab_services.update_lab(request.user, lab, form.cleaned_data, request=request)
-        messages.success(request, "Saved.")
-        return redirect("lab_admin", lab.slug)
-    return render(request, "tpus/lab_form.html", {"form": form, "lab": lab})
+        try:
+            lab_services.update_lab(request.user, lab, form.cleaned_data, request=request)
+        except LabError as exc:
+            form.add_error(None, str(exc))
+        else:
+            messages.success(request, "Saved.")
+            return redirect("lab_admin", lab.slug)
+    return render(
+        request, "tpus/lab_form.html", {"form": form, "lab": lab, "site_admin": site_admin}
+    )
 
 
 @login_required
 def lab_audit(request, slug):
     lab = access.get_admin_lab(request.user, slug)
-    events = AuditEvent.objects.filter(lab=lab).select_related("actor", "target_user")
-    page = Paginator(events, 50).get_page(request.GET.get("page"))
-    return render(request, "tpus/lab_audit.html", {"lab": lab, "page": page})
+    page = audit.lab_events(lab, older=request.GET.get("older"), newer=request.GET.get("newer"))
+    paged = "older" in request.GET or "newer" in request.GET
+    return render(request, "tpus/lab_audit.html", {"lab": lab, "page": page, "paged": paged})
 
 
 @login_required

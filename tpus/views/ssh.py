@@ -7,12 +7,15 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
+from portal.htmx import is_htmx
+from tpus import access
 from tpus.models import ConfigFeed, Grant
 from tpus.models.grants import WANTED_STATES
-from tpus.services import sshconfig
+from tpus.services import forwards, sshconfig
 
 
 def _text(body: str, filename: str) -> HttpResponse:
@@ -36,6 +39,13 @@ def _sudo_neighbours(user, vms) -> dict[int, list[str]]:
     return found
 
 
+def _vm_rows(user, vms, among=None) -> list[dict]:
+    """Per VM: the name the person types for it and the forwards kept in its block."""
+    names = sshconfig.names_for(sshconfig.merged(vms, among))
+    kept = sshconfig.forwards_for(user, vms)
+    return [{"vm": vm, "host": names[vm.pk].host, "forwards": kept.get(vm.pk, [])} for vm in vms]
+
+
 @login_required
 def ssh_page(request):
     user = request.user
@@ -48,7 +58,8 @@ def ssh_page(request):
         "tpus/ssh.html",
         {
             "vms": vms,
-            "snippet": sshconfig.snippet_for(user, vms),
+            "rows": _vm_rows(user, vms),
+            "snippet": sshconfig.snippet_for(user, vms, among=vms),
             "feed": feed,
             "refresh_command": sshconfig.refresh_command(user),
             "sudo_neighbours": _sudo_neighbours(user, vms),
@@ -89,6 +100,57 @@ def ssh_forwarding(request):
     feed = sshconfig.feed_for(request.user)
     ConfigFeed.objects.filter(pk=feed.pk).update(forward_agent=choice)
     return redirect("ssh_page")
+
+
+def _forwards_box(request, vm, *, line="", note="", error="", values=None):
+    """After a forward request: the VM's box for htmx; else a message and the page."""
+    if is_htmx(request):
+        context = {
+            "row": _vm_rows(request.user, [vm], among=sshconfig.naming_peers(request.user))[0],
+            "line": line,
+            "note": note,
+            "error": error,
+            "values": values or {},
+        }
+        return render(request, "tpus/_ssh_forwards.html", context)
+    if error:
+        messages.error(request, error)
+    for text in (note, line):
+        if text:
+            messages.info(request, text)
+    return redirect(reverse("ssh_page") + f"#forwards-{vm.pk}")
+
+
+@login_required
+@require_POST
+def ssh_forward(request, vm_id):
+    """The ``ssh -N -L`` line for the chosen ports, or (``action=add``) the forward
+    kept in the VM's Host block of the config. Bad ports: the reason, nothing kept."""
+    vm = access.get_vm_for_grantee(request.user, vm_id)
+    local, remote = request.POST.get("local_port", ""), request.POST.get("remote_port", "")
+    values = {"local_port": local, "remote_port": remote}
+    try:
+        if request.POST.get("action") == "add":
+            kept = forwards.add_forward(request.user, vm, local, remote)
+            host = sshconfig.host_name_for(request.user, vm)
+            note = (
+                f"{host} now forwards localhost:{kept.local_port} to its port"
+                f" {kept.remote_port} whenever you are logged in. Download your config again"
+                " (or let your refresh command do it); then this keeps just the forwards open:"
+            )
+            return _forwards_box(request, vm, note=note, line=f"ssh -N {host}", values=values)
+        line = forwards.tunnel_command(request.user, vm, local, remote)
+    except forwards.ForwardError as exc:
+        return _forwards_box(request, vm, error=str(exc), values=values)
+    return _forwards_box(request, vm, line=line, values=values)
+
+
+@login_required
+@require_POST
+def ssh_forward_remove(request, vm_id, local_port):
+    vm = access.get_vm_for_grantee(request.user, vm_id)
+    forwards.remove_forward(request.user, vm, local_port)
+    return _forwards_box(request, vm)
 
 
 @login_required

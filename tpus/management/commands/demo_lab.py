@@ -1,22 +1,31 @@
 """Set up a demo lab on a running emulator and test fleet (see ``bin/demo``): the
 fleet's hosts become the workers of an emulated 4-worker pod "tpu5", the lab imports
-it, and the site admin runs the lab."""
+it, and the site admin runs the lab. ``set_up_demo`` does it for any fleet and
+emulator (tests pass their own) and returns the steps to print."""
 
-import json
-import subprocess
-import sys
+import secrets
+from pathlib import Path
 
+from allauth.account.models import EmailAddress
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from django.utils import timezone
 
+from accounts.keys import add_key
 from accounts.models import User
+from accounts.unix import choose_username
+from testfleet.fleet import Fleet
+from testfleet.hostfs import write_keypair
+from testfleet.slots import SlotBusy
 from tpus.emulator.controls import Controls
-from tpus.models import Lab, Membership
+from tpus.models import ConnectionState, Lab, Membership, VmConnection
 from tpus.models.labs import MembershipState, Role
-from tpus.services import inventory
+from tpus.services import connect, inventory
+from tpus.services.labkeys import lab_key
 
 PROJECT, ZONE = "demo-lab-1", "us-central1-f"
+MILO_EMAIL = "milo@demo.example"
 
 
 class Command(BaseCommand):
@@ -27,48 +36,104 @@ class Command(BaseCommand):
         parser.add_argument("--slot", type=int, default=0, help="the test fleet's slot")
 
     def handle(self, *args, state, slot, **options):
-        status = json.loads(self._fleet(slot, "status"))
-        hosts = sorted(status, key=lambda h: int(h["name"].lstrip("h")))
-        if len(hosts) < 4:
-            raise CommandError("start the fleet first: python -m testfleet up 4")
-        hosts = hosts[:4]
-        keys = {
-            i: {
-                line.split()[0]: line
-                for line in self._fleet(slot, "host-keys", h["name"]).split("\n")
-                if line
-            }
-            for i, h in enumerate(hosts)
-        }
-        controls = Controls(state)
-        if not any(n.endswith("/tpu5") for n in controls.show().get("nodes", {})):
-            controls.add_node(
-                PROJECT, ZONE, "tpu5", accelerator_type="v4-32", workers=4,
-                external_ips=[h["ip"] for h in hosts], host_keys=keys,
-            )  # fmt: skip
-            controls.add_disk(PROJECT, ZONE, "imagenet")
-        admin = User.objects.filter(is_superuser=True).order_by("pk").first()
-        if admin is None:
-            raise CommandError("create the site admin first (manage.py ensure_site_admin)")
-        with transaction.atomic():
-            lab, _ = Lab.objects.get_or_create(
-                slug="demo",
-                defaults={"name": "Demo Lab", "gcp_project_id": PROJECT, "zones": [ZONE]},
-            )
-            Membership.objects.get_or_create(
-                user=admin, lab=lab,
-                defaults={
-                    "role": Role.ADMIN, "state": MembershipState.APPROVED,
-                    "policy_version_accepted": lab.policy_version,
-                    "policy_accepted_at": timezone.now(),
-                },
-            )  # fmt: skip
-        inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
-        self.stdout.write(f"Demo Lab is ready: tpu5 = {', '.join(h['ip'] for h in hosts)}")
+        try:
+            fleet = Fleet.open(slot)
+        except SlotBusy as exc:
+            raise CommandError(str(exc)) from None
+        with fleet:
+            self.stdout.write(set_up_demo(fleet, Controls(state)))
 
-    def _fleet(self, slot, *args) -> str:
-        result = subprocess.run(
-            [sys.executable, "-m", "testfleet", "--slot", str(slot), *args],
-            capture_output=True, text=True, check=True,
+
+def set_up_demo(fleet: Fleet, controls: Controls) -> str:
+    """The fleet's first four hosts as tpu5's workers, the Demo Lab that imports it,
+    and milo ready to be added; returns what the person trying it does next."""
+    hosts = sorted(fleet.hosts.values(), key=lambda h: h.index)
+    if len(hosts) < 4:
+        raise CommandError("start the fleet first: python -m testfleet up 4")
+    hosts = hosts[:4]
+    keys = {
+        i: {line.split()[0]: line for line in fleet.host_keys(h.name)} for i, h in enumerate(hosts)
+    }
+    if not any(n.endswith("/tpu5") for n in controls.show().get("nodes", {})):
+        controls.add_node(
+            PROJECT, ZONE, "tpu5", accelerator_type="v4-32", workers=4,
+            external_ips=[h.ip for h in hosts], host_keys=keys,
         )  # fmt: skip
-        return result.stdout
+        controls.add_disk(PROJECT, ZONE, "imagenet")
+    admin = User.objects.filter(is_superuser=True).order_by("pk").first()
+    if admin is None:
+        raise CommandError("create the site admin first (manage.py ensure_site_admin)")
+    with transaction.atomic():
+        lab, _ = Lab.objects.get_or_create(
+            slug="demo",
+            defaults={"name": "Demo Lab", "gcp_project_id": PROJECT, "zones": [ZONE]},
+        )
+        Membership.objects.get_or_create(
+            user=admin, lab=lab,
+            defaults={
+                "role": Role.ADMIN, "state": MembershipState.APPROVED,
+                "policy_version_accepted": lab.policy_version,
+                "policy_accepted_at": timezone.now(),
+            },
+        )  # fmt: skip
+    # The lab's own key on every worker, as connecting the VM does on Google's side.
+    line = lab_key(lab).public_line
+    for host in hosts:
+        fleet.set_ssh_keys(host.name, {settings.PORTAL_LAB_SSH_USER: [line]})
+    [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
+    # Connect it as an admin would: the key goes into the node's ssh-keys metadata and
+    # the portal's worker checks that every worker accepts it (the page then says so).
+    if not VmConnection.objects.filter(vm=vm, state=ConnectionState.CONNECTED).exists():
+        connect.connect_vm(admin, vm)
+    milo, milo_password, milo_key = _milo(lab)
+    site, name = settings.SITE_URL, milo.unix_account.username
+    # Every name in quotes is on the page where the step happens, word for word.
+    return (
+        f"Demo Lab is ready: {vm.name} = {', '.join(h.ip for h in hosts)}\n"
+        f"Collaborator login: {MILO_EMAIL} / {milo_password} (his SSH key: {milo_key})\n"
+        f"1. Open {site}/labs/{lab.slug}/vms/{vm.pk}/ and sign in as the site admin"
+        f' (the login above); under "Give access", type {name} in "Member" and click'
+        f' "Add to {vm.name}": each worker\'s progress shows live until'
+        f' "{name} can now use {vm.name}."\n'
+        f'2. Click "Sign out", open {site}/ssh/ and sign in as {name} (the collaborator'
+        ' login above); click "Download config" and "Download known_hosts", then paste'
+        " the commands under them into a terminal: they put both files in ~/.ssh.\n"
+        f"3. Then: ssh -i {milo_key} {vm.name}"
+    )
+
+
+def _milo(lab) -> tuple[User, str, Path]:
+    """A collaborator who signed up, verified his email, uploaded a key, chose the
+    username milo and was approved: the next step is the admin's "Add". His login
+    and key stay the same across runs (kept in var/demo)."""
+    demo_dir = settings.VAR_DIR / "demo"
+    demo_dir.mkdir(parents=True, exist_ok=True)
+    password_file, key = demo_dir / "milo-password", demo_dir / "id_milo"
+    if not password_file.exists():
+        password_file.write_text(secrets.token_urlsafe(12) + "\n")
+        password_file.chmod(0o600)
+    password = password_file.read_text().strip()
+    if not key.exists():
+        write_keypair(key, "ed25519", "milo@laptop")
+    with transaction.atomic():
+        milo = User.objects.filter(email__iexact=MILO_EMAIL).first()
+        if milo is None:
+            milo = User.objects.create_user(
+                email=MILO_EMAIL, password=password, full_name="Milo Demo"
+            )
+            EmailAddress.objects.create(user=milo, email=MILO_EMAIL, verified=True, primary=True)
+        Membership.objects.get_or_create(
+            user=milo, lab=lab,
+            defaults={
+                "role": Role.MEMBER, "state": MembershipState.APPROVED,
+                "purpose": "Trying the portal.", "decided_at": timezone.now(),
+                "policy_version_accepted": lab.policy_version,
+                "policy_accepted_at": timezone.now(),
+            },
+        )  # fmt: skip
+    if not milo.ssh_keys.exists():
+        add_key(milo, key.with_name(key.name + ".pub").read_text(), label="laptop")
+    account = getattr(User.objects.get(pk=milo.pk), "unix_account", None)
+    if account is None or not account.username:
+        choose_username(milo, "milo")
+    return User.objects.select_related("unix_account").get(pk=milo.pk), password, key

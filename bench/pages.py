@@ -1,0 +1,454 @@
+"""Every page and API list of a big lab, alone and under 32 concurrent clients.
+
+Builds a lab through the models with bulk_create on a throw-away PostgreSQL database
+(5,000 users, 500 TPU VMs with about 4,000 workers, 5,000 grants, 20,000 IP changes,
+50,000 audit events by default), runs gunicorn with the production settings on
+loopback, signs in over HTTP (the lab admin with a TOTP code computed by allauth's own
+helpers), and prints per page: the median of single requests one after another, p50
+and p95 with 32 clients at once, the response size, the queries the page makes
+(counted in this process with Django's test client and CaptureQueriesContext on the
+same database, not by the server), and the page's p95 over the p95 of
+``/api/v1/me/grants`` in the same run.
+
+    .venv/bin/python -m bench.pages            # full scale, ~5 min
+    .venv/bin/python -m bench.pages --small    # a 1/20 lab, a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+from bench.common import POSTGRES_ADMIN_URL, PYTHON, REDIS_URL, ROOT, Stack, table
+
+PASSWORD = "bench pages password"  # noqa: S105 (the throw-away lab's users)
+CLIENTS = 32
+
+
+# --- The lab ---------------------------------------------------------------------------
+
+
+def build_lab(scale: float) -> dict:
+    """The lab, in bulk. Returns the ids and secrets the run needs."""
+    from allauth.account.models import EmailAddress
+    from allauth.mfa.totp.internal.auth import TOTP, generate_totp_secret
+    from django.contrib.auth.hashers import PBKDF2PasswordHasher
+    from django.utils import timezone
+
+    from accounts.models import UnixAccount, User
+    from tpus.models import AuditEvent, Grant, IpChange, Lab, Membership, TpuVm, Worker
+    from tpus.models.audit import AuditAction
+
+    rng = random.Random(15)
+    n_users, n_vms = int(5000 * scale), max(int(500 * scale), 4)
+    n_grants, n_ips, n_audit = int(5000 * scale), int(20000 * scale), int(50000 * scale)
+    zones = ["us-central1-f", "us-central2-b", "europe-west4-a", "us-east1-d", "asia-east1-c"]
+    now = timezone.now()
+    started = time.monotonic()
+
+    # Hashed once, shared by everyone, with the production settings' hasher.
+    hasher = PBKDF2PasswordHasher()
+    password = hasher.encode(PASSWORD, hasher.salt())
+    users = User.objects.bulk_create(
+        [
+            User(email=f"person{i}@bench.example", full_name=f"Person {i}", password=password)
+            for i in range(n_users)
+        ]
+    )
+    admin, member = users[0], users[1]
+    EmailAddress.objects.bulk_create(
+        [EmailAddress(user=u, email=u.email, verified=True, primary=True) for u in (admin, member)]
+    )
+    UnixAccount.objects.bulk_create(
+        [UnixAccount(user=u, username=f"p{i}", uid=20000 + i) for i, u in enumerate(users)]
+    )
+    lab = Lab.objects.create(
+        name="Bench Lab", slug="bench", gcp_project_id="bench-project", zones=zones
+    )
+    Membership.objects.bulk_create(
+        [
+            Membership(
+                lab=lab,
+                user=u,
+                role="admin" if u is admin else "member",
+                state="requested" if i % 20 == 19 else "approved",
+                policy_version_accepted=lab.policy_version,
+                policy_accepted_at=now,
+            )
+            for i, u in enumerate(users)
+        ]
+    )
+    # Every 4.5th VM a 32-worker pod, the rest single hosts: ~4,000 workers for 500.
+    vms = TpuVm.objects.bulk_create(
+        [
+            TpuVm(
+                lab=lab,
+                name=f"tpu{i}",
+                zone=zones[i % len(zones)],
+                accelerator_type="v4-256" if i % 9 in (0, 4) else "v3-8",
+                state="READY",
+                health="HEALTHY",
+                source="imported",
+            )
+            for i in range(n_vms)
+        ]
+    )
+    workers = Worker.objects.bulk_create(
+        [
+            Worker(
+                vm=vm,
+                index=w,
+                internal_ip=f"10.{i // 250}.{i % 250}.{w + 1}",
+                external_ip=f"198.18.{i % 250}.{w + 1}",
+            )
+            for i, vm in enumerate(vms)
+            for w in range(32 if vm.accelerator_type == "v4-256" else 1)
+        ]
+    )
+    target = vms[0]  # a 32-worker pod with a crowd on it
+    pairs = {(member.pk, vm.pk) for vm in vms[1:14]}
+    crowd = rng.sample(users[2:], min(313, n_users - 2))
+    pairs |= {(u.pk, target.pk) for u in crowd}
+    while len(pairs) < n_grants:
+        pairs.add((rng.choice(users).pk, rng.choice(vms).pk))
+    Grant.objects.bulk_create(
+        [
+            Grant(user_id=u, vm_id=v, state="revoked" if rng.random() < 0.1 else "active")
+            for u, v in sorted(pairs)
+        ]
+    )
+    target_workers = [w for w in workers if w.vm_id == target.pk]
+    IpChange.objects.bulk_create(
+        [
+            IpChange(
+                worker=rng.choice(target_workers if i % 10 == 0 else workers),
+                old_ip=f"198.19.{i // 250 % 250}.{i % 250}",
+                new_ip=f"198.19.{(i + 1) // 250 % 250}.{(i + 1) % 250}",
+                seen_at=now - timedelta(minutes=i),
+            )
+            for i in range(n_ips)
+        ],
+        batch_size=5000,
+    )
+    AuditEvent.objects.bulk_create(
+        [
+            AuditEvent(
+                lab=lab,
+                actor=admin,
+                action=AuditAction.GRANT_CREATED,
+                target_user=users[i % n_users],
+                summary=f"tpu{i % n_vms}",
+                created_at=now - timedelta(seconds=i),
+            )
+            for i in range(n_audit)
+        ],
+        batch_size=5000,
+    )
+    secret = generate_totp_secret()
+    TOTP.activate(admin, secret)
+    # A database that grew over months has planner statistics (autovacuum keeps them);
+    # one filled in seconds by bulk inserts has none until it is analysed.
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+    seconds = time.monotonic() - started
+    print(
+        f"Built the lab in {seconds:.1f} s: {len(users)} users, {len(vms)} TPU VMs with "
+        f"{len(workers)} workers, {len(pairs)} grants, {n_ips} IP changes, "
+        f"{n_audit} audit events.\n"
+    )
+    return {
+        "lab": lab,
+        "admin": admin,
+        "member": member,
+        "target": target,
+        "member_vm": vms[1],
+        "member_membership": Membership.objects.get(lab=lab, user=member).pk,
+        "totp_secret": secret,
+    }
+
+
+def pages(lab: dict) -> list[tuple[str, str, str]]:
+    """(who, name, path) for every page and API list worth driving."""
+    s, vm, mvm = lab["lab"].slug, lab["target"].pk, lab["member_vm"].pk
+    member_grant = f"/labs/{s}/memberships/{lab['member_membership']}/grant/"
+    return [
+        ("member", "api me/grants", "/api/v1/me/grants"),
+        ("member", "dashboard (member)", "/"),
+        ("member", "ssh page", "/ssh/"),
+        ("member", "lab page (member)", f"/labs/{s}/"),
+        ("member", "VM page (member)", f"/labs/{s}/vms/{mvm}/"),
+        ("member", "api labs", "/api/v1/labs"),
+        ("member", "api memberships", "/api/v1/memberships"),
+        ("member", "api keys", "/api/v1/keys"),
+        ("member", "api tokens", "/api/v1/tokens"),
+        ("member", "api ip-history (member)", f"/api/v1/labs/{s}/vms/{mvm}/ip-history"),
+        ("admin", "dashboard (admin)", "/"),
+        ("admin", "lab page (admin)", f"/labs/{s}/"),
+        ("admin", "lab admin page", f"/labs/{s}/admin/"),
+        ("admin", "VM list", f"/labs/{s}/vms/"),
+        ("admin", "VM page, 32 workers", f"/labs/{s}/vms/{vm}/"),
+        ("admin", "VM progress partial", f"/labs/{s}/vms/{vm}/progress/"),
+        ("admin", "member grant form", member_grant),
+        ("admin", "audit log", f"/labs/{s}/audit/"),
+        ("admin", "audit log page 500", f"/labs/{s}/audit/?page=500"),
+        ("admin", "api labs/{slug}/grants", f"/api/v1/labs/{s}/grants"),
+        ("admin", "api labs/{slug}/grants?user=", f"/api/v1/labs/{s}/grants?user=p1"),
+        ("admin", "api labs/{slug}/memberships", f"/api/v1/labs/{s}/memberships"),
+        ("admin", "api labs/{slug}/vms", f"/api/v1/labs/{s}/vms"),
+        ("admin", "api labs/{slug}/disks", f"/api/v1/labs/{s}/disks"),
+        ("admin", "api ip-history, 32 workers", f"/api/v1/labs/{s}/vms/{vm}/ip-history"),
+    ]
+
+
+def count_queries(lab: dict, rows) -> dict[str, int]:
+    """Queries per page, with the test client in this process on the same database."""
+    from django.db import connection
+    from django.test import Client
+    from django.test.utils import CaptureQueriesContext
+
+    clients = {}
+    for who in ("admin", "member"):
+        clients[who] = Client()
+        clients[who].force_login(lab[who])
+    counts = {}
+    for who, name, path in rows:
+        clients[who].get(path)  # a first visit may make the lab's key pair
+        with CaptureQueriesContext(connection) as context:
+            status = clients[who].get(path).status_code
+        counts[name] = len(context) if status == 200 else f"HTTP {status}"
+    return counts
+
+
+# --- gunicorn and HTTP ----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_gunicorn(stack: Stack, port: int, workers: int) -> subprocess.Popen:
+    """gunicorn with the shipped config and the production settings, on loopback."""
+    from django.conf import settings
+
+    static_root = stack.dir / "static"
+    origin = f"https://127.0.0.1:{port}"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("PORTAL_TEST", "BENCH_"))},
+        "DJANGO_SETTINGS_MODULE": "portal.settings.production",
+        "SECRET_KEY": "bench-" + "x7Kq2mP9vR4tY8wZ3nB6cF1hJ5" * 3,
+        "PORTAL_SECRETS_KEY": settings.PORTAL_SECRETS_KEY,  # what the seeding encrypted with
+        "ALLOWED_HOSTS": "127.0.0.1",
+        "SITE_URL": origin,
+        "DATABASE_URL": f"{POSTGRES_ADMIN_URL.rsplit('/', 1)[0]}/{stack.database}",
+        "CELERY_BROKER_URL": REDIS_URL,
+        "CACHE_URL": REDIS_URL,
+        "CACHE_KEY_PREFIX": f"bench-{stack.tag}",
+        "EMAIL_URL": "console:",
+        "STATIC_ROOT": str(static_root),
+        "PORTAL_VAR_DIR": str(stack.dir / "var"),
+        "PORTAL_BIND": f"127.0.0.1:{port}",
+        "PORTAL_WEB_WORKERS": str(workers),
+        "LOG_LEVEL": "WARNING",
+    }
+    subprocess.run(
+        [PYTHON, "manage.py", "collectstatic", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
+    )
+    log = open(stack.dir / "gunicorn.log", "w")
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "gunicorn", "-c", "portal/gunicorn.conf.py", "portal.wsgi"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    stack.processes.append(("gunicorn", proc, log))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((stack.dir / "gunicorn.log").read_text()[-3000:]) from None
+            time.sleep(0.1)
+
+
+class Browser:
+    """Plain HTTP to gunicorn as if through the TLS proxy (``X-Forwarded-Proto``), with
+    the cookies kept by hand: they are Secure, which a client would not send over
+    plain HTTP."""
+
+    def __init__(self, port: int):
+        import requests
+
+        self.base = f"http://127.0.0.1:{port}"
+        self.origin = f"https://127.0.0.1:{port}"
+        self.cookies: dict[str, str] = {}
+        self.http = requests
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Forwarded-Proto": "https",
+            "Cookie": "; ".join(f"{k}={v}" for k, v in self.cookies.items()),
+            "Origin": self.origin,
+            "Referer": self.origin + "/",
+        }
+
+    def get(self, path: str):
+        response = self.http.get(
+            self.base + path, headers=self.headers(), allow_redirects=False, timeout=120
+        )
+        self.cookies.update(response.cookies.get_dict())
+        return response
+
+    def post_form(self, path: str, data: dict):
+        page = self.get(path)
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
+        assert token, f"no CSRF token on {path}: HTTP {page.status_code}"
+        response = self.http.post(
+            self.base + path,
+            data={**data, "csrfmiddlewaretoken": token.group(1)},
+            headers=self.headers(),
+            allow_redirects=False,
+            timeout=60,
+        )
+        self.cookies.update(response.cookies.get_dict())
+        return response
+
+    def sign_in(self, email: str, totp_secret: str | None = None) -> None:
+        response = self.post_form("/accounts/login/", {"login": email, "password": PASSWORD})
+        assert response.status_code == 302, f"sign-in of {email}: HTTP {response.status_code}"
+        if totp_secret is not None:
+            from allauth.mfa.totp.internal.auth import (
+                format_hotp_value,
+                hotp_value,
+                yield_hotp_counters_from_time,
+            )
+
+            assert "/2fa/" in response.headers["Location"], response.headers["Location"]
+            counter = next(iter(yield_hotp_counters_from_time()))
+            code = format_hotp_value(hotp_value(totp_secret, counter))
+            response = self.post_form("/accounts/2fa/authenticate/", {"code": code})
+            assert response.status_code == 302, f"TOTP of {email}: HTTP {response.status_code}"
+        assert self.get("/").status_code == 200, f"{email} is not signed in"
+
+
+def timed_get(browser: Browser, path: str) -> tuple[float, int, int]:
+    started = time.perf_counter()
+    response = browser.get(path)
+    elapsed = time.perf_counter() - started
+    return elapsed, response.status_code, len(response.content)
+
+
+def drive(browser: Browser, path: str, *, alone: int, each: int, budget: float) -> dict:
+    timed_get(browser, path)  # warm-up
+    single = [timed_get(browser, path) for _ in range(alone)]
+    statuses = {s for _, s, _ in single}
+    deadline = time.monotonic() + budget
+    samples: list[float] = []
+    lock = threading.Lock()
+
+    def client(_):
+        for _ in range(each):
+            if time.monotonic() > deadline:
+                return
+            elapsed, status, _ = timed_get(browser, path)
+            with lock:
+                samples.append(elapsed)
+                statuses.add(status)
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        list(pool.map(client, range(CLIENTS)))
+    samples.sort()
+    return {
+        "single": statistics.median(t for t, _, _ in single) * 1000,
+        "p50": samples[len(samples) // 2] * 1000,
+        "p95": samples[min(len(samples) - 1, int(len(samples) * 0.95))] * 1000,
+        "n": len(samples),
+        "bytes": single[-1][2],
+        "status": ",".join(str(s) for s in sorted(statuses)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="a 1/20 lab, fewer requests")
+    parser.add_argument("--scale", type=float, help="lab size as a fraction of the full one")
+    parser.add_argument("--each", type=int, help="requests per client per page (default 4)")
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds per page at most")
+    parser.add_argument("--web-workers", type=int, default=4)
+    args = parser.parse_args()
+    scale = args.scale or (0.05 if args.small else 1.0)
+    each = args.each or (2 if args.small else 4)
+
+    stack = Stack("pages")
+    try:
+        stack.setup_django()
+        lab = build_lab(scale)
+        rows = pages(lab)
+        queries = count_queries(lab, rows)
+        port = free_port()
+        start_gunicorn(stack, port, args.web_workers)
+        browsers = {"admin": Browser(port), "member": Browser(port)}
+        browsers["admin"].sign_in(lab["admin"].email, lab["totp_secret"])
+        browsers["member"].sign_in(lab["member"].email)
+        print(
+            f"gunicorn: {args.web_workers} sync workers, production settings, 127.0.0.1:{port}; "
+            f"{CLIENTS} client threads in this process, {each} requests each per page "
+            f"(at most {args.budget:.0f} s a page); single = median of 7 one after another.\n"
+        )
+        results = {}
+        for who, name, path in rows:
+            results[name] = drive(browsers[who], path, alone=7, each=each, budget=args.budget)
+            print(f"  {name}: p95 {results[name]['p95']:.0f} ms", file=sys.stderr)
+        reference = results["api me/grants"]["p95"]
+        print(
+            table(
+                [
+                    "page",
+                    "single ms",
+                    "p50 ms @32",
+                    "p95 ms @32",
+                    "n",
+                    "bytes",
+                    "queries",
+                    "p95 / me/grants p95",
+                    "HTTP",
+                ],
+                [
+                    [
+                        name,
+                        round(r["single"], 1),
+                        round(r["p50"]),
+                        round(r["p95"]),
+                        r["n"],
+                        r["bytes"],
+                        queries[name],
+                        round(r["p95"] / reference, 1),
+                        r["status"],
+                    ]
+                    for name, r in results.items()
+                ],
+            )  # fmt: skip
+        )
+    finally:
+        stack.close()  # stops gunicorn by its pid, drops the database
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The outbox: every email the portal sends is first a row here, written in the same
+transaction as the change it reports, then delivered (and retried) from the row."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.db import models
+from django.utils import timezone
+
+
+class OutboxState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    SENT = "sent", "Sent"
+    FAILED = "failed", "Failed"
+
+
+class OutboxMessage(models.Model):
+    """One rendered email. ``pending`` until the SMTP server accepts it (``sent``) or
+    the portal gives up after PORTAL_MAIL_GIVE_UP_SECONDS (``failed``).
+
+    ``next_attempt_at`` is both the retry schedule and a lease: whoever claims the row
+    moves it forward first (a conditional UPDATE), so a sender that dies mid-attempt
+    leaves the row due again once the lease runs out, and two senders never both own
+    it. The bodies are dropped once the message is sent: they may hold sign-in, reset
+    or invite links that should not outlive the delivery in the database."""
+
+    kind = models.CharField(max_length=100, help_text="The template the message was made from.")
+    to = models.TextField(help_text="Recipients, comma-separated.")
+    from_email = models.CharField(max_length=254, blank=True)
+    subject = models.CharField(max_length=998)
+    body = models.TextField(blank=True)
+    html_body = models.TextField(blank=True)
+    message_id = models.CharField(max_length=254, help_text="The same Message-ID on every attempt.")
+    state = models.CharField(
+        max_length=10, choices=OutboxState.choices, default=OutboxState.PENDING
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField()
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    sent_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["state", "next_attempt_at"], name="outbox_due"),
+            models.Index(fields=["created_at"], name="outbox_created"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} to {self.to}"
+
+    @property
+    def recipients(self) -> list[str]:
+        return [address for address in self.to.split(",") if address]
+
+    def mark_sent(self, now: dt.datetime) -> None:
+        """The SMTP server accepted the message."""
+        self._finish(state=OutboxState.SENT, sent_at=now, last_error="", body="", html_body="")
+
+    def schedule_retry(self, error: str, at: dt.datetime) -> None:
+        """An attempt failed; the next one is due at ``at``."""
+        self._finish(last_error=error, next_attempt_at=at)
+
+    def mark_failed(self, error: str) -> None:
+        """Attempts failed for longer than the portal keeps trying."""
+        self._finish(state=OutboxState.FAILED, last_error=error)
+
+    def _finish(self, **fields) -> None:
+        # Only a pending row changes: a late result never reopens a finished one.
+        OutboxMessage.objects.filter(pk=self.pk, state=OutboxState.PENDING).update(**fields)
+        for name, value in fields.items():
+            setattr(self, name, value)

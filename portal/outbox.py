@@ -1,0 +1,217 @@
+"""Delivering the outbox: the one place the portal talks to the SMTP server.
+
+A message is stored by ``enqueue`` in the caller's transaction and tried once as soon
+as that transaction commits; if the server refuses or cannot be reached, the periodic
+sweep (``send_due``) tries again with exponential backoff until the message is sent or
+PORTAL_MAIL_GIVE_UP_SECONDS have passed. Nobody waits for a delivery and nothing here
+raises to the caller.
+
+Exactly once: every attempt first claims the row by moving its ``next_attempt_at``
+forward with a conditional UPDATE (compare-and-set on the value it read), so two
+sweeps, or a sweep and the first attempt, never both send one message. One window is
+unavoidable: if the SMTP server accepts a message and the process dies (or loses the
+database) before recording it, the row's lease runs out and the message is sent again.
+Every attempt carries the same Message-ID, so a mail client can tell it is the same.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import random
+import smtplib
+
+from django.conf import settings
+from django.core.mail import EmailMultiAlternatives
+from django.core.mail.utils import DNS_NAME
+from django.db import transaction
+from django.db.models import Count, F, Q
+from django.utils import timezone
+
+from portal.models import OutboxMessage, OutboxState
+
+logger = logging.getLogger(__name__)
+
+# How long one attempt may hold a message. Django's SMTP backend times out each socket
+# operation after EMAIL_TIMEOUT (15 s), so an attempt ends well within this.
+LEASE = dt.timedelta(seconds=120)
+# The sweep stops early after this many failures in a row: the server is most likely
+# down, and the rest are tried at the next sweep instead of each waiting for a timeout.
+FAILURES_BEFORE_PAUSE = 3
+SWEEP_LIMIT = 200
+# The dashboard counts a pending message as waiting once it is this old.
+WAITING_AFTER = dt.timedelta(minutes=1)
+FAILED_SHOWN_FOR = dt.timedelta(days=7)
+
+
+def enqueue(
+    kind: str,
+    to: list[str],
+    subject: str,
+    body: str,
+    *,
+    html_body: str = "",
+    from_email: str = "",
+) -> OutboxMessage:
+    """Store a message in the current transaction and try to send it once the
+    transaction commits (at once outside a transaction). A transaction that rolls back
+    takes the message with it, unsent."""
+    from email.utils import make_msgid
+
+    now = timezone.now()
+    message = OutboxMessage.objects.create(
+        kind=kind,
+        to=",".join(to),
+        from_email=from_email,
+        subject=subject,
+        body=body,
+        html_body=html_body,
+        message_id=make_msgid(domain=str(DNS_NAME)),
+        created_at=now,
+        # The creator's own lease: the sweep leaves the row alone while the first
+        # attempt runs, and takes it over if that attempt never happens.
+        next_attempt_at=now + LEASE,
+    )
+    pk, lease = message.pk, message.next_attempt_at
+    transaction.on_commit(lambda: _first_attempt(pk, lease))
+    return message
+
+
+def _first_attempt(pk: int, lease: dt.datetime) -> None:
+    try:
+        message = _claim(pk, lease)
+        if message is not None:
+            attempt(message)
+    except Exception:
+        # Runs after the caller's commit: whatever went wrong, the caller's work stands
+        # and the sweep sends the message once the lease runs out.
+        logger.exception("first delivery attempt of outbox message %s failed", pk)
+
+
+def _claim(pk: int, seen_next_attempt_at: dt.datetime) -> OutboxMessage | None:
+    """Take the message if nobody else has since it was read: the UPDATE only matches
+    while ``next_attempt_at`` still holds the value seen."""
+    lease_until = timezone.now() + LEASE
+    claimed = OutboxMessage.objects.filter(
+        pk=pk, state=OutboxState.PENDING, next_attempt_at=seen_next_attempt_at
+    ).update(next_attempt_at=lease_until, attempts=F("attempts") + 1)
+    if claimed != 1:
+        return None
+    return OutboxMessage.objects.get(pk=pk)
+
+
+def claim_next_due() -> OutboxMessage | None:
+    """Claim the pending message that has been due longest, or None when none is due.
+    Losing a race for one row moves on to the next."""
+    for _ in range(SWEEP_LIMIT):
+        due = (
+            OutboxMessage.objects.filter(
+                state=OutboxState.PENDING, next_attempt_at__lte=timezone.now()
+            )
+            .order_by("next_attempt_at", "pk")
+            .values_list("pk", "next_attempt_at")
+            .first()
+        )
+        if due is None:
+            return None
+        message = _claim(*due)
+        if message is not None:
+            return message
+    return None
+
+
+def send_due(limit: int = SWEEP_LIMIT) -> int:
+    """Send messages whose retry is due (or whose sender died), one claim at a time so
+    each lease starts right before its own attempt. Returns how many were sent."""
+    sent = failures_in_a_row = 0
+    for _ in range(limit):
+        message = claim_next_due()
+        if message is None:
+            break
+        if attempt(message):
+            sent += 1
+            failures_in_a_row = 0
+        else:
+            failures_in_a_row += 1
+            if failures_in_a_row >= FAILURES_BEFORE_PAUSE:
+                break
+    return sent
+
+
+def attempt(message: OutboxMessage) -> bool:
+    """Hand a claimed message to the SMTP server and record what happened."""
+    try:
+        _as_email(message).send()
+    except Exception as exc:
+        if not isinstance(exc, smtplib.SMTPException | OSError):
+            logger.exception("outbox message %s could not be sent", message.pk)
+        _record_failure(message, _describe(exc), permanent=_is_permanent(exc))
+        return False
+    message.mark_sent(timezone.now())
+    return True
+
+
+def _record_failure(message: OutboxMessage, error: str, *, permanent: bool) -> None:
+    now = timezone.now()
+    give_up_at = message.created_at + dt.timedelta(seconds=settings.PORTAL_MAIL_GIVE_UP_SECONDS)
+    if permanent or now >= give_up_at:
+        logger.error("giving up on outbox message %s to %s: %s", message.pk, message.to, error)
+        message.mark_failed(error)
+        return
+    retry_at = min(now + dt.timedelta(seconds=backoff(message.attempts)), give_up_at)
+    logger.warning(
+        "outbox message %s to %s not sent (attempt %s), retrying at %s: %s",
+        message.pk, message.to, message.attempts, retry_at.isoformat(), error,
+    )  # fmt: skip
+    message.schedule_retry(error, retry_at)
+
+
+def backoff(attempts: int) -> float:
+    """Seconds before the next try after ``attempts`` failed ones: doubling from
+    PORTAL_MAIL_RETRY_SECONDS up to PORTAL_MAIL_RETRY_MAX_SECONDS, with half of it
+    random so messages that failed together do not all come back at once."""
+    base = settings.PORTAL_MAIL_RETRY_SECONDS
+    cap = settings.PORTAL_MAIL_RETRY_MAX_SECONDS
+    delay = min(cap, base * 2 ** min(max(attempts - 1, 0), 32))
+    return delay / 2 + random.uniform(0, delay / 2)  # noqa: S311 (jitter, not secrecy)
+
+
+def _is_permanent(exc: Exception) -> bool:
+    """Every recipient refused with a 5xx code: no retry will change the answer."""
+    if isinstance(exc, smtplib.SMTPRecipientsRefused) and exc.recipients:
+        return all(code >= 500 for code, _ in exc.recipients.values())
+    return False
+
+
+def _describe(exc: Exception) -> str:
+    text = str(exc) or repr(exc)
+    return f"{type(exc).__name__}: {text}"[:2000]
+
+
+def _as_email(message: OutboxMessage) -> EmailMultiAlternatives:
+    email = EmailMultiAlternatives(
+        subject=message.subject,
+        body=message.body or message.html_body,
+        from_email=message.from_email or None,
+        to=message.recipients,
+        headers={"Message-ID": message.message_id},
+    )
+    if not message.body:
+        email.content_subtype = "html"
+    elif message.html_body:
+        email.attach_alternative(message.html_body, "text/html")
+    return email
+
+
+def backlog() -> dict[str, int]:
+    """For the site admin's dashboard: messages waiting for a retry (pending for more
+    than a minute) and messages given up on in the last week."""
+    now = timezone.now()
+    return OutboxMessage.objects.aggregate(
+        waiting=Count(
+            "pk", filter=Q(state=OutboxState.PENDING, created_at__lt=now - WAITING_AFTER)
+        ),
+        failed=Count(
+            "pk", filter=Q(state=OutboxState.FAILED, created_at__gte=now - FAILED_SHOWN_FOR)
+        ),
+    )

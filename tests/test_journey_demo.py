@@ -1,0 +1,179 @@
+"""``bin/demo`` followed to the letter in a real browser: its setup (the site admin,
+then ``demo_lab`` on the sshd fleet and the emulator) prints two logins and three
+steps; the site admin does step 1 and milo steps 2 and 3, doing only what the output
+and the pages say, until ``ssh tpu5`` answers from worker 0. A step that needs
+knowledge from anywhere else fails here.
+
+As in the demo, the browser talks to a web server, the grant is a task a real Celery
+worker takes from the broker, the worker reaches the fleet over SSH with the lab's
+own key, and the person's ssh client finds its files where the page put them."""
+
+from __future__ import annotations
+
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from playwright.sync_api import expect
+
+from tests.e2e import ROOT
+from tests.laptop import Laptop
+from tpus.management.commands.demo_lab import set_up_demo
+
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.fleet]
+
+
+@pytest.fixture
+def worker_env(monkeypatch, settings, live_server, tpu_emulator, fleet_settings, fleet_uids):
+    """The demo's settings, as this process and the Celery worker process see them:
+    links to the live server, the test's emulator and UIDs, and no admin MFA (the demo
+    runs on ``portal.settings.local``, where it is off unless asked for)."""
+    settings.SITE_URL = live_server.url
+    settings.PORTAL_REQUIRE_ADMIN_MFA = False
+    monkeypatch.setenv("SITE_URL", live_server.url)
+    monkeypatch.setenv("PORTAL_REQUIRE_ADMIN_MFA", "false")
+    monkeypatch.setenv("PORTAL_UID_MIN", str(settings.PORTAL_UID_MIN))
+    monkeypatch.setenv("PORTAL_UID_MAX", str(settings.PORTAL_UID_MAX))
+    monkeypatch.setenv("PORTAL_TEST_TPU_API_ENDPOINT", settings.TPU_API_ENDPOINT)
+    monkeypatch.setenv("PORTAL_REMOTE_CONNECT_TIMEOUT", "5")
+    monkeypatch.setenv("PORTAL_REMOTE_AUTH_TIMEOUT", "10")
+    monkeypatch.setenv("PORTAL_REMOTE_SCRIPT_TIMEOUT", "60")
+    # A shell that never set the site admin's login: the demo makes one up.
+    for name in ("PORTAL_ADMIN_EMAIL", "PORTAL_ADMIN_PASSWORD", "PORTAL_ADMIN_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def printed(worker_env, celery_worker_process, fleet, tpu_emulator) -> str:
+    """What ``bin/demo`` prints before the portal starts: ``ensure_site_admin``, then
+    ``demo_lab`` (whose command runs ``set_up_demo`` on the fleet's slot; the test
+    session holds this fleet's slot, so the function gets the fleet itself). bin/demo
+    runs these two, in this order, after ``migrate``, and lets both print."""
+    script = (ROOT / "bin" / "demo").read_text()
+    commands = re.findall(r"^python manage\.py (\S+)(.*)$", script, re.M)
+    assert commands[1:] == [
+        ("ensure_site_admin", ""),
+        ("demo_lab", ' --state "$state" --slot "$slot"'),
+    ]
+    for host in sorted(fleet.hosts.values(), key=lambda h: h.index)[:4]:
+        fleet.heal(host.name)
+    out = io.StringIO()
+    call_command("ensure_site_admin", stdout=out)
+    out.write(set_up_demo(fleet, tpu_emulator.controls) + "\n")
+    return out.getvalue()
+
+
+def _one(pattern: str, text: str) -> tuple[str, ...]:
+    found = re.search(pattern, text, re.M)
+    assert found, f"the demo's output does not match {pattern!r}:\n{text}"
+    return found.groups()
+
+
+def _sign_in(page, email: str, password: str) -> None:
+    """The sign-in form the portal shows to someone who is not signed in."""
+    assert "/accounts/login/" in page.url, page.url
+    page.fill("input[name=login]", email)
+    page.fill("input[name=password]", password)
+    page.click("form button[type=submit]")
+    page.wait_for_url(lambda url: "/accounts/login/" not in url)
+    # No step the output does not name, such as setting up two-factor first.
+    assert "/mfa/" not in page.url, page.url
+
+
+def _download(page, link_text: str, downloads: Path) -> Path:
+    """Click the page's link and save the file as a browser does, in ~/Downloads
+    under the name the portal gives it."""
+    with page.expect_download() as download:
+        page.get_by_role("link", name=link_text, exact=True).click()
+    saved = downloads / download.value.suggested_filename
+    download.value.save_as(saved)
+    return saved
+
+
+def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_ssh_tpu5(
+    printed, browser, live_server, fleet, tmp_path
+):
+    shots = tmp_path  # where the journeys keep their screenshots
+    (shots / "demo-output.txt").write_text(printed)
+    admin_email, admin_password = _one(r"^Site admin login: (\S+) / (\S+)$", printed)
+    milo_email, milo_password, milo_key = _one(
+        r"^Collaborator login: (\S+) / (\S+) \(his SSH key: (\S+)\)$", printed
+    )
+    steps = re.findall(r"^(\d)\. (.+)$", printed, re.M)
+    assert [n for n, _ in steps] == ["1", "2", "3"], printed
+    step1, step2, step3 = (text for _, text in steps)
+    workers = sorted(fleet.hosts.values(), key=lambda h: h.index)[:4]
+
+    context = browser.new_context(base_url=live_server.url, accept_downloads=True)
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+
+    # 1. The site admin opens tpu5's page, signs in, and adds milo.
+    url, heading, who, field, button, done = _one(
+        r"^Open (\S+) and sign in as the site admin \(the login above\); "
+        r'under "([^"]+)", type (\S+) in "([^"]+)" and click "([^"]+)": '
+        r'each worker\'s progress shows live until "([^"]+)"$',
+        step1,
+    )
+    page.goto(url)
+    _sign_in(page, admin_email, admin_password)
+    assert page.url == url
+    page.wait_for_load_state("load")  # htmx has wired the page up
+    expect(page.get_by_role("heading", name=heading, exact=True)).to_be_visible()
+    page.screenshot(path=shots / "1-vm-page.png", full_page=True)
+    page.get_by_role("combobox", name=field, exact=True).fill(who)
+    page.get_by_role("button", name=button, exact=True).click()
+    page.wait_for_url(url)
+    expect(page.get_by_text(done, exact=True)).to_be_visible(timeout=90_000)
+    # Access is in place on every worker of the pod.
+    progress = page.locator("#vm-progress")
+    for i in range(len(workers)):
+        expect(progress.locator(f"#worker-sync-{i}")).to_contain_text("up to date")
+    expect(progress.locator("tr", has_text=milo_email).locator(".badge")).to_have_text("Active")
+    page.screenshot(path=shots / "2-milo-added.png", full_page=True)
+
+    # 2. Milo, in the same browser, signs in and installs his ssh config and host keys.
+    sign_out, url, config_link, known_link = _one(
+        r'^Click "([^"]+)", open (\S+) and sign in as milo \(the collaborator login above\); '
+        r'click "([^"]+)" and "([^"]+)", then paste the commands under them into a '
+        r"terminal: they put both files in ~/\.ssh\.$",
+        step2,
+    )
+    page.get_by_role("button", name=sign_out, exact=True).click()
+    page.wait_for_load_state("load")
+    page.goto(url)
+    _sign_in(page, milo_email, milo_password)
+    assert page.url == url
+    laptop = Laptop(tmp_path / "home")
+    config = _download(page, config_link, laptop.path("~/Downloads"))
+    known = _download(page, known_link, laptop.path("~/Downloads"))
+    # The commands right under the links, as the page shows them.
+    card = page.locator("section", has=page.get_by_role("link", name=config_link, exact=True))
+    commands = card.locator("pre").first.inner_text()
+    assert config.name in commands and known.name in commands, commands
+    page.screenshot(path=shots / "3-ssh-page.png", full_page=True)
+    installed = laptop.shell(commands)
+    assert installed.returncode == 0, (commands, installed.stderr)
+    # Where the page says each download goes, under ~/.ssh.
+    for link in (config_link, known_link):
+        target = card.get_by_role("link", name=link, exact=True).locator("xpath=following::code[1]")
+        where = target.inner_text()
+        assert where.startswith("~/.ssh/") and laptop.path(where).is_file(), where
+    assert not config.exists() and not known.exists()
+
+    # 3. Then the printed ssh command, with a command for the VM to run.
+    [command] = _one(r"^Then: (ssh .+)$", step3)
+    argv = shlex.split(command)
+    assert milo_key in argv, command
+    result = laptop.run(
+        ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", *argv[1:], "hostname"]
+    )
+    assert result.returncode == 0, (command, result.stderr)
+    names = [fleet.exec(h.name, ["hostname"]).stdout.decode().strip() for h in workers]
+    assert len(set(names)) == len(names), names
+    assert result.stdout.strip() == names[0]
+    (shots / "4-ssh-tpu5-hostname.txt").write_text(f"$ {command} hostname\n{result.stdout}")
+    context.close()

@@ -1,0 +1,328 @@
+"""API endpoints about access: grants (lab admins), the caller's own TPU VMs, their
+ssh config and known_hosts, and a VM's IP history."""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+
+from django.core.exceptions import ObjectDoesNotExist
+from django.db.models import Prefetch
+from django.http import HttpResponse
+from ninja import Query, Router, Schema, Status
+from ninja.pagination import paginate
+
+from portal.pagination import KeysetPagination, parse_choice, parse_since
+from portal.schemas import Error
+from tpus import access
+from tpus.api import filters as api_filters
+from tpus.api.docs import PAGED, filter_help
+from tpus.models import Grant, IpChange, Worker
+from tpus.models.grants import GrantState
+from tpus.services import grants as grant_services
+from tpus.services import sshconfig
+from tpus.services.grants import GrantError
+
+router = Router(tags=["access"])
+
+
+class GrantWorkerOut(Schema):
+    """Where one worker of the grant's VM stands with this grant."""
+
+    index: int
+    alias: str
+    # applied: the worker has this grant's change; waiting: not yet tried;
+    # retrying: the worker could not be reached, the portal tries again;
+    # failed: the worker refused (for this person, or for good); see ``error``.
+    state: str
+    error: str
+    last_attempt_at: datetime | None
+
+
+class GrantOut(Schema):
+    id: int
+    vm: str
+    vm_id: int
+    user: str
+    username: str | None
+    sudo: bool
+    expires_on: date | None
+    state: str
+    error: str
+    activated_at: datetime | None
+    # Set while a failure the hosts may get over is waiting for its next try.
+    retry_at: datetime | None
+    # How many of the VM's workers have this grant's change, and the others (those
+    # holding it up, with their state and error); empty once every worker has it.
+    workers_total: int
+    workers_applied: int
+    workers: list[GrantWorkerOut]
+
+    @staticmethod
+    def resolve_workers(obj):
+        return [w for w in grant_workers(obj) if w["state"] != "applied"]
+
+    @staticmethod
+    def resolve_workers_total(obj):
+        return len(grant_workers(obj))
+
+    @staticmethod
+    def resolve_workers_applied(obj):
+        return sum(w["state"] == "applied" for w in grant_workers(obj))
+
+    @staticmethod
+    def resolve_error(obj):
+        # A grant still pending says what holds it up, as the VM page does.
+        if obj.error or obj.state != GrantState.PENDING:
+            return obj.error
+        stuck = [w for w in grant_workers(obj) if w["error"]]
+        return "; ".join(f"{w['alias']} ({w['state']}): {w['error']}" for w in stuck)
+
+    @staticmethod
+    def resolve_vm(obj):
+        return obj.vm.name
+
+    @staticmethod
+    def resolve_user(obj):
+        return obj.user.email
+
+    @staticmethod
+    def resolve_username(obj):
+        account = getattr(obj.user, "unix_account", None)
+        return account.username if account else None
+
+
+def grant_workers(grant) -> list[dict]:
+    """Each worker's standing with ``grant``, from what it last answered. Uses the VM's
+    workers as prefetched by the lists (``_WITH_WORKERS``), else loads them once; worked
+    out once per grant object."""
+    cached = getattr(grant, "_worker_standing", None)
+    if cached is None:
+        cached = grant._worker_standing = _worker_standing(grant)
+    return cached
+
+
+_SETTLED = (GrantState.ACTIVE, GrantState.REVOKED)
+
+
+def _worker_standing(grant) -> list[dict]:
+    if grant.state in _SETTLED:
+        # Every worker confirmed it when it settled; what a worker does later is the
+        # VM's news (its workers' last reconcile), not this grant's.
+        cache = getattr(grant.vm, "_prefetched_objects_cache", {})
+        workers = cache["workers"] if "workers" in cache else grant.vm.workers.all()
+        return [
+            {"index": w.index, "alias": w.alias, "state": "applied", "error": "",
+             "last_attempt_at": None}
+            for w in workers
+        ]  # fmt: skip
+    return _standing_from_syncs(grant)
+
+
+def _standing_from_syncs(grant) -> list[dict]:
+    cache = getattr(grant.vm, "_prefetched_objects_cache", {})
+    workers = cache["workers"] if "workers" in cache else grant.vm.workers.select_related("sync")
+    return [worker_standing(worker, grant) for worker in workers]
+
+
+def worker_standing(worker, grant) -> dict:
+    """Where ``worker`` (loaded with its ``sync``) stands with a grant in flight, from
+    what it last answered."""
+    username = getattr(getattr(grant.user, "unix_account", None), "username", "")
+    sync = getattr(worker, "sync", None) if _has_sync(worker) else None
+    refused = [
+        entry.partition(":")[2]
+        for entry in ((sync.last_report or {}).get("user_error", []) if sync else [])
+        if entry.partition(":")[0] == username
+    ]
+    if refused:
+        state, error = "failed", refused[0]
+    elif sync and sync.applied_version >= grant.version and not sync.last_error:
+        state, error = "applied", ""
+    elif sync and sync.last_error:
+        state = "retrying" if sync.last_error_retryable else "failed"
+        error = sync.last_error
+    else:
+        state, error = "waiting", ""
+    return {
+        "index": worker.index,
+        "alias": worker.alias,
+        "state": state,
+        "error": error,
+        "last_attempt_at": sync.last_attempt_at if sync else None,
+    }
+
+
+def _has_sync(worker) -> bool:
+    try:
+        worker.sync  # noqa: B018 - loaded with the worker; absent before any reconcile
+    except ObjectDoesNotExist:
+        return False
+    return True
+
+
+# The VM's workers and what each last did, in one query for a whole page of grants.
+_WITH_WORKERS = Prefetch("vm__workers", queryset=Worker.objects.select_related("sync", "vm"))
+
+
+class GrantIn(Schema):
+    user_email: str
+    vm_ids: list[int]
+    sudo: bool = False
+    expires_on: date | None = None
+
+
+class IpChangeOut(Schema):
+    worker: str
+    old_ip: str | None
+    new_ip: str
+    seen_at: datetime
+
+    @staticmethod
+    def resolve_worker(obj):
+        return obj.worker.alias
+
+
+@router.get(
+    "/labs/{slug}/grants",
+    response=list[GrantOut],
+    summary="A lab's grants (lab admins)",
+    description=PAGED,
+)
+@paginate(KeysetPagination)
+def list_grants(
+    request,
+    slug: str,
+    state: str | None = Query(None, description=filter_help("state", GrantState)),
+    user: str | None = Query(None, description=filter_help("user")),
+    vm: str | None = Query(None, description=filter_help("vm")),
+    zone: str | None = Query(None, description=filter_help("zone")),
+    updated_since: str | None = Query(None, description=filter_help("updated_since")),
+):
+    lab = access.get_admin_lab(request.user, slug)
+    grants = (
+        Grant.objects.filter(vm__lab=lab)
+        .select_related("vm", "user__unix_account")
+        .prefetch_related(_WITH_WORKERS)
+    )
+    return _filter_grants(
+        grants,
+        state=parse_choice(state, GrantState, "state"),
+        user=api_filters.lab_member(lab, user),
+        vm=api_filters.lab_vm(lab, vm),
+        zone=api_filters.lab_zone(lab, zone),
+        since=parse_since(updated_since),
+    )
+
+
+def _filter_grants(grants, *, state=None, user=None, vm=None, zone=None, since=None):
+    if state:
+        grants = grants.filter(state=state)
+    if user is not None:
+        grants = grants.filter(user=user)
+    if vm is not None:
+        grants = grants.filter(vm=vm)
+    if zone:
+        grants = grants.filter(vm__zone=zone)
+    if since is not None:
+        grants = grants.filter(changed_at__gte=since)
+    return grants
+
+
+@router.post(
+    "/labs/{slug}/grants",
+    response={201: list[GrantOut], 400: Error},
+    summary="Give a member access to TPU VMs (lab admins)",
+)
+def create_grants(request, slug: str, payload: GrantIn):
+    lab = access.get_admin_lab(request.user, slug)
+    membership = (
+        lab.memberships.select_related("user")
+        .filter(user__email__iexact=payload.user_email.strip())
+        .first()
+    )
+    if membership is None or len(payload.vm_ids) > 100:
+        return Status(400, {"detail": f"{payload.user_email} is not a member of {lab.name}."})
+    vms = [access.get_vm_for_admin(request.user, lab, vm_id) for vm_id in payload.vm_ids]
+    try:
+        grants = grant_services.grant_access(
+            request.user,
+            lab,
+            membership.user,
+            vms,
+            sudo=payload.sudo,
+            expires_on=payload.expires_on,
+            request=request,
+        )
+    except GrantError as exc:
+        return Status(400, {"detail": str(exc)})
+    return Status(201, grants)
+
+
+@router.post("/labs/{slug}/grants/{grant_id}/revoke", response=GrantOut, summary="Revoke a grant")
+def revoke_grant(request, slug: str, grant_id: int):
+    lab = access.get_admin_lab(request.user, slug)
+    grant = access.get_grant_for_admin(request.user, lab, grant_id)
+    return grant_services.revoke_access(request.user, grant, request=request)
+
+
+@router.post(
+    "/labs/{slug}/grants/{grant_id}/retry",
+    response={200: GrantOut, 409: Error},
+    summary="Try a failed grant again (lab admins)",
+)
+def retry_grant(request, slug: str, grant_id: int):
+    lab = access.get_admin_lab(request.user, slug)
+    grant = access.get_grant_for_admin(request.user, lab, grant_id)
+    if grant.state != GrantState.FAILED:
+        return Status(409, {"detail": f"The grant is {grant.state}; only a failed one is retried."})
+    return Status(200, grant_services.retry_grant(request.user, grant, request=request))
+
+
+@router.get(
+    "/me/grants", response=list[GrantOut], summary="My access to TPU VMs", description=PAGED
+)
+@paginate(KeysetPagination)
+def my_grants(
+    request,
+    state: str | None = Query(None, description=filter_help("state", GrantState)),
+    updated_since: str | None = Query(None, description=filter_help("updated_since")),
+):
+    grants = request.user.grants.select_related("vm", "user__unix_account").prefetch_related(
+        _WITH_WORKERS
+    )
+    return _filter_grants(
+        grants, state=parse_choice(state, GrantState, "state"), since=parse_since(updated_since)
+    )
+
+
+@router.get("/me/ssh-config", summary="My ssh config (text)")
+def my_ssh_config(request):
+    return HttpResponse(sshconfig.render_config(request.user), content_type="text/plain")
+
+
+@router.get("/me/known-hosts", summary="The pinned host keys for my ssh config (text)")
+def my_known_hosts(request):
+    body = sshconfig.render_known_hosts(sshconfig.vms_for(request.user))
+    return HttpResponse(body, content_type="text/plain")
+
+
+@router.get(
+    "/labs/{slug}/vms/{vm_id}/ip-history",
+    response=list[IpChangeOut],
+    summary="External IP changes of a VM's workers",
+    description=PAGED + " This list has no `total`: it grows for as long as the VM lives.",
+)
+@paginate(KeysetPagination, with_total=False)
+def ip_history(
+    request,
+    slug: str,
+    vm_id: int,
+    updated_since: str | None = Query(
+        None, description="Only changes seen at or after this ISO 8601 time."
+    ),
+):
+    lab = access.get_member_lab(request.user, slug)
+    vm = access.get_vm_for_viewer(request.user, lab, vm_id)
+    changes = IpChange.objects.filter(worker__vm=vm).select_related("worker__vm")
+    since = parse_since(updated_since)
+    return changes.filter(seen_at__gte=since) if since is not None else changes

@@ -1,0 +1,446 @@
+"""API endpoints about jobs on TPU VMs: run one, list a VM's, follow one, cancel, run
+again, download a worker's whole log, and the lab's TPU usage."""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import Q
+from django.http import StreamingHttpResponse
+from django.urls import reverse
+from ninja import Query, Router, Schema, Status
+from ninja.errors import HttpError
+from ninja.pagination import paginate
+
+from portal.pagination import KeysetPagination, parse_choice, parse_since
+from portal.schemas import Error
+from tpus import access
+from tpus.api import filters as api_filters
+from tpus.api.docs import PAGED, filter_help
+from tpus.models import Job
+from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState
+from tpus.services import job_logs, usage
+from tpus.services import jobs as job_services
+from tpus.services.jobs import JobSpec, parse_env
+
+router = Router(tags=["jobs"])
+
+
+class JobIn(Schema):
+    """A job: ``args`` is the whole command, or the arguments of ``script`` (a file
+    in your home run with the environment's python). Paths may be relative to your
+    home (``train.py``, ``~/venv``)."""
+
+    args: list[str] = []
+    script: str = ""
+    python: str = ""
+    cwd: str = ""
+    # {"NAME": "value"}, [["NAME", "value"], ...] or ["NAME=value", ...]; in order.
+    env: dict[str, str] | list[tuple[str, str] | str] = []
+    time_limit_minutes: int | None = None
+    notify: bool = False
+    use_tcmalloc: bool = True
+
+    def spec(self) -> JobSpec:
+        if isinstance(self.env, dict):
+            env = list(self.env.items())
+        else:
+            env = []
+            for item in self.env:
+                env += parse_env(item) if isinstance(item, str) else [tuple(item)]
+        return JobSpec(
+            args=list(self.args),
+            script=self.script,
+            python=self.python,
+            cwd=self.cwd,
+            env=env,
+            time_limit_minutes=self.time_limit_minutes,
+            notify=self.notify,
+            use_tcmalloc=self.use_tcmalloc,
+        )
+
+
+class JobError(Error):
+    """A refused job: ``detail`` for people, and the messages per field of the input
+    (``args``, ``script``, ``python``, ``cwd``, ``env``, ``time_limit_minutes``)."""
+
+    errors: dict[str, list[str]] = {}
+
+
+class JobSummaryOut(Schema):
+    """A job as the VM's list shows it: anyone who may see the VM sees what waits and
+    runs there; the environment and logs are in the job's own object."""
+
+    id: int
+    vm_id: int
+    vm: str
+    user: str
+    username: str | None
+    state: str
+    reason: str
+    command: str
+    queued_at: datetime
+    begun_at: datetime | None
+    started_at: datetime | None
+    ended_at: datetime | None
+    changed_at: datetime
+
+    @staticmethod
+    def resolve_vm(obj):
+        return obj.vm.name
+
+    @staticmethod
+    def resolve_user(obj):
+        return obj.user.email
+
+    @staticmethod
+    def resolve_username(obj):
+        account = getattr(obj.user, "unix_account", None)
+        return account.username if account else None
+
+    @staticmethod
+    def resolve_command(obj):
+        return obj.command_text
+
+
+class JobPartOut(Schema):
+    """One worker's part of a job."""
+
+    index: int
+    alias: str
+    # pending, running, ended, lost, not_started
+    state: str
+    pid: int | None
+    started_at: datetime | None
+    ended_at: datetime | None
+    exit_status: int | None
+    signal: str
+    outcome: str
+    error: str
+    # Bytes of the whole log on the worker, the last of it (at most
+    # PORTAL_JOB_LOG_TAIL_BYTES), and where to download all of it.
+    log_size: int
+    log_tail: str
+    log_url: str
+
+    @staticmethod
+    def resolve_alias(obj):
+        return obj.worker.alias
+
+    @staticmethod
+    def resolve_log_url(obj, context):
+        job = obj.job
+        path = f"/api/v1/labs/{job.vm.lab.slug}/vms/{job.vm_id}/jobs/{job.pk}"
+        path += f"/workers/{obj.index}/log"
+        return context["request"].build_absolute_uri(path)
+
+
+class PreflightCheckOut(Schema):
+    worker: int
+    check: str
+    # ok, fail or note
+    status: str
+    detail: str
+
+
+class JobOut(JobSummaryOut):
+    """A job with what it runs, where it stands and each worker's part (for the person
+    who ran it and the lab's admins)."""
+
+    host_id: str
+    script: str
+    args: list[str]
+    python: str
+    cwd: str
+    env: list[list[str]]
+    time_limit_minutes: int | None
+    notify: bool
+    use_tcmalloc: bool
+    rerun_of: int | None
+    cancel_requested_at: datetime | None
+    # Its place in the VM's queue while it waits (1: next to start).
+    position: int | None
+    preflight: list[PreflightCheckOut]
+    parts: list[JobPartOut]
+    url: str
+
+    @staticmethod
+    def resolve_rerun_of(obj):
+        return obj.rerun_of_id
+
+    @staticmethod
+    def resolve_position(obj):
+        return usage.position(obj)
+
+    @staticmethod
+    def resolve_preflight(obj):
+        return [
+            {"worker": int(index), "check": c[0], "status": c[1], "detail": c[2]}
+            for index, checks in sorted(obj.preflight.items(), key=lambda item: int(item[0]))
+            for c in checks
+        ]
+
+    @staticmethod
+    def resolve_parts(obj):
+        return obj.parts.select_related("worker__vm", "job__vm__lab")
+
+    @staticmethod
+    def resolve_url(obj, context):
+        path = reverse("job_detail", args=[obj.vm.lab.slug, obj.vm_id, obj.pk])
+        return context["request"].build_absolute_uri(path)
+
+
+def _job_for(request, slug: str, vm_id: int, job_id: int) -> Job:
+    lab = access.get_member_lab(request.user, slug)
+    return access.get_job_for_viewer(request.user, lab, vm_id, job_id)
+
+
+@router.post(
+    "/labs/{slug}/vms/{vm_id}/jobs",
+    response={201: JobOut, 400: JobError, 403: Error},
+    summary="Queue a job on a TPU VM (people with active access to it)",
+)
+def submit_job(request, slug: str, vm_id: int, payload: JobIn):
+    lab = access.get_member_lab(request.user, slug)
+    vm = access.get_vm_for_viewer(request.user, lab, vm_id)
+    try:
+        job = job_services.submit_job(request.user, vm, payload.spec(), request=request)
+    except ValidationError as exc:
+        errors = exc.message_dict if hasattr(exc, "error_dict") else {}
+        return Status(400, {"detail": " ".join(exc.messages), "errors": errors})
+    return Status(201, _reloaded(job))
+
+
+def _reloaded(job: Job) -> Job:
+    return Job.objects.select_related("vm__lab", "user__unix_account").get(pk=job.pk)
+
+
+@router.get(
+    "/labs/{slug}/vms/{vm_id}/jobs",
+    response=list[JobSummaryOut],
+    summary="A TPU VM's jobs",
+    description=PAGED + " The lab's admins see every job; others their own, and the jobs "
+    "of others that wait for the VM or run on it.",
+)
+@paginate(KeysetPagination)
+def list_jobs(
+    request,
+    slug: str,
+    vm_id: int,
+    state: str | None = Query(None, description=filter_help("state", JobState)),
+    user: str | None = Query(None, description=filter_help("user")),
+    updated_since: str | None = Query(None, description=filter_help("updated_since")),
+):
+    lab = access.get_member_lab(request.user, slug)
+    vm = access.get_vm_for_viewer(request.user, lab, vm_id)
+    jobs = Job.objects.filter(vm=vm).select_related("vm", "user__unix_account")
+    if not access.is_lab_admin(request.user, lab):
+        jobs = jobs.filter(Q(user=request.user) | Q(state__in=[*WAITING_STATES, *ACTIVE_STATES]))
+    state = parse_choice(state, JobState, "state")
+    if state:
+        jobs = jobs.filter(state=state)
+    person = api_filters.lab_member(lab, user)
+    if person is not None:
+        jobs = jobs.filter(user=person)
+    since = parse_since(updated_since)
+    if since is not None:
+        jobs = jobs.filter(changed_at__gte=since)
+    return jobs
+
+
+@router.get(
+    "/labs/{slug}/vms/{vm_id}/jobs/{job_id}",
+    response=JobOut,
+    summary="One job, with each worker's part and the end of its log (its owner and "
+    "the lab's admins)",
+)
+def get_job(request, slug: str, vm_id: int, job_id: int):
+    return _job_for(request, slug, vm_id, job_id)
+
+
+@router.post(
+    "/labs/{slug}/vms/{vm_id}/jobs/{job_id}/cancel",
+    response={200: JobOut, 409: Error},
+    summary="Cancel a job (its owner and the lab's admins)",
+)
+def cancel_job(request, slug: str, vm_id: int, job_id: int):
+    job = _job_for(request, slug, vm_id, job_id)
+    if not access.may_cancel_job(request.user, job):
+        raise PermissionDenied(access.CANCEL_REFUSED)
+    if not job.can_cancel:
+        return Status(409, {"detail": f"The job is {job.state}; there is nothing to cancel."})
+    job_services.cancel_job(job, request.user, request=request)
+    return Status(200, _reloaded(job))
+
+
+@router.post(
+    "/labs/{slug}/vms/{vm_id}/jobs/{job_id}/rerun",
+    response={201: JobOut, 400: JobError, 403: Error, 409: Error},
+    summary="Queue an ended job again (its owner)",
+)
+def rerun_job(request, slug: str, vm_id: int, job_id: int):
+    job = _job_for(request, slug, vm_id, job_id)
+    if job.user_id != request.user.pk:
+        raise PermissionDenied("Only the person who submitted a job can run it again.")
+    if not job.has_ended:
+        return Status(409, {"detail": f"The job is {job.state}; only an ended job runs again."})
+    try:
+        new = job_services.rerun_job(request.user, job, request=request)
+    except ValidationError as exc:
+        errors = exc.message_dict if hasattr(exc, "error_dict") else {}
+        return Status(400, {"detail": " ".join(exc.messages), "errors": errors})
+    return Status(201, _reloaded(new))
+
+
+@router.get(
+    "/labs/{slug}/vms/{vm_id}/jobs/{job_id}/workers/{index}/log",
+    response={404: Error, 502: Error},
+    summary="One worker's whole log of a job (text/plain, read from the worker)",
+)
+def job_log(request, slug: str, vm_id: int, job_id: int, index: int):
+    job = _job_for(request, slug, vm_id, job_id)
+    if not job.parts.filter(index=index).exists():
+        return Status(404, {"detail": f"Job {job.pk} has no part on worker {index}."})
+    try:
+        stream = job_logs.whole_log(job, index)
+    except LookupError as exc:
+        return Status(502, {"detail": f"The log cannot be read now: {exc}."})
+    response = StreamingHttpResponse(stream, content_type="text/plain; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{job_logs.filename(job, index)}"'
+    return response
+
+
+# --- usage -------------------------------------------------------------------------------
+
+
+class HolderOut(Schema):
+    """A process outside the portal that had a chip open at the last look."""
+
+    worker: int
+    device: str
+    pid: str
+    user: str
+    command: str
+
+
+class VmNowOut(Schema):
+    vm_id: int
+    vm: str
+    zone: str
+    # free, running (a job of the portal: ``job``) or held (outside the portal:
+    # ``holders``, as of ``checked_at``)
+    state: str
+    job: JobSummaryOut | None
+    holders: list[HolderOut]
+    checked_at: datetime | None
+    queue_length: int
+
+
+class PersonUsageOut(Schema):
+    user: str
+    username: str | None
+    jobs: int
+    worker_hours: float
+
+
+class VmUsageOut(Schema):
+    vm_id: int
+    vm: str
+    zone: str
+    jobs: int
+    worker_hours: float
+
+
+class UsageOut(Schema):
+    """``from_date`` to ``to_date`` (UTC days, both included). ``definition`` says what
+    a worker-hour is. Lab admins get everyone's rows; members only their own."""
+
+    from_date: date
+    to_date: date
+    definition: str
+    jobs: int
+    worker_hours: float
+    people: list[PersonUsageOut]
+    vms: list[VmUsageOut]
+    now: list[VmNowOut]
+
+
+def _day(raw: str | None, name: str) -> date | None:
+    if raw is None or raw == "":
+        return None
+    try:
+        return date.fromisoformat(raw.strip())
+    except ValueError:
+        raise HttpError(400, f"{name} must be a date such as 2025-06-01, not {raw!r}.") from None
+
+
+@router.get(
+    "/labs/{slug}/usage",
+    response=UsageOut,
+    summary="What holds each TPU VM now, and worker-hours per person and VM over a period",
+)
+def lab_usage(
+    request,
+    slug: str,
+    from_date: str | None = Query(
+        None, alias="from", description="First day, e.g. 2025-06-01; default 30 days ago."
+    ),
+    to_date: str | None = Query(None, alias="to", description="Last day; default today."),
+):
+    lab = access.get_member_lab(request.user, slug)
+    is_admin = access.is_lab_admin(request.user, lab)
+    default = usage.Period.last_days()
+    first = _day(from_date, "from") or default.first
+    last = _day(to_date, "to") or default.last
+    if first > last:
+        raise HttpError(400, "from must not be after to.")
+    if (last - first).days + 1 > usage.MAX_DAYS:
+        raise HttpError(400, f"A period is at most {usage.MAX_DAYS} days.")
+    period = usage.Period(first, last)
+    jobs = usage.jobs_in(lab, period, user=None if is_admin else request.user)
+    totals = usage.totals(jobs)
+    vms = usage.with_queue_length(
+        access.viewable_vms(request.user, lab, is_admin=is_admin).order_by("name", "zone", "pk")
+    )
+    now = usage.now_for(vms)
+    usage.look_again_where_stale(now)
+    return {
+        "from_date": first,
+        "to_date": last,
+        "definition": usage.WORKER_HOURS,
+        "jobs": totals["jobs"],
+        "worker_hours": usage.hours(totals["total"]),
+        "people": [
+            {
+                "user": row["email"],
+                "username": row["username"],
+                "jobs": row["jobs"],
+                "worker_hours": usage.hours(row["total"]),
+            }
+            for row in usage.by_person(jobs)
+        ],
+        "vms": [
+            {
+                "vm_id": row["vm"],
+                "vm": row["vm_name"],
+                "zone": row["zone"],
+                "jobs": row["jobs"],
+                "worker_hours": usage.hours(row["total"]),
+            }
+            for row in usage.by_vm(jobs)
+        ],
+        "now": [
+            {
+                "vm_id": n.vm.pk,
+                "vm": n.vm.name,
+                "zone": n.vm.zone,
+                "state": n.state,
+                "job": n.running,
+                "holders": n.holders,
+                "checked_at": n.vm.usage_checked_at,
+                "queue_length": n.queue_length,
+            }
+            for n in now
+        ],
+    }

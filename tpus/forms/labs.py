@@ -1,0 +1,138 @@
+"""Forms for lab pages. They validate shape and size; the services decide what is
+allowed."""
+
+from __future__ import annotations
+
+from django import forms
+from django.core.exceptions import ValidationError
+
+from portal.validators import validate_multiline_text, validate_plain_text
+from tpus.models import Lab
+from tpus.models.labs import MembershipState, Role, validate_zones
+from tpus.services.labs import PURPOSE_MAX, SITE_ADMIN_FIELDS
+
+
+class JoinForm(forms.Form):
+    purpose = forms.CharField(
+        max_length=PURPOSE_MAX,
+        widget=forms.Textarea(attrs={"rows": 3}),
+        validators=[validate_multiline_text],
+        help_text="A sentence or two on the research you will run.",
+    )
+    accept_policy = forms.BooleanField(
+        required=True,
+        label="I have read the lab's usage policy and will follow it.",
+        error_messages={"required": "You need to accept the lab's usage policy to join."},
+    )
+
+
+class AcceptInviteForm(forms.Form):
+    accept_policy = JoinForm.base_fields["accept_policy"]
+
+
+class RejectForm(forms.Form):
+    note = forms.CharField(
+        max_length=500,
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        validators=[validate_multiline_text],
+        help_text="Optional; sent to the person in the email.",
+    )
+
+
+class RoleForm(forms.Form):
+    role = forms.ChoiceField(choices=Role.choices)
+
+
+class InviteForm(forms.Form):
+    email = forms.EmailField(
+        required=False, help_text="Leave empty for a link anyone you send it to can use once."
+    )
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
+
+
+class ZonesField(forms.CharField):
+    """Zones typed as a comma- or space-separated list."""
+
+    def to_python(self, value):
+        text = super().to_python(value) or ""
+        return [zone for zone in text.replace(",", " ").split() if zone]
+
+    def prepare_value(self, value):
+        return ", ".join(value) if isinstance(value, list) else value
+
+    def validate(self, value):
+        if self.required and not value:
+            raise ValidationError(self.error_messages["required"], code="required")
+        validate_zones(value)
+
+
+class LabSettingsForm(forms.ModelForm):
+    """What a lab admin may change. The lab's GCP project and zones are not here: the
+    project's TPU VMs become the lab's, so only a site admin sets them."""
+
+    class Meta:
+        model = Lab
+        fields = [
+            "name",
+            "grant_end_date",
+            "default_sudo",
+            "default_agent_forwarding",
+            "discoverable",
+            "policy_text",
+        ]
+        widgets = {"grant_end_date": forms.DateInput(attrs={"type": "date"})}
+
+    def clean_policy_text(self):
+        text = self.cleaned_data["policy_text"]
+        validate_multiline_text(text)
+        return text
+
+
+class SiteLabSettingsForm(LabSettingsForm):
+    """A site admin's settings form: everything, including the project and zones."""
+
+    zones = ZonesField(
+        required=False, max_length=2000, help_text="For example: us-central1-f, europe-west4-a"
+    )
+
+    class Meta(LabSettingsForm.Meta):
+        fields = ["name", *SITE_ADMIN_FIELDS, *LabSettingsForm.Meta.fields[1:]]
+
+
+class LabCreateForm(SiteLabSettingsForm):
+    admin_emails = forms.CharField(
+        max_length=2000,
+        help_text="Email addresses of the lab's first admins (they need accounts).",
+        validators=[validate_plain_text],
+    )
+
+    class Meta(SiteLabSettingsForm.Meta):
+        fields = ["name", "slug", *SiteLabSettingsForm.Meta.fields[1:]]
+
+    def clean_admin_emails(self):
+        text = self.cleaned_data["admin_emails"]
+        return [email for email in text.replace(",", " ").split() if email]
+
+
+def valid_filters(form: forms.Form) -> dict:
+    """A list's filters from a GET form: the valid, non-empty ones. A stale value (a
+    zone the lab no longer has, a made-up state) is dropped rather than refused."""
+    if not form.is_bound:
+        return {}
+    form.is_valid()
+    return {k: v for k, v in form.cleaned_data.items() if v}
+
+
+class MemberFilterForm(forms.Form):
+    """The admin page's member list: search and state."""
+
+    q = forms.CharField(required=False, max_length=100, label="Search")
+    state = forms.ChoiceField(
+        required=False,
+        choices=[("", "Any state"), *MembershipState.choices],
+        label="State",
+    )
+
+    def filters(self) -> dict:
+        return valid_filters(self)

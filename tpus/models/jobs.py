@@ -1,0 +1,207 @@
+"""Jobs: a person's command run on every worker of a TPU VM, one job at a time per VM.
+
+A job is desired state like a grant: the row says what should run; the job poll
+(``tpus/services/jobs.py``) learns from the workers what does. The queue of a VM is
+its jobs in ``QUEUED`` (and ``BLOCKED``) order of ``queued_at``; at most one job of a
+VM is between ``VALIDATING`` and ``CANCELLING`` at any time, and the workers' own lock
+makes two jobs on one TPU impossible even if the database were wrong.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class JobState(models.TextChoices):
+    QUEUED = "queued", "Queued"
+    BLOCKED = "blocked", "Blocked: the TPU is held outside the portal"
+    VALIDATING = "validating", "Validating"
+    STARTING = "starting", "Starting"
+    RUNNING = "running", "Running"
+    CANCELLING = "cancelling", "Cancelling"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+    LOST = "lost", "Lost"
+    REJECTED = "rejected", "Rejected by the pre-flight"
+
+
+# Waiting for the TPU, in line.
+WAITING_STATES = (JobState.QUEUED, JobState.BLOCKED)
+# Holding the VM's one place: at most one job of a VM is in one of these.
+ACTIVE_STATES = (
+    JobState.VALIDATING,
+    JobState.STARTING,
+    JobState.RUNNING,
+    JobState.CANCELLING,
+)
+ENDED_STATES = (
+    JobState.SUCCEEDED,
+    JobState.FAILED,
+    JobState.CANCELLED,
+    JobState.LOST,
+    JobState.REJECTED,
+)
+
+
+class Job(models.Model):
+    """ "milo runs train.py on tpu5": the command, the environment it runs in, and how
+    it went. The same ``host_id`` names the job on every worker."""
+
+    State = JobState
+
+    vm = models.ForeignKey("tpus.TpuVm", on_delete=models.CASCADE, related_name="jobs")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs"
+    )
+    # The job's name on the workers (its folder, the lock's holder): unique for good,
+    # so a job id is never reused on a host even after the database is rebuilt.
+    host_id = models.CharField(max_length=64, unique=True)
+    state = models.CharField(max_length=12, choices=JobState.choices, default=JobState.QUEUED)
+    # What to run. ``script``: a file in the home run with the environment's python,
+    # followed by ``args``; without it ``args`` is the whole command.
+    script = models.CharField(max_length=4096, blank=True)
+    args = models.JSONField(default=list)
+    # A venv in the home; empty: the VM's system Python.
+    python = models.CharField(max_length=4096, blank=True)
+    cwd = models.CharField(max_length=4096, blank=True)
+    # [[name, value], ...] in the order given.
+    env = models.JSONField(default=list, blank=True)
+    # TCMalloc in LD_PRELOAD when the VM has it, unless the person said no.
+    use_tcmalloc = models.BooleanField(default=True)
+    time_limit_minutes = models.PositiveIntegerField(null=True, blank=True)
+    notify = models.BooleanField("email me when it ends", default=False)
+    rerun_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="reruns"
+    )
+
+    queued_at = models.DateTimeField(default=timezone.now)
+    # When the portal began with it (the pre-flight), when every worker ran it, when
+    # the last worker ended.
+    begun_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    cancelled_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    # Why it ended other than by succeeding, in words a person can act on: the failed
+    # pre-flight checks per worker, the worker whose process failed, the reboot.
+    reason = models.TextField(blank=True)
+    # The pre-flight's lines per worker index: {"0": [[check, status, detail], ...]}.
+    preflight = models.JSONField(default=dict, blank=True)
+    notified_at = models.DateTimeField(null=True, blank=True)
+    # Any change an API client can see (``updated_since``).
+    changed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-queued_at", "-id"]
+        indexes = [
+            models.Index(fields=["vm", "state", "queued_at"]),
+            models.Index(fields=["user", "queued_at"]),
+            models.Index(fields=["vm", "ended_at"]),
+        ]
+        constraints = [
+            # The database half of "one job at a time per TPU" (the hosts' lock is
+            # the other): two jobs of one VM can never both hold its place.
+            models.UniqueConstraint(
+                fields=["vm"],
+                condition=models.Q(state__in=[s.value for s in ACTIVE_STATES]),
+                name="one_active_job_per_vm",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} on {self.vm_id}"
+
+    @property
+    def argv(self) -> list[str]:
+        """The command as the workers run it (the environment's python first, for a
+        script)."""
+        if self.script:
+            return ["python3", self.script, *self.args]
+        return list(self.args)
+
+    @property
+    def command_text(self) -> str:
+        """The command for people to read (quoted like a shell would need it)."""
+        import shlex
+
+        return shlex.join(self.argv)
+
+    @property
+    def is_waiting(self) -> bool:
+        return self.state in WAITING_STATES
+
+    @property
+    def is_active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @property
+    def has_ended(self) -> bool:
+        return self.state in ENDED_STATES
+
+    @property
+    def can_cancel(self) -> bool:
+        return self.state in (
+            *WAITING_STATES,
+            JobState.VALIDATING,
+            JobState.STARTING,
+            JobState.RUNNING,
+        )
+
+    @property
+    def duration(self):
+        if not self.started_at:
+            return None
+        return (self.ended_at or timezone.now()) - self.started_at
+
+
+class JobWorkerState(models.TextChoices):
+    PENDING = "pending", "Pending"
+    RUNNING = "running", "Running"
+    ENDED = "ended", "Ended"
+    LOST = "lost", "Lost"
+    NOT_STARTED = "not_started", "Not started"
+
+
+class JobWorker(models.Model):
+    """One worker's part of a job: its process, its exit, the tail of its log."""
+
+    State = JobWorkerState
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="parts")
+    worker = models.ForeignKey("tpus.Worker", on_delete=models.CASCADE, related_name="+")
+    index = models.PositiveSmallIntegerField()
+    state = models.CharField(
+        max_length=12, choices=JobWorkerState.choices, default=JobWorkerState.PENDING
+    )
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    boot_id = models.CharField(max_length=64, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    exit_status = models.IntegerField(null=True, blank=True)
+    signal = models.CharField(max_length=16, blank=True)
+    # The log: how many bytes the portal has read, how long it is on the worker, and
+    # the last of it (bounded) for the page.
+    log_offset = models.BigIntegerField(default=0)
+    log_size = models.BigIntegerField(default=0)
+    log_tail = models.TextField(blank=True)
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["job", "index"]
+        constraints = [models.UniqueConstraint(fields=["job", "index"], name="one_part_per_worker")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} worker {self.index}"
+
+    @property
+    def outcome(self) -> str:
+        if self.signal:
+            return f"killed by {self.signal}"
+        if self.exit_status is not None:
+            return f"exit {self.exit_status}"
+        return self.get_state_display().lower()

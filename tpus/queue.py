@@ -1,0 +1,126 @@
+"""The one place that hands work to Celery: one function per kind of work, each
+queued only once the current transaction commits (at once outside a transaction),
+so no worker acts on a change that rolled back, or reads a row before it exists.
+
+Tasks are named, not imported (as Zulip names its queues): the tasks call the
+services, and the services call this module, so importing the tasks here would tie
+the two into one knot. Tasks carry ids; they reload and re-check what they are given.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from django.db import transaction
+
+from portal.celery import app
+
+
+@functools.cache
+def _registered() -> None:
+    """Import every app's task module, as a worker does when it starts, so the names
+    below resolve in a web process too (and run in-process where tasks are eager)."""
+    app.loader.import_default_modules()
+
+
+def _on_commit(name: str, *args) -> None:
+    def send() -> None:
+        _registered()
+        app.tasks[name].apply_async(args)
+
+    transaction.on_commit(send)
+
+
+# Hosts
+
+
+def reconcile_vm(vm_id: int) -> None:
+    """Make every worker of the VM match the database."""
+    _on_commit("tpus.tasks.reconcile_vm", vm_id)
+
+
+def run_disk_operation(operation_id: int) -> None:
+    """Attach or detach a disk through the Cloud TPU API."""
+    _on_commit("tpus.tasks.run_disk_operation", operation_id)
+
+
+def check_vm_connection(connection_id: int, attempt: int) -> None:
+    """Wait until every worker of a VM accepts the lab's key (one attempt's check)."""
+    _on_commit("tpus.tasks.check_vm_connection", connection_id, attempt)
+
+
+def scan_host_keys(scan_id: int) -> None:
+    """Read the host keys a worker offers, for an admin to confirm."""
+    _on_commit("tpus.tasks.scan_worker_host_keys", scan_id)
+
+
+def advance_jobs(vm_id: int) -> None:
+    """One pass over the VM's jobs: poll the running one, start the next in line."""
+    _on_commit("tpus.tasks.advance_jobs", vm_id)
+
+
+def check_tpu_usage(vm_id: int) -> None:
+    """Look at who holds the VM's chips (for "who is using this TPU now")."""
+    _on_commit("tpus.tasks.check_tpu_usage", vm_id)
+
+
+def refresh_lab(lab_id: int) -> None:
+    """List one lab's TPU VMs from the Cloud TPU API now."""
+    _on_commit("tpus.tasks.sync_lab_inventory", lab_id)
+
+
+# Email: each task reloads its rows and sends only if the news still holds.
+
+
+def membership_requested(membership_id: int) -> None:
+    _on_commit("tpus.tasks.send_membership_email", membership_id, "requested")
+
+
+def membership_decided(membership_id: int) -> None:
+    _on_commit("tpus.tasks.send_membership_email", membership_id, "decided")
+
+
+def invite_created(invite_id: int, raw_token: str) -> None:
+    _on_commit("tpus.tasks.send_invite_email", invite_id, raw_token)
+
+
+def access_active(grant_id: int) -> None:
+    _on_commit("tpus.tasks.send_grant_email", grant_id, "active")
+
+
+def access_revoked(grant_id: int) -> None:
+    _on_commit("tpus.tasks.send_grant_email", grant_id, "revoked")
+
+
+def grant_failed(grant_id: int) -> None:
+    _on_commit("tpus.tasks.send_grant_email", grant_id, "failed")
+
+
+def expiry_warning(grant_id: int) -> None:
+    _on_commit("tpus.tasks.send_grant_email", grant_id, "expiring")
+
+
+def host_key_changed(worker_id: int) -> None:
+    _on_commit("tpus.tasks.send_host_key_alert", worker_id)
+
+
+def ip_changed(notice_id: int) -> None:
+    """One person's email about one address change (the task claims it once)."""
+    _on_commit("tpus.tasks.send_ip_change_email", notice_id)
+
+
+def drift_found(worker_id: int, usernames: list[str]) -> None:
+    _on_commit("tpus.tasks.send_drift_alert", worker_id, usernames)
+
+
+def sync_failing(zone_sync_id: int) -> None:
+    _on_commit("tpus.tasks.send_sync_alert", zone_sync_id, "failing", "")
+
+
+def sync_recovered(zone_sync_id: int, failing_since) -> None:
+    since = failing_since.isoformat() if failing_since else ""
+    _on_commit("tpus.tasks.send_sync_alert", zone_sync_id, "recovered", since)
+
+
+def job_ended(job_id: int) -> None:
+    _on_commit("tpus.tasks.send_job_email", job_id)

@@ -1,0 +1,458 @@
+"""The stdin and stdout of the job scripts (``scripts/job-*.sh``): one encoder per
+script, checking every field again with strict patterns before anything is sent (the
+scripts check once more on the host), and one parser per answer. No Django here.
+
+Formats (one record per line, see docs/jobs-host.md); free text (paths, arguments,
+environment values) travels as base64, so no byte of it is ever read by a shell::
+
+    tpu-portal-job-preflight 1            tpu-portal-job-start 1
+    user <name>                           job <id>
+    chips <count> <device glob>           user <name>
+    min_disk_mb <n>                       python <b64 venv>     (optional)
+    min_mem_mb <n>                        cwd <b64 dir>         (optional)
+    port <n>            (worker 0)        pod <host:port> <processes> <process id>
+    python <b64 venv>   (optional)        env <NAME> <b64 value>
+    script <b64 path>   (optional)        arg <b64>             (one at least)
+    env <NAME>                            end
+    end
+
+    tpu-portal-job-status 1               tpu-portal-job-cancel 1
+    max_bytes <n>                         job <id>
+    offset <job id> <bytes>               grace <seconds>
+    end                                   end
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from tpus.remote.desired import check_username
+
+# Names a job may not set: they would break the one-process-per-TPU rule, fake the
+# topology, or override what the portal sets itself. job-preflight.sh and job-start.sh
+# hold the same list.
+FORBIDDEN_ENV = frozenset({
+    "TPU_VISIBLE_CHIPS", "TPU_VISIBLE_DEVICES", "TPU_CHIPS_PER_PROCESS_BOUNDS",
+    "TPU_CHIPS_PER_HOST_BOUNDS", "TPU_PROCESS_BOUNDS", "TPU_PROCESS_ADDRESSES",
+    "TPU_PROCESS_PORT", "TPU_HOST_BOUNDS", "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES",
+    "TPU_ACCELERATOR_TYPE", "TPU_SKIP_MDS_QUERY", "TPU_MESH_CONTROLLER_ADDRESS",
+    "TPU_MESH_CONTROLLER_PORT", "CLOUD_TPU_TASK_ID", "ALLOW_MULTIPLE_LIBTPU_LOAD",
+    "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT", "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "LD_LIBRARY_PATH", "HOME", "USER",
+    "LOGNAME", "PATH", "VIRTUAL_ENV",
+})  # fmt: skip
+FORBIDDEN_ENV_PREFIX = "TPU_PORTAL_"
+
+_JOB_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_GLOB = re.compile(r"/dev/[A-Za-z0-9/_.*?-]{1,100}")
+_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}")
+MAX_TEXT = 4096
+MAX_ARGS = 256
+MAX_ENV = 128
+MAX_LOG_BYTES = 1024 * 1024
+MAX_GRACE = 600
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What job-preflight.sh checks on one worker."""
+
+    user: str
+    chips: int
+    device_glob: str
+    min_disk_mb: int
+    min_mem_mb: int
+    coordinator_port: int | None = None  # worker 0 only
+    python: str = ""  # a venv; empty: the system's python3
+    script: str = ""  # the job's script, which must lie in the home
+    env_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Pod:
+    """What ``jax.distributed.initialize`` needs, as TPU_PORTAL_* variables."""
+
+    coordinator: str  # "host:port" of worker 0
+    num_processes: int
+    process_id: int
+
+
+@dataclass(frozen=True)
+class StartJob:
+    """What job-start.sh runs on one worker."""
+
+    job_id: str
+    user: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    python: str = ""
+    cwd: str = ""
+    pod: Pod | None = None
+
+
+def encode_preflight(spec: Preflight) -> bytes:
+    lines = ["tpu-portal-job-preflight 1", f"user {check_username(spec.user)}"]
+    lines.append(f"chips {_int(spec.chips, 'chips', 0, 999)} {check_device_glob(spec.device_glob)}")
+    lines.append(f"min_disk_mb {_int(spec.min_disk_mb, 'min_disk_mb', 0, 10**9 - 1)}")
+    lines.append(f"min_mem_mb {_int(spec.min_mem_mb, 'min_mem_mb', 0, 10**9 - 1)}")
+    if spec.coordinator_port is not None:
+        lines.append(f"port {_int(spec.coordinator_port, 'port', 1, 65535)}")
+    if spec.python:
+        lines.append(f"python {_b64(check_path(spec.python, 'python'))}")
+    if spec.script:
+        lines.append(f"script {_b64(check_path(spec.script, 'script'))}")
+    names = _sequence(spec.env_names, "env_names")
+    if len(names) > MAX_ENV or len(set(names)) != len(names):
+        raise ValueError(f"at most {MAX_ENV} distinct environment names")
+    lines += [f"env {check_env_name(name)}" for name in names]
+    return _finish(lines)
+
+
+def encode_start(job: StartJob) -> bytes:
+    lines = ["tpu-portal-job-start 1", f"job {check_job_id(job.job_id)}"]
+    lines.append(f"user {check_username(job.user)}")
+    if job.python:
+        lines.append(f"python {_b64(check_path(job.python, 'python'))}")
+    if job.cwd:
+        lines.append(f"cwd {_b64(check_path(job.cwd, 'cwd'))}")
+    if job.pod is not None:
+        pod = job.pod
+        host, _, port = str(pod.coordinator).rpartition(":")
+        if not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("the coordinator is host:port")
+        count = _int(pod.num_processes, "num_processes", 1, 9999)
+        lines.append(
+            f"pod {host}:{int(port)} {count} {_int(pod.process_id, 'process_id', 0, count - 1)}"
+        )
+    env = _sequence(job.env, "env")
+    if len(env) > MAX_ENV or len({name for name, _ in env}) != len(env):
+        raise ValueError(f"at most {MAX_ENV} distinct environment variables")
+    for name, value in env:
+        lines.append(f"env {check_env_name(name)} {_b64(_text(value, f'the value of {name}'))}")
+    argv = _sequence(job.argv, "argv")
+    if not argv or len(argv) > MAX_ARGS:
+        raise ValueError(f"the command is 1 to {MAX_ARGS} arguments")
+    if not argv[0] or "=" in argv[0]:
+        raise ValueError("the command's first word is not empty and has no '='")
+    lines += [f"arg {_b64(_text(arg, 'an argument'))}" for arg in argv]
+    return _finish(lines)
+
+
+def encode_status(
+    offsets: Mapping[str, int],
+    max_bytes: int = 65536,
+    device_glob: str = "",
+    *,
+    tail: bool = False,
+) -> bytes:
+    """``device_glob``: also name every process holding a chip. ``tail``: when more
+    than ``max_bytes`` are new, answer the log's last ``max_bytes`` (for a page)
+    instead of the next ones (for a download)."""
+    lines = [
+        "tpu-portal-job-status 1",
+        f"max_bytes {_int(max_bytes, 'max_bytes', 0, MAX_LOG_BYTES)}",
+    ]
+    word = "tail" if tail else "offset"
+    for job_id, offset in offsets.items():
+        lines.append(f"{word} {check_job_id(job_id)} {_int(offset, 'offset', 0, 10**15 - 1)}")
+    if device_glob:
+        lines.append(f"chips {check_device_glob(device_glob)}")
+    return _finish(lines)
+
+
+def encode_cancel(job_id: str, grace: int) -> bytes:
+    lines = ["tpu-portal-job-cancel 1", f"job {check_job_id(job_id)}"]
+    lines.append(f"grace {_int(grace, 'grace', 0, MAX_GRACE)}")
+    return _finish(lines)
+
+
+# --- answers -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of job-preflight.sh: ``check=<name> ok|fail|note <detail>``."""
+
+    name: str
+    status: str
+    detail: str
+
+
+@dataclass
+class PreflightReport:
+    checks: list[Check]
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "fail"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def detail(self, name: str) -> str:
+        return next((c.detail for c in self.checks if c.name == name), "")
+
+    @property
+    def script_sha256(self) -> str:
+        match = re.match(r"sha256=([0-9a-f]{64}) ", self.detail("script"))
+        return match[1] if match else ""
+
+    @property
+    def versions(self) -> dict[str, str]:
+        """``python``, ``jax``, ``jaxlib``, ``libtpu``, ``requests``, ``libtpu_pin``."""
+        return dict(p.split("=", 1) for p in self.detail("python").split() if "=" in p)
+
+
+_CHECK = re.compile(r"([a-z_]+) (ok|fail|note) ?(.*)")
+
+
+def parse_preflight(values: Iterable[str]) -> PreflightReport:
+    """The ``check`` values of an answer (``ScriptResult.all("check")``)."""
+    checks = []
+    for value in values:
+        match = _CHECK.fullmatch(value)
+        if not match:
+            raise ValueError(f"not a check line: {value[:100]!r}")
+        checks.append(Check(match[1], match[2], match[3].strip()))
+    return PreflightReport(checks)
+
+
+def differing_scripts(reports: Mapping[str, PreflightReport]) -> list[str]:
+    """The workers whose script differs from worker 0's (the first given); a worker
+    whose check found no script counts as differing."""
+    if not reports:
+        return []
+    names = list(reports)
+    first = reports[names[0]].script_sha256
+    return [n for n in names[1:] if not first or reports[n].script_sha256 != first]
+
+
+def judge_versions(versions: Mapping[str, str], *, need_libtpu: bool) -> list[str]:
+    """Problems with a Python environment's versions: jax and jaxlib the same release,
+    and on a TPU libtpu within jax's own pin and ``requests`` present."""
+    problems = []
+    try:
+        jax, jaxlib = Version(versions.get("jax", "")), Version(versions.get("jaxlib", ""))
+    except InvalidVersion:
+        return ["jax or jaxlib is missing"]
+    if jaxlib.release[:2] != jax.release[:2] or jaxlib > jax:
+        problems.append(f"jaxlib {jaxlib} does not fit jax {jax}")
+    if need_libtpu:
+        pin = versions.get("libtpu_pin", "none")
+        libtpu = versions.get("libtpu", "none")
+        if libtpu == "none":
+            problems.append("libtpu is not installed (pip install 'jax[tpu]')")
+        elif pin != "none":
+            try:
+                spec = SpecifierSet(pin.removeprefix("libtpu"))
+                if Version(libtpu) not in spec:
+                    problems.append(f"libtpu {libtpu} does not fit jax's pin {pin}")
+            except (InvalidSpecifier, InvalidVersion):
+                problems.append(f"cannot judge libtpu {libtpu} against {pin}")
+        if versions.get("requests", "none") == "none":
+            problems.append("requests is not installed (jax reads the TPU's metadata with it)")
+    return problems
+
+
+@dataclass(frozen=True)
+class StartAnswer:
+    outcome: str  # started | running | refused
+    reason: str = ""  # for refused: "busy <job>" or "ended"
+    pid: int | None = None
+    boot_id: str = ""
+    started_at: float | None = None
+
+
+def parse_start(values: Mapping[str, str]) -> StartAnswer:
+    outcome, _, reason = values.get("start", "").partition(" ")
+    if outcome not in ("started", "running", "refused"):
+        raise ValueError(f"job-start.sh gave no outcome: {values.get('start')!r}")
+    if outcome != "started":
+        return StartAnswer(outcome, reason)
+    return StartAnswer(
+        outcome,
+        pid=int(values["pid"]),
+        boot_id=values["boot_id"],
+        started_at=float(values["started_at"]),
+    )
+
+
+@dataclass
+class JobState:
+    """One job on one worker, as job-status.sh saw it."""
+
+    job_id: str
+    state: str  # running | ended | lost | unknown
+    pid: int | None = None
+    boot_id: str = ""
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_status: int | None = None
+    signal: str = ""
+    cancel_requested: bool = False
+    process_alive: bool = False
+    log_size: int = 0
+    log_offset: int = 0
+    log: bytes = b""
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state == "ended" and self.exit_status == 0
+
+
+@dataclass(frozen=True)
+class ChipHolder:
+    """A process with a chip open: ``pgid`` tells the portal's own job's from others."""
+
+    device: str
+    pid: int
+    pgid: int | None
+    user: str
+    command: str
+
+
+@dataclass
+class StatusReport:
+    boot_id: str
+    lock_holder: str | None  # the job holding the TPU's lock, or None when free
+    jobs: dict[str, JobState] = field(default_factory=dict)
+    holders: list[ChipHolder] = field(default_factory=list)
+
+
+_STATES = ("running", "ended", "lost", "unknown")
+
+
+def parse_status(pairs: Sequence[tuple[str, str]]) -> StatusReport:
+    """The ``(key, value)`` pairs of job-status.sh (``ScriptResult.pairs``)."""
+    values = dict(pairs)
+    lock = values.get("lock", "")
+    if lock != "free" and not lock.startswith("held "):
+        raise ValueError(f"job-status.sh gave no lock state: {lock!r}")
+    report = StatusReport(values.get("boot_id", ""), None if lock == "free" else lock[5:])
+    for key, value in pairs:
+        if key == "job":
+            report.jobs[_job_id_of(value)] = _job_state(value)
+        elif key == "log":
+            job_id, offset, data = (value.split(" ", 2) + [""])[:3]
+            job = report.jobs.get(job_id)
+            if job is None:
+                raise ValueError(f"log bytes for a job not reported: {job_id!r}")
+            job.log_offset, job.log = int(offset), base64.b64decode(data, validate=True)
+        elif key == "holder":
+            report.holders.append(_holder(value))
+    return report
+
+
+_HOLDER = re.compile(r"(/dev/\S+) pid=([0-9]+) pgid=([0-9]+|\?) user=(\S+) command=(.*)")
+
+
+def _holder(value: str) -> ChipHolder:
+    match = _HOLDER.fullmatch(value)
+    if not match:
+        raise ValueError(f"not a holder line: {value[:100]!r}")
+    pgid = None if match[3] == "?" else int(match[3])
+    return ChipHolder(match[1], int(match[2]), pgid, match[4], match[5].strip())
+
+
+def _job_id_of(value: str) -> str:
+    return check_job_id(value.split(" ", 1)[0])
+
+
+def _job_state(value: str) -> JobState:
+    parts = value.split(" ")
+    job = JobState(parts[0], parts[1] if len(parts) > 1 else "")
+    if job.state not in _STATES:
+        raise ValueError(f"unknown job state {job.state!r}")
+    fields = dict(p.split("=", 1) for p in parts[2:] if "=" in p)
+
+    def number(key, kind):
+        text = fields.get(key, "-")
+        return None if text in ("-", "") else kind(text)
+
+    job.pid = number("pid", int)
+    job.boot_id = fields.get("boot_id", "")
+    job.started_at = number("started_at", float)
+    job.ended_at = number("ended_at", float)
+    job.exit_status = number("exit", int)
+    job.signal = "" if fields.get("signal", "-") == "-" else fields["signal"]
+    job.cancel_requested = fields.get("cancel") == "1"
+    job.process_alive = fields.get("process") == "alive"
+    job.log_size = number("log_size", int) or 0
+    return job
+
+
+def parse_cancel(values: Mapping[str, str]) -> tuple[str, bool]:
+    """How the job ended (``term``, ``kill``, ``ended``, ``unknown``) and whether the
+    TPU's lock is free now."""
+    how = values.get("cancel", "")
+    if how not in ("term", "kill", "ended", "unknown"):
+        raise ValueError(f"job-cancel.sh gave no outcome: {how!r}")
+    return how, values.get("lock") == "free"
+
+
+# --- field checks --------------------------------------------------------------------
+
+
+def check_job_id(value: object) -> str:
+    if not isinstance(value, str) or not _JOB_ID.fullmatch(value):
+        raise ValueError("a job id is 1-64 of a-z, 0-9 and '-', starting with a letter or digit")
+    return value
+
+
+def check_env_name(value: object) -> str:
+    if not isinstance(value, str) or not _ENV_NAME.fullmatch(value):
+        raise ValueError(
+            "an environment name is letters, digits and '_', not starting with a digit"
+        )
+    if value in FORBIDDEN_ENV or value.startswith(FORBIDDEN_ENV_PREFIX):
+        raise ValueError(f"{value} is set by the portal or breaks one process per TPU")
+    return value
+
+
+def check_device_glob(value: object) -> str:
+    if not isinstance(value, str) or not _GLOB.fullmatch(value) or ".." in value:
+        raise ValueError("a device glob is a pattern under /dev such as /dev/accel*")
+    return value
+
+
+def check_path(value: object, what: str) -> str:
+    text = _text(value, what)
+    if not text.startswith("/"):
+        raise ValueError(f"{what} must be an absolute path")
+    return text
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str) or len(value.encode()) > MAX_TEXT:
+        raise ValueError(f"{what} must be text of at most {MAX_TEXT} bytes")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{what} must not contain control characters")
+    return value
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _int(value: object, what: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{what} must be an integer from {low} to {high}")
+    return value
+
+
+def _sequence(value: object, what: str) -> tuple:
+    if isinstance(value, str | bytes) or not isinstance(value, tuple | list):
+        raise ValueError(f"{what} must be a tuple")
+    return tuple(value)
+
+
+def _finish(lines: list[str]) -> bytes:
+    return ("\n".join([*lines, "end"]) + "\n").encode("ascii")

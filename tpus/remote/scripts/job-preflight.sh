@@ -1,0 +1,281 @@
+#!/bin/sh
+# Checks, before a job touches the TPU, that this worker can run it: one line per check
+#   check=<name> ok|fail|note <detail>
+# A job starts only when no check says fail. Changes nothing, except that a stale
+# /tmp/libtpu_lockfile (no process holds its lock) is removed, which the check notes.
+#
+# Input on stdin (format: tpus/remote/jobs.py, docs/jobs-host.md):
+#   tpu-portal-job-preflight 1
+#   user <name>
+#   chips <expected count> <device glob>
+#   min_disk_mb <n>                min_mem_mb <n>
+#   port <n>                       (worker 0: the coordinator's port must be free)
+#   python <base64 venv dir>       (optional; else the system's python3)
+#   script <base64 path>           (optional: the job's script, must be in the home)
+#   env <NAME>                     (repeated: the names the job sets)
+#   end
+set -eu
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+LC_ALL=C
+export PATH LC_ALL
+
+LIBTPU_LOCK=/tmp/libtpu_lockfile
+PORTAL_LOCK=/run/tpu-portal/tpu.lock
+HOLDER=/run/tpu-portal/holder
+MAX_INPUT=65536
+FORBIDDEN='^(TPU_VISIBLE_CHIPS|TPU_VISIBLE_DEVICES|TPU_CHIPS_PER_PROCESS_BOUNDS|TPU_CHIPS_PER_HOST_BOUNDS|TPU_PROCESS_BOUNDS|TPU_PROCESS_ADDRESSES|TPU_PROCESS_PORT|TPU_HOST_BOUNDS|TPU_WORKER_ID|TPU_WORKER_HOSTNAMES|TPU_ACCELERATOR_TYPE|TPU_SKIP_MDS_QUERY|TPU_MESH_CONTROLLER_ADDRESS|TPU_MESH_CONTROLLER_PORT|CLOUD_TPU_TASK_ID|ALLOW_MULTIPLE_LIBTPU_LOAD|JAX_COORDINATOR_ADDRESS|JAX_COORDINATOR_PORT|JAX_NUM_PROCESSES|JAX_PROCESS_ID|JAX_LOCAL_DEVICE_IDS|LD_LIBRARY_PATH|TPU_PORTAL_[A-Z0-9_]*|HOME|USER|LOGNAME|PATH|VIRTUAL_ENV)$'
+# Reads the environment's versions from the packages' metadata: no jax import.
+PYCODE='import sys, importlib.metadata as m
+def v(n):
+    try:
+        return m.version(n)
+    except m.PackageNotFoundError:
+        return "none"
+pin = "none"
+if v("jax") != "none":
+    for r in m.requires("jax") or []:
+        if r.startswith("libtpu") and "tpu" in r.split(";", 1)[-1]:
+            pin = r.split(";")[0].replace(" ", "")
+print("python=%d.%d.%d" % sys.version_info[:3], "jax=" + v("jax"), "jaxlib=" + v("jaxlib"),
+      "libtpu=" + v("libtpu"), "requests=" + v("requests"), "libtpu_pin=" + pin)'
+
+die() {
+    echo "job-preflight: $*" >&2
+    exit 1
+}
+# The checks are collected as NUL-ended records and written out at the end, each
+# made one line of safe characters (it goes back to the portal) by one pipeline
+# instead of three programs per check.
+check() {
+    printf 'check=%s %s %s\0' "$1" "$2" "$3" >>"$work/checks"
+}
+answer() {
+    tr '\n' ' ' <"$work/checks" | tr -c 'A-Za-z0-9 ._:,/()=@+~#%*\000-' ' ' |
+        tr '\0' '\n' | cut -c 1-440
+}
+lock_key() {
+    dev=$(stat -c %d "$1")
+    printf '%02x:%02x:%s' $(((dev >> 8) & 0xfff)) $(((dev & 0xff) | ((dev >> 12) & 0xfff00))) "$(stat -c %i "$1")"
+}
+describe_pid() {
+    owner=$(stat -c %U "/proc/$1" 2>/dev/null || echo "?")
+    command=$(tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | cut -c 1-200)
+    printf 'pid=%s user=%s command=%s' "$1" "$owner" "${command:-?}"
+}
+
+work=$(mktemp -d)
+trap 'rm -rf -- "$work"' EXIT
+input=$work/input
+head -c $((MAX_INPUT + 1)) >"$input"
+[ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
+[ "$(head -n 1 "$input")" = "tpu-portal-job-preflight 1" ] || die "the input has no tpu-portal-job-preflight 1 header"
+[ "$(tail -n 1 "$input")" = end ] || die "the input was cut off (no final end)"
+B64='[A-Za-z0-9+/]+={0,2}'
+if grep -n -v -E "^(tpu-portal-job-preflight 1|end|user [a-z][a-z0-9-]{0,30}|chips [0-9]{1,3} /dev/[A-Za-z0-9/_.*?-]{1,100}|min_disk_mb [0-9]{1,9}|min_mem_mb [0-9]{1,9}|port [0-9]{1,5}|python $B64|script $B64|env [A-Za-z_][A-Za-z0-9_]{0,127})$" "$input" >"$work/bad"; then
+    die "line $(head -n 1 "$work/bad" | cut -d: -f1) of the input is not allowed"
+fi
+# Every line passed the pattern above: read them with the shell's own read.
+user="" expected="" glob="" min_disk="" min_mem="" port="" python_b64="" script_b64=""
+n_user=0 n_chips=0 n_disk=0 n_mem=0 n_env=0
+: >"$work/env"
+while read -r key value rest; do
+    case $key in
+        user) user=$value n_user=$((n_user + 1)) ;;
+        chips) expected=$value glob=$rest n_chips=$((n_chips + 1)) ;;
+        min_disk_mb) min_disk=$value n_disk=$((n_disk + 1)) ;;
+        min_mem_mb) min_mem=$value n_mem=$((n_mem + 1)) ;;
+        port) [ -n "$port" ] || port=$value ;;
+        python) [ -n "$python_b64" ] || python_b64=$value ;;
+        script) [ -n "$script_b64" ] || script_b64=$value ;;
+        env)
+            echo "$value" >>"$work/env"
+            n_env=$((n_env + 1))
+            ;;
+    esac
+done <"$input"
+[ "$n_user" = 1 ] || die "the input needs exactly one user line"
+[ "$n_chips" = 1 ] || die "the input needs exactly one chips line"
+[ "$n_disk" = 1 ] || die "the input needs exactly one min_disk_mb line"
+[ "$n_mem" = 1 ] || die "the input needs exactly one min_mem_mb line"
+case $glob in
+    *..*) die "the device glob must not contain '..'" ;;
+esac
+decode() {
+    printf '%s' "$1" | base64 -d 2>/dev/null || die "a base64 field is not valid"
+}
+entry=$(getent passwd "$user") || die "no user $user on this worker"
+IFS=: read -r _ _ uid gid _ home _ <<EOF
+$entry
+EOF
+[ "$uid" -ge 1000 ] || die "jobs never run as a system account ($user has uid $uid)"
+as_user() {
+    setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- \
+        env -i "HOME=$home" PATH=/usr/local/bin:/usr/bin:/bin LC_ALL=C "$@"
+}
+
+# --- the chips: there, and nobody holding one -------------------------------------
+found=0
+: >"$work/chips"
+for device in $glob; do
+    if [ -e "$device" ]; then
+        found=$((found + 1))
+        echo "$device" >>"$work/chips"
+    fi
+done
+if [ "$found" -eq "$expected" ]; then
+    check chips ok "$found of $expected at $glob"
+else
+    check chips fail "$found of $expected at $glob"
+fi
+# One find over every process's descriptors (not a program per descriptor): the first
+# chip each process has open, as "<pid> <device>".
+find /proc/[0-9]*/fd -maxdepth 1 -type l -printf '%h %l\n' 2>/dev/null |
+    awk -v self=$$ 'NR == FNR { chip[$0] = 1; next }
+        { split($1, p, "/"); pid = p[3] }
+        pid != self && ($2 in chip) && !(pid in seen) { seen[pid] = 1; print pid, $2 }' \
+        "$work/chips" - >"$work/holders"
+holders=0
+while read -r pid target; do
+    holders=$((holders + 1))
+    check chip_holder fail "$target $(describe_pid "$pid")"
+done <"$work/holders"
+[ "$holders" -gt 0 ] || check chip_holder ok "no process has a chip open"
+
+# --- libtpu's lock file, and the portal's own lock ---------------------------------
+if [ -e "$LIBTPU_LOCK" ] || [ -L "$LIBTPU_LOCK" ]; then
+    key=$(lock_key "$LIBTPU_LOCK" 2>/dev/null || echo none)
+    holder=$(awk -v k="$key" '$0 ~ " " k " " { for (i = 1; i <= NF; i++) if ($i == k) print $(i - 1) }' /proc/locks | head -n 1)
+    if [ -n "$holder" ] && [ -d "/proc/$holder" ]; then
+        check libtpu_lockfile fail "$LIBTPU_LOCK is held by $(describe_pid "$holder")"
+    else
+        owner=$(stat -c %U "$LIBTPU_LOCK" 2>/dev/null || echo "?")
+        rm -f -- "$LIBTPU_LOCK"
+        check libtpu_lockfile note "removed a stale $LIBTPU_LOCK of $owner (no process held it)"
+    fi
+else
+    check libtpu_lockfile ok "no $LIBTPU_LOCK"
+fi
+if [ -f "$PORTAL_LOCK" ] && ! flock -n "$PORTAL_LOCK" true; then
+    check portal_lock fail "job $(cat "$HOLDER" 2>/dev/null || echo unknown) holds this TPU"
+else
+    check portal_lock ok "free"
+fi
+
+# --- the coordinator's port (worker 0 only) ----------------------------------------
+if [ -n "$port" ]; then
+    hex=$(printf '%04X' "$port")
+    if cat /proc/net/tcp /proc/net/tcp6 2>/dev/null |
+        awk -v p=":$hex" '$4 == "0A" && substr($2, length($2) - 4) == p { found = 1 } END { exit !found }'; then
+        check port fail "port $port is already listening"
+    else
+        check port ok "port $port is free"
+    fi
+fi
+
+# --- the Python environment, read as the user --------------------------------------
+# Reading the versions starts the environment's Python (the slowest check), so the
+# answer is kept, root's, in /run (gone at reboot) under a key of what it depends on:
+# the interpreter and the folders its packages live in (installing, upgrading or
+# removing a package changes its folder's time).
+PYCACHE=/run/tpu-portal/python-versions
+python_versions() {
+    set -- "$python"
+    for dir in "$venv"/lib/python3*/site-packages "$home"/.local/lib/python3*/site-packages \
+        /usr/lib/python3/dist-packages /usr/local/lib/python3*/dist-packages; do
+        [ ! -d "$dir" ] || set -- "$@" "$dir"
+    done
+    key=$({ echo "$uid $python"; stat -L -c '%n %d %i %y %z %s' -- "$@"; } 2>/dev/null | sha256sum)
+    key=${key%% *}
+    if [ -f "$PYCACHE/$key" ]; then
+        cat "$PYCACHE/$key"
+        return 0
+    fi
+    found=$(as_user timeout 20 "$python" -E -c "$PYCODE") || return 1
+    if [ -d "$PYCACHE" ] || { mkdir -p "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
+        printf '%s\n' "$found" >"$PYCACHE/$key"
+    fi
+    printf '%s\n' "$found"
+}
+if [ -n "$python_b64" ]; then
+    venv=$(decode "$python_b64")
+    python=$venv/bin/python
+else
+    venv="" python=/usr/bin/python3
+fi
+case $python in
+    /*[![:print:]]* | [!/]*) check python fail "the environment path must be absolute and printable" ;;
+    *)
+        if ! as_user test -x "$python"; then
+            check python fail "$python is not there or $user cannot run it"
+        elif ! versions=$(python_versions 2>"$work/err"); then
+            check python fail "$python did not run: $(tail -n 1 "$work/err")"
+        else
+            case $versions in
+                *"jax=none"* | *"jaxlib=none"*) check python fail "$python has no jax or jaxlib: $versions" ;;
+                *) check python ok "$versions" ;;
+            esac
+        fi
+        ;;
+esac
+
+# --- the script: a regular file in the home, readable by the user, and its hash -----
+if [ -n "$script_b64" ]; then
+    script=$(decode "$script_b64")
+    real_home=$(realpath -e -- "$home" 2>/dev/null || echo "$home")
+    if ! resolved=$(as_user realpath -e -- "$script" 2>/dev/null); then
+        check script fail "$script does not exist or $user cannot reach it"
+    else
+        case $resolved in
+            "$real_home"/*)
+                if ! as_user test -f "$resolved"; then
+                    check script fail "$script is not a regular file"
+                elif ! sum=$(as_user sha256sum -- "$resolved" 2>/dev/null); then
+                    check script fail "$user cannot read $script"
+                else
+                    check script ok "sha256=${sum%% *} $resolved"
+                fi
+                ;;
+            *) check script fail "$script resolves to $resolved, outside $user's home" ;;
+        esac
+    fi
+fi
+
+# --- room: disk in the home, memory ------------------------------------------------
+disk=$(df -Pk -- "$home" 2>/dev/null | awk 'NR == 2 { print int($4 / 1024) }')
+if [ -z "$disk" ]; then
+    check disk fail "cannot read the free space of $home"
+elif [ "$disk" -ge "$min_disk" ]; then
+    check disk ok "${disk} MB free in $home"
+else
+    check disk fail "${disk} MB free in $home, below $min_disk MB"
+fi
+mem=$(awk '$1 == "MemAvailable:" { print int($2 / 1024) }' /proc/meminfo)
+if [ "$mem" -ge "$min_mem" ]; then
+    check memory ok "${mem} MB available"
+else
+    check memory fail "${mem} MB available, below $min_mem MB"
+fi
+
+# --- the environment's names, and TCMalloc -----------------------------------------
+if grep -E "$FORBIDDEN" "$work/env" >"$work/bad"; then
+    check env fail "not allowed: $(tr '\n' ' ' <"$work/bad")"
+else
+    check env ok "$n_env names"
+fi
+tcmalloc=""
+for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 /usr/lib/aarch64-linux-gnu/libtcmalloc.so.4 \
+    /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4; do
+    if [ -f "$lib" ]; then
+        tcmalloc=$lib
+        break
+    fi
+done
+if grep -q -x 'LD_PRELOAD' "$work/env"; then
+    check tcmalloc note "LD_PRELOAD is set by the job"
+elif [ -n "$tcmalloc" ]; then
+    check tcmalloc note "found $tcmalloc"
+else
+    check tcmalloc note "none"
+fi
+
+answer

@@ -1,0 +1,262 @@
+"""Connecting a TPU VM to its lab: the lab's public key goes into the node's
+``ssh-keys`` metadata through the Cloud TPU API, Google's guest agent creates the
+portal's account with sudo on every worker, and the portal waits until each worker
+accepts the lab's key with its pinned host key. Disconnect takes the line out again.
+
+The metadata change happens in the admin's request (it is one API call and its
+operation); the wait for the workers is queued work that records progress per worker.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from portal import audit
+from tpus import access, queue
+from tpus.cloud import CloudError, KeyLine, cloud_tpu
+from tpus.cloud.sshkeys import OSLOGIN, is_true
+from tpus.models import AuditAction, ConnectionState, TpuVm, VmConnection
+from tpus.models.inventory import VmSource
+from tpus.remote import HostKeyPins, RemoteError, run_script
+from tpus.remote import Worker as RemoteWorker
+from tpus.services.hosts import hosts_must_change
+from tpus.services.labkeys import lab_key, login_for
+
+WAITING, ACCEPTED, REFUSED = "waiting", "accepted", "refused"
+
+# Shown when workers still refuse the key after the wait: what usually causes it.
+WHY_REFUSED = (
+    "The lab's key is in the node's ssh-keys metadata, but the workers did not accept it "
+    "in time. Likely causes: OS Login is enabled for the project (enable-oslogin=TRUE in "
+    "the project's Compute Engine metadata turns metadata keys off; set it to FALSE on "
+    "the node or the project), or Google's guest agent is not running on the workers "
+    "(it creates the account from ssh-keys). block-project-ssh-keys does not matter: "
+    "the key is a node key, not a project key."
+)
+
+
+class ConnectError(Exception):
+    """Connect or Disconnect was refused or failed; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ManualRoute:
+    """What an admin needs to connect the VM by hand."""
+
+    line: str  # tpu-portal:ssh-ed25519 AAAA… tpu-portal@lab
+    command: str  # the gcloud command
+
+
+def key_line(vm: TpuVm) -> KeyLine:
+    return KeyLine(settings.PORTAL_LAB_SSH_USER, lab_key(vm.lab).public_line)
+
+
+def manual_route(vm: TpuVm) -> ManualRoute:
+    line = key_line(vm).text
+    command = (
+        f"gcloud compute tpus tpu-vm update {vm.name} --zone={vm.zone} "
+        f"--project={vm.lab.gcp_project_id} --update-metadata=ssh-keys='<existing lines>\n{line}'"
+    )
+    return ManualRoute(line=line, command=command)
+
+
+def connection_of(vm: TpuVm) -> VmConnection:
+    """The VM's connection record (not connected, when none was ever made)."""
+    return VmConnection.objects.filter(vm=vm).first() or VmConnection(vm=vm)
+
+
+def _check(admin, vm: TpuVm) -> None:
+    if not access.is_lab_admin(admin, vm.lab):
+        raise ConnectError("Only the lab's admins connect its TPU VMs.")
+    if vm.lab.uses_site_key:
+        raise ConnectError(
+            f"{vm.lab.name} logs in to its workers with the site-wide SSH key (a site "
+            "admin's choice), not with a key of its own, so there is nothing to connect: "
+            "the site-wide key's account must already be on the VM."
+        )
+    if vm.source != VmSource.IMPORTED:
+        raise ConnectError(
+            f"{vm.name} was registered by hand, so the portal cannot change its metadata "
+            "through the Cloud TPU API. Add the lab's key to the VM yourself (see below)."
+        )
+
+
+def _explain(error: CloudError, vm: TpuVm) -> str:
+    project = vm.lab.gcp_project_id
+    if error.code == "PERMISSION_DENIED":
+        return (
+            f"The portal's service account lacks tpu.nodes.update on {project}: grant it "
+            "roles/tpu.admin there, or add the key by hand with the gcloud line below."
+        )
+    if error.code == "NOT_FOUND":
+        return f"The Cloud TPU API does not know {vm.name} in {vm.zone} of {project}."
+    return str(error)
+
+
+def _node(vm: TpuVm) -> tuple[str, str, str]:
+    return (vm.lab.gcp_project_id, vm.zone, vm.name)
+
+
+def connect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:
+    """Add the lab's key line to the node's ``ssh-keys`` and queue the wait for the
+    workers. Raises ConnectError (and changes nothing) when it cannot."""
+    _check(admin, vm)
+    key = key_line(vm)
+    client = cloud_tpu()
+    try:
+        metadata = client.node_metadata(*_node(vm))
+        if is_true(metadata.get(OSLOGIN)):
+            raise ConnectError(
+                f"OS Login is enabled on {vm.name} ({OSLOGIN}={metadata[OSLOGIN]} in its "
+                "metadata), so its workers ignore ssh-keys. Set enable-oslogin=FALSE on the "
+                f"node (gcloud compute tpus tpu-vm update {vm.name} --zone={vm.zone} "
+                f"--project={vm.lab.gcp_project_id} --update-metadata=enable-oslogin=FALSE) "
+                "and connect again."
+            )
+        change = client.add_ssh_key(*_node(vm), key)
+    except CloudError as error:
+        raise ConnectError(_explain(error, vm)) from error
+    workers = {str(w.index): {"state": WAITING, "detail": ""} for w in vm.workers.all()}
+    with transaction.atomic():
+        connection, _ = VmConnection.objects.select_for_update().get_or_create(vm=vm)
+        connection.state = ConnectionState.CONNECTING
+        connection.reason = ""
+        connection.workers = workers
+        connection.requested_by = admin
+        connection.started_at = timezone.now()
+        connection.finished_at = None
+        connection.attempt += 1
+        connection.save()
+        audit.record(
+            AuditAction.VM_CONNECT_REQUESTED,
+            actor=admin,
+            lab=vm.lab,
+            summary=f"{key.user} key added to {vm.name}'s ssh-keys"
+            + ("" if change.changed else " (it was already there)"),
+            data={"vm": vm.pk, "attempts": change.attempts, "changed": change.changed},
+            request=request,
+        )
+        queue.check_vm_connection(connection.pk, connection.attempt)
+    return connection
+
+
+def disconnect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:
+    """Remove the lab's key line from the node's ``ssh-keys``; every other line stays."""
+    _check(admin, vm)
+    key = key_line(vm)
+    try:
+        change = cloud_tpu().remove_ssh_key(*_node(vm), key)
+    except CloudError as error:
+        raise ConnectError(_explain(error, vm)) from error
+    with transaction.atomic():
+        connection, _ = VmConnection.objects.select_for_update().get_or_create(vm=vm)
+        connection.state = ConnectionState.DISCONNECTED
+        connection.reason = ""
+        connection.workers = {}
+        connection.requested_by = admin
+        connection.finished_at = timezone.now()
+        connection.attempt += 1  # a check still running stops writing
+        connection.save()
+        audit.record(
+            AuditAction.VM_DISCONNECTED,
+            actor=admin,
+            lab=vm.lab,
+            summary=f"{key.user} key removed from {vm.name}'s ssh-keys"
+            + ("" if change.changed else " (it was not there)"),
+            data={"vm": vm.pk, "changed": change.changed},
+            request=request,
+        )
+    return connection
+
+
+def stalled_connections() -> list[tuple[int, int]]:
+    """Connections still "connecting" long after any check of them could be running
+    (the worker that ran it died): ``(id, attempt)`` pairs to check again."""
+    wait = float(settings.PORTAL_CONNECT_WAIT_SECONDS) + 60
+    before = timezone.now() - dt.timedelta(seconds=wait)
+    return list(
+        VmConnection.objects.filter(
+            state=ConnectionState.CONNECTING, started_at__lt=before
+        ).values_list("pk", "attempt")
+    )
+
+
+def _still_current(connection_id: int, attempt: int) -> bool:
+    return VmConnection.objects.filter(
+        pk=connection_id, attempt=attempt, state=ConnectionState.CONNECTING
+    ).exists()
+
+
+def _save_workers(connection_id: int, attempt: int, workers: dict) -> bool:
+    return bool(
+        VmConnection.objects.filter(
+            pk=connection_id, attempt=attempt, state=ConnectionState.CONNECTING
+        ).update(workers=workers)
+    )
+
+
+def check_connection(connection_id: int, attempt: int) -> None:
+    """Try every worker with the lab's login until all accept it or the wait is over;
+    record each worker's answer as it comes, then the outcome."""
+    connection = VmConnection.objects.select_related("vm__lab").filter(pk=connection_id).first()
+    if connection is None or not _still_current(connection_id, attempt):
+        return
+    vm = connection.vm
+    login = login_for(vm.lab)
+    deadline = time.monotonic() + float(settings.PORTAL_CONNECT_WAIT_SECONDS)
+    pause = float(settings.PORTAL_CONNECT_POLL_SECONDS)
+    workers = dict(connection.workers)
+    rows = {str(w.index): w for w in vm.workers.all()}
+    while True:
+        for index, row in sorted(rows.items()):
+            if workers.get(index, {}).get("state") == ACCEPTED:
+                continue
+            remote = RemoteWorker(
+                address=row.external_ip or "",
+                pins=HostKeyPins.parse(row.host_keys),
+                name=row.alias,
+                login=login,
+            )
+            try:
+                run_script(remote, "whoami.sh")
+                workers[index] = {"state": ACCEPTED, "detail": ""}
+            except RemoteError as error:
+                workers[index] = {"state": REFUSED, "detail": str(error)[:300]}
+                if error.kind in (RemoteError.HOST_KEY, RemoteError.NO_PIN):
+                    return _finish(connection_id, attempt, workers, str(error))
+        if not _save_workers(connection_id, attempt, workers):
+            return  # disconnected or connected again meanwhile
+        if all(w["state"] == ACCEPTED for w in workers.values()):
+            return _finish(connection_id, attempt, workers, "")
+        if time.monotonic() + pause > deadline:
+            return _finish(connection_id, attempt, workers, WHY_REFUSED)
+        time.sleep(pause)
+
+
+def _finish(connection_id: int, attempt: int, workers: dict, reason: str) -> None:
+    state = ConnectionState.FAILED if reason else ConnectionState.CONNECTED
+    with transaction.atomic():
+        updated = VmConnection.objects.filter(
+            pk=connection_id, attempt=attempt, state=ConnectionState.CONNECTING
+        ).update(state=state, reason=reason, workers=workers, finished_at=timezone.now())
+        if not updated:
+            return
+        connection = VmConnection.objects.select_related("vm__lab", "requested_by").get(
+            pk=connection_id
+        )
+        vm = connection.vm
+        audit.record(
+            AuditAction.VM_CONNECT_FAILED if reason else AuditAction.VM_CONNECTED,
+            actor=connection.requested_by,
+            lab=vm.lab,
+            summary=f"{vm.name}: {reason or 'every worker accepts the lab key'}",
+            data={"vm": vm.pk, "workers": workers},
+        )
+        if not reason:
+            hosts_must_change(vm, "every worker accepts the lab key")

@@ -1,0 +1,167 @@
+"""Finding people and TPU VMs inside one lab: the searches behind the admin pages'
+lists and pickers, and turning what an admin typed into the one person or VM they
+meant. Every query here starts from the lab, so another lab's people and VMs never
+appear and cannot be chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.db.models import Count, Exists, F, OuterRef, Q, QuerySet
+
+from tpus.models import Lab, Membership, TpuVm
+from tpus.services.grants import why_not_grantable
+
+# A picker shows this many matches at most; typing more narrows them.
+PICKER_LIMIT = 20
+
+
+class NoMatch(ValueError):
+    """What was typed names no one (or nothing) that can be chosen; the message says
+    who or what is missing and why."""
+
+
+def memberships(lab: Lab, *, q: str = "", state: str = "") -> QuerySet[Membership]:
+    """The lab's memberships matching ``q`` (part of a name, email or unix username)
+    and ``state`` (any state when empty), admins first, then by email."""
+    found = lab.memberships.select_related("user__unix_account")
+    if state:
+        found = found.filter(state=state)
+    q = q.strip()
+    if q:
+        found = found.filter(
+            Q(user__full_name__icontains=q)
+            | Q(user__email__icontains=q)
+            | Q(user__unix_account__username__icontains=q)
+        )
+    return found.order_by("role", "user__email", "pk")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A person a picker offers: the value to submit, a label, and why they cannot be
+    chosen yet ("" when they can)."""
+
+    value: str
+    label: str
+    problem: str
+
+
+def grantee_candidates(lab: Lab, q: str) -> list[Candidate]:
+    """Up to ``PICKER_LIMIT`` approved members matching ``q``; those who cannot be
+    given access yet come with the reason."""
+    q = q.strip()
+    if not q:
+        return []
+    found = memberships(lab, q=q, state=Membership.State.APPROVED).order_by(
+        "user__unix_account__username", "user__email", "pk"
+    )[:PICKER_LIMIT]
+    candidates = []
+    for membership in found:
+        email = membership.user.email
+        account = getattr(membership.user, "unix_account", None)
+        username = account.username if account else ""
+        candidates.append(
+            Candidate(
+                value=username or email,
+                label=f"{username} ({email})" if username else email,
+                problem=why_not_grantable(lab, membership),
+            )
+        )
+    return candidates
+
+
+def resolve_grantee(lab: Lab, typed: str):
+    """The person ``typed`` names (their unix username or email, any case) who may be
+    given access in ``lab``; ``NoMatch`` says who is missing and why."""
+    typed = typed.strip()
+    if not typed:
+        raise NoMatch("Type a member's unix username or email address.")
+    key = "user__email__iexact" if "@" in typed else "user__unix_account__username__iexact"
+    membership = lab.memberships.select_related("user__unix_account").filter(**{key: typed}).first()
+    if membership is None:
+        raise NoMatch(f"No one in {lab.name} has the unix username or email address “{typed}”.")
+    problem = why_not_grantable(lab, membership)
+    if problem:
+        raise NoMatch(problem)
+    return membership.user
+
+
+def vms(lab: Lab, *, name: str = "", zone: str = "", state: str = "", accelerator: str = ""):
+    """The lab's TPU VMs whose name contains ``name``, in ``zone``, in ``state`` and of
+    ``accelerator`` type (each ignored when empty), by name."""
+    found = lab.vms.all()
+    if name.strip():
+        found = found.filter(name__icontains=name.strip())
+    if zone:
+        found = found.filter(zone=zone)
+    if state == "missing":
+        found = found.exclude(missing_since=None)
+    elif state:
+        found = found.filter(state=state, missing_since=None)
+    if accelerator:
+        found = found.filter(accelerator_type=accelerator)
+    return found.order_by("name", "zone", "pk")
+
+
+def vm_candidates(lab: Lab, q: str) -> list[TpuVm]:
+    """Up to ``PICKER_LIMIT`` of the lab's TPU VMs (still listed by the API) whose name
+    contains ``q``."""
+    if not q.strip():
+        return []
+    return list(vms(lab, name=q).filter(missing_since=None)[:PICKER_LIMIT])
+
+
+def resolve_vm(lab: Lab, typed: str) -> TpuVm:
+    """The lab's TPU VM named ``typed`` (any case); ``NoMatch`` when there is none, it
+    is gone from the Cloud TPU API, or the name is in several zones."""
+    typed = typed.strip()
+    if not typed:
+        raise NoMatch("Type the name of one of the lab's TPU VMs.")
+    found = list(lab.vms.filter(name__iexact=typed)[:2])
+    if not found:
+        raise NoMatch(f"{lab.name} has no TPU VM named “{typed}”.")
+    if len(found) > 1:
+        raise NoMatch(
+            f"{lab.name} has a TPU VM named “{typed}” in more than one zone; "
+            "give access from that VM's own page."
+        )
+    vm = found[0]
+    if vm.missing_since is not None:
+        raise NoMatch(f"{vm.name} is gone from the Cloud TPU API; access cannot be given to it.")
+    return vm
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """How many of the lab's people can be given access now, and why the others not."""
+
+    ready: int
+    requested: int  # asked to join, waiting for an admin
+    no_policy: int  # approved, but the lab's current policy not accepted
+    no_username: int  # approved, but no unix username chosen
+    no_key: int  # could be given access, but has no SSH key to log in with
+
+    @property
+    def waiting(self) -> int:
+        return self.requested + self.no_policy + self.no_username
+
+
+def grant_readiness(lab: Lab) -> Readiness:
+    """One aggregate query over the lab's memberships (fixed cost at any size)."""
+    from accounts.models import SSHKey
+
+    approved = Q(state=Membership.State.APPROVED)
+    policy = Q(policy_version_accepted=F("lab__policy_version"))
+    named = Q(user__unix_account__isnull=False) & ~Q(user__unix_account__username="")
+    has_key = Q(has_key=True)
+    counts = lab.memberships.annotate(
+        has_key=Exists(SSHKey.objects.filter(user=OuterRef("user")))
+    ).aggregate(
+        ready=Count("pk", filter=approved & policy & named),
+        requested=Count("pk", filter=Q(state=Membership.State.REQUESTED)),
+        no_policy=Count("pk", filter=approved & ~policy),
+        no_username=Count("pk", filter=approved & policy & ~named),
+        no_key=Count("pk", filter=approved & policy & named & ~has_key),
+    )
+    return Readiness(**counts)

@@ -1,0 +1,193 @@
+"""The emails a lab's people and admins get: who receives each, what it says, and
+whether the news still holds when it goes out. Each function takes ids (the queue's
+tasks call them), reloads the rows, and stores the message in the outbox in the
+current transaction (``portal.mail``); nothing is sent about a row that is gone or
+whose state moved on."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db import transaction
+from django.urls import reverse
+from django.utils import timezone
+
+from portal import mail
+from tpus.models import Grant, Invite, IpChangeNotice, Job, Membership, Worker, ZoneSync
+from tpus.models.labs import MembershipState, Role
+from tpus.services import sshconfig
+
+
+def admin_emails(lab) -> list[str]:
+    """The addresses of the lab's approved admins."""
+    return list(
+        lab.memberships.filter(state=MembershipState.APPROVED, role=Role.ADMIN).values_list(
+            "user__email", flat=True
+        )
+    )
+
+
+def send_membership_email(membership_id: int, kind: str) -> None:
+    """``requested`` tells the lab's admins; ``decided`` tells the person asking."""
+    membership = Membership.objects.select_related("lab", "user").filter(pk=membership_id).first()
+    if membership is None:
+        return
+    lab = membership.lab
+    if kind == "requested":
+        if membership.state != MembershipState.REQUESTED:
+            return  # decided before the mail went out; nothing to ask anymore
+        mail.send(
+            "membership_requested",
+            admin_emails(lab),
+            {"membership": membership, "lab": lab, "url": reverse("lab_admin", args=[lab.slug])},
+        )
+    elif kind == "decided":
+        if membership.state not in {MembershipState.APPROVED, MembershipState.REJECTED}:
+            return
+        mail.send(
+            "membership_decided",
+            [membership.user.email],
+            {"membership": membership, "lab": lab, "url": reverse("lab_detail", args=[lab.slug])},
+        )
+
+
+def send_invite_email(invite_id: int, raw_token: str) -> None:
+    invite = Invite.objects.select_related("lab", "created_by").filter(pk=invite_id).first()
+    if invite is None or not invite.is_usable or not invite.email:
+        return
+    mail.send(
+        "invite",
+        [invite.email],
+        {"invite": invite, "lab": invite.lab, "url": reverse("invite", args=[raw_token])},
+    )
+
+
+def send_grant_email(grant_id: int, kind: str) -> None:
+    """``active`` and ``revoked`` and ``expiring`` go to the person; ``failed`` to the
+    lab's admins."""
+    grant = (
+        Grant.objects.select_related("user__unix_account", "vm__lab").filter(pk=grant_id).first()
+    )
+    if grant is None:
+        return
+    lab = grant.vm.lab
+    context = {"grant": grant, "vm": grant.vm, "lab": lab}
+    if kind == "active" and grant.state == "active":
+        context["workers"] = grant.vm.workers.order_by("index")
+        among = sshconfig.naming_peers(grant.user)
+        # The same lines as the downloaded config and known_hosts, for this VM.
+        context["snippet"] = sshconfig.snippet_for(grant.user, [grant.vm], among=among)
+        context["known_hosts"] = sshconfig.render_known_hosts([grant.vm], among=among)
+        context["host"] = sshconfig.host_name_for(grant.user, grant.vm)
+        context["config_path"] = sshconfig.CONFIG_PATH
+        context["known_hosts_path"] = sshconfig.KNOWN_HOSTS_PATH
+        mail.send("access_active", [grant.user.email], context)
+    elif kind == "revoked" and grant.state == "revoked":
+        mail.send("access_revoked", [grant.user.email], context)
+    elif kind == "expiring" and grant.is_wanted:
+        mail.send("access_expiring", [grant.user.email], context)
+    elif kind == "failed" and grant.state == "failed":
+        mail.send("grant_failed", admin_emails(lab), context)
+
+
+def send_host_key_alert(worker_id: int) -> None:
+    worker = Worker.objects.select_related("vm__lab").filter(pk=worker_id).first()
+    if worker is None or worker.host_key_mismatch_at is None:
+        return
+    mail.send(
+        "host_key_changed",
+        admin_emails(worker.vm.lab),
+        {
+            "worker": worker,
+            "vm": worker.vm,
+            "lab": worker.vm.lab,
+            "published": bool(worker.published_key_changes()),
+        },
+    )
+
+
+def send_sync_alert(zone_sync_id: int, kind: str, failing_since: str) -> None:
+    """``failing``: listing a zone of the lab has failed for too long; ``recovered``:
+    it works again. Each was claimed once by the sync that saw it; a message whose
+    news is already stale (it recovered before the mail went out) is not sent."""
+    row = ZoneSync.objects.select_related("lab").filter(pk=zone_sync_id).first()
+    if row is None:
+        return
+    if kind == "failing" and row.alerted_at is not None:
+        mail.send("sync_failing", admin_emails(row.lab), {"sync": row, "lab": row.lab})
+    elif kind == "recovered" and row.alerted_at is None:
+        since = datetime.fromisoformat(failing_since) if failing_since else None
+        mail.send(
+            "sync_recovered",
+            admin_emails(row.lab),
+            {"sync": row, "lab": row.lab, "failing_since": since},
+        )
+
+
+def send_ip_change_email(notice_id: int) -> None:
+    """One person, one change, one email: claiming the notice and storing the message
+    in the outbox commit together (or not at all), and the outbox delivers it."""
+    with transaction.atomic():
+        claimed = IpChangeNotice.objects.filter(pk=notice_id, sent_at=None).update(
+            sent_at=timezone.now()
+        )
+        if not claimed:
+            return
+        notice = IpChangeNotice.objects.select_related(
+            "change__worker__vm__lab", "user__unix_account"
+        ).get(pk=notice_id)
+        vm = notice.change.worker.vm
+        mail.send(
+            "ip_changed",
+            [notice.user.email],
+            {
+                "change": notice.change,
+                "vm": vm,
+                "lab": vm.lab,
+                "snippet": sshconfig.snippet_for(notice.user, [vm]),
+                # The refresh URL is a password: the email points to the page instead.
+                "has_refresh_url": sshconfig.feed_urls(notice.user) is not None,
+            },
+        )
+
+
+def send_drift_alert(worker_id: int, usernames: list[str]) -> None:
+    worker = Worker.objects.select_related("vm__lab").filter(pk=worker_id).first()
+    if worker is None:
+        return
+    mail.send(
+        "drift_found",
+        admin_emails(worker.vm.lab),
+        {"worker": worker, "vm": worker.vm, "lab": worker.vm.lab, "usernames": usernames},
+    )
+
+
+def send_job_email(job_id: int) -> None:
+    """How a job ended, to the person who ran it: once (claimed with ``notified_at``),
+    with each worker's exit and the last lines of the log that tells most."""
+    with transaction.atomic():
+        claimed = Job.objects.filter(pk=job_id, notified_at=None, ended_at__isnull=False).update(
+            notified_at=timezone.now()
+        )
+        if not claimed:
+            return
+        job = Job.objects.select_related("vm__lab", "user").get(pk=job_id)
+        parts = list(job.parts.all())
+        # The worker that failed first tells most; else worker 0.
+        telling = next((p for p in parts if p.exit_status or p.signal), parts[0] if parts else None)
+        tail = ""
+        if telling is not None:
+            tail = "\n".join(telling.log_tail.splitlines()[-20:])
+        mail.send(
+            "job_ended",
+            [job.user.email],
+            {
+                "job": job,
+                "vm": job.vm,
+                "lab": job.vm.lab,
+                "parts": parts,
+                "telling": telling,
+                "tail": tail,
+                "path": reverse("job_detail", args=[job.vm.lab.slug, job.vm_id, job.pk]),
+            },
+        )

@@ -1,0 +1,287 @@
+"""The API's lists page with limit + cursor and filter, the same way everywhere."""
+
+from __future__ import annotations
+
+import base64
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from accounts.models import UnixAccount
+from tpus.models import Grant, IpChange, Membership, TpuVm, Worker
+from tpus.services import grants as grant_services
+from tpus.services import labs as lab_services
+
+ZONE = "us-central1-f"
+
+
+@pytest.fixture
+def lab_with_grants(cast, make_user):
+    """tpu5 (us-central1-f) and tpu6 (europe-west4-a) in the cast's lab, and a grant
+    on tpu5 for each of ``n`` new members; another lab with grants of its own."""
+    cast.lab.zones = [ZONE, "europe-west4-a"]
+    cast.lab.save()
+    tpu5 = TpuVm.objects.create(lab=cast.lab, name="tpu5", zone=ZONE, source="manual")
+    tpu6 = TpuVm.objects.create(lab=cast.lab, name="tpu6", zone="europe-west4-a", source="manual")
+    theirs = TpuVm.objects.create(lab=cast.other_lab, name="tpu9", zone=ZONE, source="manual")
+    for vm in (tpu5, tpu6, theirs):
+        Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.1")
+    Grant.objects.create(user=cast.outsider, vm=theirs, state="active")
+    counter = iter(range(1000))
+
+    def grow(n, vm=tpu5, state="active"):
+        made = []
+        for _ in range(n):
+            i = next(counter)
+            user = make_user(f"member{i}@vision.example")
+            Membership.objects.create(lab=cast.lab, user=user, state="approved")
+            UnixAccount.objects.create(user=user, username=f"member{i}", uid=40_000 + i)
+            made.append(Grant.objects.create(user=user, vm=vm, state=state))
+        return made
+
+    grow.tpu5, grow.tpu6, grow.theirs = tpu5, tpu6, theirs
+    return grow
+
+
+def _get(client, url, status=200):
+    response = client.get(url)
+    assert response.status_code == status, response.content
+    return response.json()
+
+
+def _walk(client, url, between_pages=None):
+    seen, pages = [], 0
+    while url:
+        page = _get(client, url)
+        seen += [item["id"] for item in page["items"]]
+        url, pages = page["next"], pages + 1
+        if between_pages:
+            between_pages(pages)
+    return seen, pages
+
+
+def test_a_cursor_walk_visits_every_grant_once_while_grants_are_added(
+    client, cast, lab_with_grants
+):
+    before = {g.pk for g in lab_with_grants(7)}
+    added = set()
+    client.force_login(cast.admin)
+
+    def add_some(pages):
+        if pages <= 2:
+            added.update(g.pk for g in lab_with_grants(2))
+
+    seen, pages = _walk(client, f"/api/v1/labs/{cast.lab.slug}/grants?limit=3", add_some)
+
+    assert len(seen) == len(set(seen))
+    assert set(seen) == before | added
+    assert pages == 4  # 11 grants, 3 a page; the last page has no next
+
+
+def test_the_next_link_is_absolute_and_keeps_the_filters(client, cast, lab_with_grants):
+    lab_with_grants(3)
+    lab_with_grants(2, state="revoked")
+    client.force_login(cast.admin)
+
+    page = _get(client, f"/api/v1/labs/{cast.lab.slug}/grants?state=active&limit=2")
+
+    assert page["total"] == 3 and len(page["items"]) == 2
+    assert page["next"].startswith(f"http://testserver/api/v1/labs/{cast.lab.slug}/grants?")
+    assert "state=active" in page["next"] and "limit=2" in page["next"]
+    last = _get(client, page["next"])
+    assert [g["state"] for g in last["items"]] == ["active"]
+    assert last["next"] is None and last["total"] == 3
+
+
+def test_a_lab_list_never_shows_another_labs_grants_whatever_the_cursor(
+    client, cast, lab_with_grants
+):
+    lab_with_grants(2)
+    client.force_login(cast.admin)
+    # A cursor from before every row of both labs.
+    cursor = base64.urlsafe_b64encode(b"k1.1").decode().rstrip("=")
+
+    seen, _ = _walk(client, f"/api/v1/labs/{cast.lab.slug}/grants?limit=1&cursor={cursor}")
+
+    assert set(seen) == set(Grant.objects.filter(vm__lab=cast.lab).values_list("pk", flat=True))
+    assert Grant.objects.get(vm=lab_with_grants.theirs).pk not in seen
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "limit=0",
+        "limit=201",
+        "limit=ten",
+        "limit=-1",
+        "cursor=garbage",
+        "cursor=" + base64.urlsafe_b64encode(b"k1.abc").decode(),
+        "cursor=" + base64.urlsafe_b64encode(b"k1.99999999999999999999").decode(),
+        "state=enabled",
+        "user=nobody@vision.example",
+        "user=eve@other.example",  # a member of another lab only
+        "vm=tpu9",  # another lab's VM, by name
+        "vm=999999",
+        "zone=mars-north1-a",
+        "updated_since=yesterday",
+        "status=active",  # a misspelt filter must not return everything
+    ],
+)
+def test_bad_paging_or_filter_values_are_a_400_that_says_which(
+    client, cast, lab_with_grants, query
+):
+    lab_with_grants(1)
+    client.force_login(cast.admin)
+
+    body = _get(client, f"/api/v1/labs/{cast.lab.slug}/grants?{query}", status=400)
+
+    assert query.split("=")[0] in body["detail"]
+
+
+def test_another_labs_vm_by_id_is_refused_like_a_vm_that_does_not_exist(
+    client, cast, lab_with_grants
+):
+    client.force_login(cast.admin)
+    theirs = _get(
+        client, f"/api/v1/labs/{cast.lab.slug}/grants?vm={lab_with_grants.theirs.pk}", status=400
+    )
+    missing = _get(client, f"/api/v1/labs/{cast.lab.slug}/grants?vm=999999", status=400)
+    assert theirs["detail"].replace(str(lab_with_grants.theirs.pk), "N") == missing[
+        "detail"
+    ].replace("999999", "N")
+
+
+def test_grants_filter_by_user_email_or_username_vm_id_or_name_and_zone(
+    client, cast, lab_with_grants
+):
+    milo_grant, other = lab_with_grants(2)
+    on_tpu6 = lab_with_grants(1, vm=lab_with_grants.tpu6)[0]
+    client.force_login(cast.admin)
+    url = f"/api/v1/labs/{cast.lab.slug}/grants"
+
+    def ids(query):
+        return [g["id"] for g in _get(client, f"{url}?{query}")["items"]]
+
+    assert ids(f"user={milo_grant.user.email.upper()}") == [milo_grant.pk]
+    assert ids(f"user={milo_grant.user.unix_account.username}") == [milo_grant.pk]
+    assert ids("vm=tpu6") == ids(f"vm={lab_with_grants.tpu6.pk}") == [on_tpu6.pk]
+    assert ids("zone=europe-west4-a") == [on_tpu6.pk]
+    assert ids(f"zone={ZONE}") == [milo_grant.pk, other.pk]
+
+
+def test_grants_changed_since_a_moment_include_revoked_ones_and_no_others(
+    client, cast, lab_with_grants
+):
+    old, revoked = lab_with_grants(2)
+    Grant.objects.update(changed_at=timezone.now() - timedelta(days=2))
+    moment = timezone.now() - timedelta(hours=1)
+    grant_services.revoke_access(cast.admin, revoked)
+    client.force_login(cast.admin)
+
+    page = _get(
+        client,
+        f"/api/v1/labs/{cast.lab.slug}/grants?updated_since={moment:%Y-%m-%dT%H:%M:%S}Z",
+    )
+
+    assert [g["id"] for g in page["items"]] == [revoked.pk]
+    assert old.pk not in [g["id"] for g in page["items"]]
+
+
+def test_a_decision_on_a_membership_counts_as_a_change(client, cast):
+    Membership.objects.update(changed_at=timezone.now() - timedelta(days=2))
+    moment = (timezone.now() - timedelta(hours=1)).isoformat()
+    lab_services.approve_membership(cast.admin, cast.pending_membership)
+    client.force_login(cast.admin)
+
+    page = _get(
+        client,
+        f"/api/v1/labs/{cast.lab.slug}/memberships",
+        status=200,
+    )
+    changed = client.get(
+        f"/api/v1/labs/{cast.lab.slug}/memberships", {"updated_since": moment}
+    ).json()
+
+    assert page["total"] == 3
+    assert [m["user"] for m in changed["items"]] == ["pat@vision.example"]
+
+
+def test_memberships_filter_by_state_role_and_user(client, cast):
+    client.force_login(cast.admin)
+    url = f"/api/v1/labs/{cast.lab.slug}/memberships"
+
+    def users(query):
+        return [m["user"] for m in _get(client, f"{url}?{query}")["items"]]
+
+    assert users("state=requested") == ["pat@vision.example"]
+    assert users("role=admin") == ["admin@vision.example"]
+    assert users("user=milo@vision.example") == ["milo@vision.example"]
+    assert "someone@other.example" not in users("limit=200")
+    assert "role" in _get(client, f"{url}?role=owner", status=400)["detail"]
+
+
+def test_vms_and_disks_filter_by_state_and_zone(client, cast, lab_with_grants):
+    TpuVm.objects.filter(pk=lab_with_grants.tpu6.pk).update(state="STOPPED")
+    client.force_login(cast.admin)
+    url = f"/api/v1/labs/{cast.lab.slug}/vms"
+
+    assert [v["name"] for v in _get(client, url)["items"]] == ["tpu5", "tpu6"]
+    assert [v["name"] for v in _get(client, f"{url}?state=STOPPED")["items"]] == ["tpu6"]
+    assert [v["name"] for v in _get(client, f"{url}?zone={ZONE}")["items"]] == ["tpu5"]
+    assert _get(client, f"{url}?zone=asia-east1-c", status=400)
+    disks = _get(client, f"/api/v1/labs/{cast.lab.slug}/disks?vm=tpu5")
+    assert disks == {"items": [], "next": None, "total": 0}
+
+
+def test_ip_history_pages_without_a_total_and_filters_by_time(client, cast, lab_with_grants):
+    worker = lab_with_grants.tpu5.workers.get()
+    long_ago = timezone.now() - timedelta(days=30)
+    IpChange.objects.bulk_create(
+        [
+            IpChange(worker=worker, old_ip=f"192.0.2.{i}", new_ip=f"192.0.2.{i + 1}",
+                     seen_at=long_ago + timedelta(days=i))
+            for i in range(5)
+        ]
+    )  # fmt: skip
+    client.force_login(cast.admin)
+    url = f"/api/v1/labs/{cast.lab.slug}/vms/{lab_with_grants.tpu5.pk}/ip-history"
+
+    first = _get(client, f"{url}?limit=2")
+    recent = client.get(url, {"updated_since": (long_ago + timedelta(days=3)).isoformat()}).json()
+
+    assert "total" not in first and len(first["items"]) == 2 and first["next"]
+    assert [c["new_ip"] for c in recent["items"]] == ["192.0.2.4", "192.0.2.5"]
+
+
+def test_my_own_lists_page_too(client, cast, lab_with_grants):
+    grant = lab_with_grants(1)[0]
+    client.force_login(grant.user)
+
+    for url in ("/api/v1/me/grants", "/api/v1/memberships", "/api/v1/labs", "/api/v1/keys",
+                "/api/v1/tokens"):  # fmt: skip
+        page = _get(client, f"{url}?limit=1")
+        assert set(page) == {"items", "next", "total"}, url
+    assert _get(client, "/api/v1/me/grants?state=active")["items"][0]["id"] == grant.pk
+    assert _get(client, "/api/v1/me/grants?state=revoked")["total"] == 0
+    assert _get(client, "/api/v1/me/grants?vm=tpu5", status=400)
+
+
+@pytest.mark.parametrize("path", ["grants", "memberships", "vms"])
+def test_a_page_costs_the_same_queries_for_two_rows_as_for_fifty(
+    client, cast, lab_with_grants, path
+):
+    lab_with_grants(60)
+    client.force_login(cast.admin)
+    url = f"/api/v1/labs/{cast.lab.slug}/{path}"
+    for index in range(1, 4):  # workers, so the VM list has something to prefetch
+        Worker.objects.create(vm=lab_with_grants.tpu6, index=index)
+
+    def queries(limit):
+        with CaptureQueriesContext(connection) as context:
+            _get(client, f"{url}?limit={limit}")
+        return len(context)
+
+    assert queries(2) == queries(50)

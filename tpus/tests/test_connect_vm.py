@@ -1,0 +1,206 @@
+"""Connect and Disconnect end to end: the emulated Cloud TPU API, real sshd workers,
+and a guest agent that applies the node's ``ssh-keys`` metadata to them, as Google's
+does on a TPU VM."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from testfleet.fixtures import add_fleet_node
+from tpus.models import AuditAction, AuditEvent, ConnectionState, VmConnection
+from tpus.remote import HostKeyPins, RemoteError, run_script
+from tpus.remote import Worker as RemoteWorker
+from tpus.services import connect, inventory
+from tpus.services.connect import ConnectError
+from tpus.services.labkeys import lab_key, login_for
+
+pytestmark = pytest.mark.fleet
+PROJECT = "vision-project"
+ZONE = "us-central1-f"
+THEIRS = "alice:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAliceBlob alice@laptop\n"
+CAROL = "carol:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAICarolBlob carol@desk"
+
+
+@pytest.fixture
+def scene(tpu_emulator, fleet, fleet_hosts, fleet_settings, guest_agent, cast, settings):
+    settings.PORTAL_CONNECT_WAIT_SECONDS = 20
+    settings.PORTAL_CONNECT_POLL_SECONDS = 0.3
+    lab = cast.lab
+    lab.gcp_project_id, lab.zones = PROJECT, [ZONE]
+    lab.save()
+    hosts = fleet_hosts(2)
+    add_fleet_node(tpu_emulator.controls, fleet, hosts, PROJECT, ZONE, "tpu5")
+    tpu_emulator.controls.set_metadata(
+        "tpu5", {"ssh-keys": THEIRS, "startup-script": "#!/bin/sh\necho hi\n"}
+    )
+    [vm] = inventory.import_vms(cast.admin, lab, [f"{ZONE}/tpu5"])
+    return tpu_emulator, cast.admin, vm
+
+
+def _accepts(worker, lab) -> bool:
+    remote = RemoteWorker(
+        address=worker.external_ip,
+        pins=HostKeyPins.parse(worker.host_keys),
+        name=worker.alias,
+        login=login_for(lab),
+    )
+    try:
+        run_script(remote, "whoami.sh")
+    except RemoteError as error:
+        # The guest agent empties the key file, then takes the account out of
+        # google-sudoers: a login that got in between the two finds sudo gone.
+        refused = error.kind == RemoteError.AUTH or "a password is required" in str(error)
+        assert refused, error
+        return False
+    return True
+
+
+def _connect(admin, vm, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.connect_vm(admin, vm)
+    return VmConnection.objects.get(vm=vm)
+
+
+def test_connect_waits_until_every_worker_accepts_the_lab_key_and_keeps_other_metadata(
+    scene, django_capture_on_commit_callbacks
+):
+    emulator, admin, vm = scene
+    emulator.controls.change_metadata_after_next_get("tpu5", {"ssh-keys": THEIRS + CAROL})
+
+    connection = _connect(admin, vm, django_capture_on_commit_callbacks)
+
+    assert connection.state == ConnectionState.CONNECTED, connection.reason
+    assert {w["state"] for w in connection.workers.values()} == {"accepted"}
+    assert len(connection.workers) == 2
+    metadata = emulator.controls.metadata("tpu5")
+    line = f"tpu-portal:{lab_key(vm.lab).public_line}"
+    # The concurrent change (carol's line) survived; ours came after it.
+    assert metadata["ssh-keys"] == THEIRS + CAROL + "\n" + line
+    assert metadata["startup-script"] == "#!/bin/sh\necho hi\n"
+    actions = set(AuditEvent.objects.filter(lab=vm.lab).values_list("action", flat=True))
+    assert {AuditAction.VM_CONNECT_REQUESTED, AuditAction.VM_CONNECTED} <= actions
+
+
+def test_disconnect_removes_only_our_line_and_the_workers_refuse_the_key_after(
+    scene, django_capture_on_commit_callbacks, settings
+):
+    emulator, admin, vm = scene
+    _connect(admin, vm, django_capture_on_commit_callbacks)
+
+    connect.disconnect_vm(admin, vm)
+
+    assert emulator.controls.metadata("tpu5")["ssh-keys"] == THEIRS
+    assert VmConnection.objects.get(vm=vm).state == ConnectionState.DISCONNECTED
+    assert AuditEvent.objects.filter(action=AuditAction.VM_DISCONNECTED).exists()
+    # The guest agent takes the key away: the lab's login is refused on every worker.
+    deadline = time.monotonic() + 15
+    while any(_accepts(worker, vm.lab) for worker in vm.workers.all()):
+        assert time.monotonic() < deadline, "a worker still accepts the lab key"
+        time.sleep(0.3)
+    # With OS Login on for the project (which the TPU API does not show), the key is
+    # added but never accepted, and the wait ends with the explanation.
+    settings.PORTAL_CONNECT_WAIT_SECONDS = 3
+    emulator.controls.set_oslogin(PROJECT, True)
+    connection = _connect(admin, vm, django_capture_on_commit_callbacks)
+    assert connection.state == ConnectionState.FAILED
+    assert "OS Login is enabled for the project" in connection.reason
+    assert "guest agent" in connection.reason
+    assert {w["state"] for w in connection.workers.values()} == {"refused"}
+
+
+def test_a_node_with_os_login_in_its_metadata_is_refused_with_what_to_change(scene):
+    emulator, admin, vm = scene
+    emulator.controls.set_metadata("tpu5", {"enable-oslogin": "TRUE"})
+
+    with pytest.raises(ConnectError) as caught:
+        connect.connect_vm(admin, vm)
+
+    assert "OS Login is enabled on tpu5" in str(caught.value)
+    assert "--update-metadata=enable-oslogin=FALSE" in str(caught.value)
+    assert emulator.controls.metadata("tpu5")["ssh-keys"] == THEIRS
+    assert not VmConnection.objects.filter(vm=vm).exists()
+
+
+def test_a_node_the_portal_may_not_update_gets_the_permission_message(scene):
+    emulator, admin, vm = scene
+    emulator.controls.deny_update("tpu5")
+
+    with pytest.raises(ConnectError) as caught:
+        connect.connect_vm(admin, vm)
+
+    assert str(caught.value).startswith(
+        f"The portal's service account lacks tpu.nodes.update on {PROJECT}"
+    )
+    assert emulator.controls.metadata("tpu5")["ssh-keys"] == THEIRS
+
+
+def test_a_vm_registered_by_hand_and_a_non_admin_are_refused(scene, cast):
+    emulator, admin, vm = scene
+    with pytest.raises(ConnectError, match="Only the lab's admins"):
+        connect.connect_vm(cast.member, vm)
+    vm.source = "manual"
+    vm.save()
+    with pytest.raises(ConnectError, match="registered by hand"):
+        connect.connect_vm(admin, vm)
+    assert emulator.controls.metadata("tpu5")["ssh-keys"] == THEIRS
+
+
+def test_the_api_connects_and_shows_per_worker_progress_and_the_manual_route(
+    scene, client, django_capture_on_commit_callbacks
+):
+    emulator, admin, vm = scene
+    client.force_login(admin)
+    base = f"/api/v1/labs/{vm.lab.slug}/vms/{vm.pk}"
+
+    with django_capture_on_commit_callbacks(execute=True):
+        started = client.post(f"{base}/connect")
+    state = client.get(f"{base}/connection").json()
+
+    assert started.status_code == 202
+    assert state["state"] == "connected", state["reason"]
+    assert set(state["workers"]) == {"0", "1"}
+    assert state["public_key_line"] == f"tpu-portal:{lab_key(vm.lab).public_line}"
+    assert (
+        f"--zone={ZONE} --project={PROJECT} --update-metadata=ssh-keys="
+        in (state["gcloud_command"])
+    )
+    page = client.get(f"/labs/{vm.lab.slug}/vms/{vm.pk}/").content.decode()
+    assert "Connect this VM" in page and state["public_key_line"] in page
+
+
+def test_a_lab_on_the_site_key_has_nothing_to_connect(make_lab, make_user, add_member):
+    from tpus.models import TpuVm
+    from tpus.services import connect, labkeys
+
+    lab = make_lab()
+    admin = make_user()
+    add_member(lab, admin, role="admin")
+    labkeys.set_uses_site_key(make_user(is_staff=True, is_superuser=True), lab, True)
+    lab.refresh_from_db()
+    vm = TpuVm.objects.create(lab=lab, name="tpu7", zone="us-central1-f", source="imported")
+    with pytest.raises(connect.ConnectError, match="site-wide SSH key"):
+        connect.connect_vm(admin, vm)
+
+
+def test_a_connection_left_connecting_by_a_dead_check_is_checked_again(make_lab, settings):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from tpus.models import ConnectionState, TpuVm, VmConnection
+    from tpus.services import connect
+
+    settings.PORTAL_CONNECT_WAIT_SECONDS = 10
+    lab = make_lab()
+    vm = TpuVm.objects.create(lab=lab, name="tpu8", zone="us-central1-f", source="imported")
+    old = VmConnection.objects.create(
+        vm=vm, state=ConnectionState.CONNECTING, attempt=3,
+        started_at=timezone.now() - dt.timedelta(seconds=71),
+    )  # fmt: skip
+    fresh_vm = TpuVm.objects.create(lab=lab, name="tpu9", zone="us-central1-f", source="imported")
+    VmConnection.objects.create(
+        vm=fresh_vm, state=ConnectionState.CONNECTING, attempt=1, started_at=timezone.now()
+    )
+    assert connect.stalled_connections() == [(old.pk, 3)]

@@ -1,0 +1,76 @@
+"""The "Give access" form says who can be given access and why the others cannot yet,
+with one query whatever the lab's size."""
+
+from __future__ import annotations
+
+from django.urls import reverse
+
+from accounts.unix import choose_username
+from tpus.models import Membership
+from tpus.services import directory
+
+
+def _vm(lab):
+    from tpus.models import TpuVm, Worker
+
+    vm = TpuVm.objects.create(lab=lab, name="tpu5", zone="us-central1-f", source="manual")
+    Worker.objects.create(vm=vm, index=0, external_ip="10.213.0.9", host_keys=["ssh-ed25519 AAAA"])
+    return vm
+
+
+def test_an_empty_lab_says_no_one_can_be_given_access_and_how_to_invite(
+    client, make_lab, make_user, add_member
+):
+    lab = make_lab("Vision", slug="vision")
+    admin = make_user("boss@vision.example")
+    add_member(lab, admin, role="admin")
+    vm = _vm(lab)
+    client.force_login(admin)
+    body = client.get(reverse("vm_detail", args=["vision", vm.pk])).content.decode()
+    assert "No member can be given access yet." in body
+    # The admin chose no username either: counted, with where to choose one.
+    assert "1 member without a unix username" in body and reverse("key_list") in body
+
+
+def test_each_reason_is_counted_and_linked(client, make_lab, make_user, add_member):
+    lab = make_lab("Vision", slug="vision")
+    admin = make_user("boss@vision.example")
+    add_member(lab, admin, role="admin")
+    choose_username(admin, "boss")
+    ready = make_user("milo@uni.example")
+    add_member(lab, ready)
+    choose_username(ready, "milo")
+    nameless = make_user("ann@uni.example")
+    add_member(lab, nameless)
+    asking = make_user("bo@uni.example")
+    add_member(lab, asking)
+    Membership.objects.filter(user=asking).update(state=Membership.State.REQUESTED)
+    stale = make_user("cy@uni.example")
+    add_member(lab, stale)
+    choose_username(stale, "cy")
+    Membership.objects.filter(user=stale).update(policy_version_accepted=None)
+
+    readiness = directory.grant_readiness(lab)
+    assert (readiness.ready, readiness.requested, readiness.no_policy, readiness.no_username) == (
+        2, 1, 1, 1,
+    )  # fmt: skip
+    assert readiness.no_key == 2  # boss and milo have no SSH key
+
+    client.force_login(admin)
+    body = client.get(reverse("vm_detail", args=["vision", _vm(lab).pk])).content.decode()
+    assert "2 members can be given access." in body
+    assert "1 request to join waiting for your approval" in body
+    assert reverse("lab_admin", args=["vision"]) + "#requests" in body
+    assert "1 member who must accept the lab's current policy" in body
+    assert "1 member without a unix username" in body
+    assert "2 of those who can be given access have no SSH key yet" in body
+
+
+def test_the_count_is_one_query_at_any_size(
+    make_lab, make_user, add_member, django_assert_num_queries
+):
+    lab = make_lab("Vision", slug="vision")
+    for i in range(30):
+        add_member(lab, make_user(f"p{i}@uni.example"))
+    with django_assert_num_queries(1):
+        directory.grant_readiness(lab)

@@ -1,0 +1,406 @@
+"""Jobs through the portal on real sshd hosts of the test fleet, with real JAX (the CPU
+build) as the job: a person with access submits, the VM's pass validates and starts the
+job on every worker, polls it, and stops it; the queue, cancel, a failed or rebooted
+worker of a pod, a revoke, a chip held outside the portal, refusals."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+import pytest
+from django.core import mail
+from django.core.exceptions import PermissionDenied, ValidationError
+
+from tpus.models import Job, JobWorker, TpuVm
+from tpus.models.jobs import JobState
+from tpus.services import jobs
+from tpus.services.grants import grant_access, revoke_access
+from tpus.tests.test_jobs_host import JAX_ENV, POD_PY
+from tpus.tests.test_provisioning import pod  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.fleet
+
+XLA = ("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+
+@pytest.fixture
+def jobs_pod(pod, django_capture_on_commit_callbacks, jax_env):  # noqa: F811
+    """The 4-worker pod with milo's access in force, JAX in his home (a link to the
+    fleet's CPU build) and the pod script on every worker."""
+    with django_capture_on_commit_callbacks(execute=True):
+        [grant] = grant_access(pod.admin, pod.lab, pod.milo, [pod.vm], sudo=False)
+    grant.refresh_from_db()
+    assert grant.state == "active", grant.error
+    pod.user = pod.fresh(pod.milo).unix_account.username
+    pod.home = f"/home/{pod.user}"
+    for host in pod.hosts:
+        sh(pod, host, f"ln -sfn {JAX_ENV} {pod.home}/jax && chown -h {pod.user}: {pod.home}/jax")
+        put(pod, host, "pod.py", POD_PY)
+    pod.vm.refresh_from_db()
+    yield pod
+    # Nothing of a test's jobs may outlive it on the shared hosts.
+    for job in Job.objects.filter(vm=pod.vm, state__in=["running", "cancelling", "starting"]):
+        jobs.stop_on_workers(job, grace=0)
+
+
+@pytest.fixture
+def jax_env():
+    from pathlib import Path
+
+    from tests.requirements import need
+
+    need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
+    return JAX_ENV
+
+
+def sh(pod, host, script: str, *, input: bytes | None = None) -> str:  # noqa: F811
+    return pod.fleet.exec(host.name, ["sh", "-c", script], input=input).stdout.decode()
+
+
+def put(pod, host, name: str, text: str) -> None:  # noqa: F811
+    path = f"{pod.home}/{name}"
+    sh(pod, host, f"cat > {path} && chown {pod.user}: {path}", input=text.encode())
+
+
+def spec(**options) -> jobs.JobSpec:
+    values = {"script": "pod.py", "python": "~/jax", "env": [XLA]}
+    values.update(options)
+    return jobs.JobSpec(**values)
+
+
+def submit(pod, capture, **options) -> Job:  # noqa: F811
+    """Submit as milo without running the queued pass (the test drives passes)."""
+    with capture(execute=False):
+        return jobs.submit_job(pod.milo, pod.vm, spec(**options))
+
+
+def drive(vm: TpuVm, job: Job, until, timeout: float = 90.0) -> Job:
+    """Run the VM's pass until ``until(job)`` holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        jobs.advance(vm.pk)
+        job.refresh_from_db()
+        if until(job) or time.monotonic() > deadline:
+            return job
+        time.sleep(0.3)
+
+
+def logs(job: Job) -> list[str]:
+    return [p.log_tail for p in job.parts.order_by("index")]
+
+
+# --- a pod ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_pod_job_runs_one_collective_on_every_worker_and_succeeds(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, notify=True)
+    assert job.state == JobState.QUEUED
+    began = time.monotonic()
+    report = jobs.advance(jobs_pod.vm.pk)
+    print(f"\nsubmit -> running on 4 workers through the portal: {time.monotonic() - began:.2f} s")
+    job.refresh_from_db()
+    assert report.started == [job.pk] and job.state == JobState.RUNNING, job.reason
+    parts = list(job.parts.order_by("index"))
+    assert [p.state for p in parts] == ["running"] * 4 and all(p.pid for p in parts)
+    assert {c[0] for c in job.preflight["0"]} >= {"chips", "python", "script", "port"}
+
+    with django_capture_on_commit_callbacks(execute=True):
+        job = drive(jobs_pod.vm, job, lambda j: j.has_ended)
+    assert job.state == JobState.SUCCEEDED, (job.reason, logs(job))
+    for index, log in enumerate(logs(job)):
+        assert f"process {index} devices 16 sum 120.0" in log, log
+    assert [p.exit_status for p in job.parts.order_by("index")] == [0, 0, 0, 0]
+    # "Email me when it ends": one message, with the exit of each worker.
+    [message] = [m for m in mail.outbox if "Job" in m.subject]
+    assert message.to == [jobs_pod.milo.email] and "succeeded" in message.subject
+    assert "Worker 3: exit 0" in message.body and "devices 16" in message.body
+
+
+@pytest.mark.slow
+def test_one_job_at_a_time_the_next_starts_in_the_pass_that_ends_the_first(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    first = submit(jobs_pod, django_capture_on_commit_callbacks, args=["stay"])
+    second = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["hostname"])
+    jobs.advance(jobs_pod.vm.pk)
+    first = drive(jobs_pod.vm, first, lambda j: "staying" in "".join(logs(j)))
+    second.refresh_from_db()
+    assert (first.state, second.state) == (JobState.RUNNING, JobState.QUEUED)
+
+    # Cancel: TERM, the grace period, KILL on every worker; the lock is freed, and the
+    # same pass starts the job that waited.
+    with django_capture_on_commit_callbacks(execute=False):
+        jobs.cancel_job(first, jobs_pod.milo)
+    began = time.monotonic()
+    report = jobs.advance(jobs_pod.vm.pk)
+    took = time.monotonic() - began
+    first.refresh_from_db()
+    second.refresh_from_db()
+    print(f"\ncancel on 4 workers and the next job started in one pass: {took:.2f} s")
+    assert first.state == JobState.CANCELLED and report.ended[0] == first.pk
+    assert report.started == [second.pk]
+    assert all(p.state == "ended" for p in first.parts.all())
+    for host, part in zip(jobs_pod.hosts, first.parts.order_by("index"), strict=True):
+        left = sh(jobs_pod, host, f"ps -e -o pgid= | grep -cx ' *{part.pid}' || true").strip()
+        assert left == "0", f"{host.name}: processes of the cancelled job are left"
+    second = drive(jobs_pod.vm, second, lambda j: j.has_ended)
+    assert second.state == JobState.SUCCEEDED
+    assert [p.log_tail.strip() for p in second.parts.order_by("index")] == [
+        h.hostname for h in jobs_pod.hosts
+    ]
+
+
+@pytest.mark.slow
+def test_a_worker_whose_process_dies_fails_the_job_naming_it_and_the_others_stop(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, args=["stay"])
+    job = drive(jobs_pod.vm, job, lambda j: all("staying" in t for t in logs(j)))
+    victim = job.parts.get(index=2)
+    sh(jobs_pod, jobs_pod.hosts[2], f"kill -KILL {victim.pid}")
+    began = time.monotonic()
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    took = time.monotonic() - began
+    print(f"\none worker killed -> every worker stopped and the job failed in {took:.2f} s")
+    assert job.state == JobState.FAILED
+    assert job.reason.startswith("Worker 2 (tpu5-w2) killed by KILL"), job.reason
+    assert all(p.state == "ended" for p in job.parts.all())
+    assert took < 20  # not JAX's 100 s heartbeat
+
+
+@pytest.mark.slow
+def test_a_reboot_mid_run_loses_the_job_and_tells_the_person(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "300"])
+    job = drive(jobs_pod.vm, job, lambda j: j.state == JobState.RUNNING)
+    jobs_pod.fleet.reboot(jobs_pod.hosts[1].name)
+    with django_capture_on_commit_callbacks(execute=True):
+        job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    assert job.state == JobState.LOST, job.reason
+    assert "Worker 1 (tpu5-w1) rebooted" in job.reason
+    # Lost is always told, even without "email me".
+    assert any("lost" in m.subject and m.to == [jobs_pod.milo.email] for m in mail.outbox)
+
+
+@pytest.mark.slow
+def test_revoking_access_stops_the_persons_running_job(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "300"])
+    job = drive(jobs_pod.vm, job, lambda j: j.state == JobState.RUNNING)
+    grant = jobs_pod.milo.grants.get(vm=jobs_pod.vm)
+    with django_capture_on_commit_callbacks(execute=True):
+        revoke_access(jobs_pod.admin, grant)
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    assert job.state == JobState.CANCELLED and "revoked" in job.reason
+    for host in jobs_pod.hosts:
+        assert "sleep 300" not in sh(jobs_pod, host, "ps -e -o args=")
+
+
+# --- refusals and the TPU held outside the portal ---------------------------------------
+
+
+def test_a_script_that_differs_on_one_worker_is_rejected_naming_it(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    put(jobs_pod, jobs_pod.hosts[3], "pod.py", POD_PY + "# changed\n")
+    job = submit(jobs_pod, django_capture_on_commit_callbacks)
+    jobs.advance(jobs_pod.vm.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.REJECTED
+    assert "worker 3 (tpu5-w3): script: differs from worker 0's copy" in job.reason
+    assert not JobWorker.objects.filter(job=job, pid__isnull=False).exists()
+
+
+def test_a_script_linking_outside_the_home_is_rejected(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    for host in jobs_pod.hosts:
+        sh(jobs_pod, host, f"ln -sfn /etc/hostname {jobs_pod.home}/train.py")
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="train.py")
+    jobs.advance(jobs_pod.vm.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.REJECTED and "outside" in job.reason, job.reason
+
+
+def test_a_chip_held_outside_the_portal_blocks_the_job_and_names_the_holder(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    host = jobs_pod.hosts[0]
+    sh(jobs_pod, host, "id ann >/dev/null 2>&1 || useradd -m -u 43999 ann")
+    sh(jobs_pod, host, "setpriv --reuid=ann --regid=ann --init-groups -- sh -c "
+       "'exec 3</dev/accel1; exec sleep 300' >/dev/null 2>&1 &")  # fmt: skip
+    try:
+        job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"])
+        jobs.advance(jobs_pod.vm.pk)
+        job.refresh_from_db()
+        jobs_pod.vm.refresh_from_db()
+        assert job.state == JobState.BLOCKED, job.reason
+        assert "in use outside the portal" in job.reason and "user=ann" in job.reason
+        [holder] = jobs_pod.vm.outside_holders
+        assert (holder["worker"], holder["device"], holder["user"]) == (0, "/dev/accel1", "ann")
+        assert holder["command"] == "sleep 300"
+        # The usage look (job-status.sh with the chips) names the same process.
+        [again] = jobs.check_usage(jobs_pod.vm.pk)
+        assert (again["worker"], again["device"], again["user"]) == (0, "/dev/accel1", "ann")
+    finally:
+        sh(jobs_pod, host, "pkill -KILL -u ann || true")
+    # Once the chip is free, the next pass runs it.
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    jobs_pod.vm.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED and jobs_pod.vm.outside_holders == []
+
+
+# --- before anything is queued ----------------------------------------------------------
+
+
+def test_bad_input_is_refused_with_the_field_and_nothing_is_stored(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    cases = {
+        "env": spec(env=[("TPU_VISIBLE_CHIPS", "0")]),
+        "script": spec(script="../other/train.py"),
+        "python": spec(python="/opt/venv"),
+        "args": spec(script="", args=[]),
+        "time_limit_minutes": spec(time_limit_minutes=0),
+    }
+    for field_name, bad in cases.items():
+        with pytest.raises(ValidationError) as caught:
+            jobs.submit_job(jobs_pod.milo, jobs_pod.vm, bad)
+        assert field_name in caught.value.message_dict, (field_name, caught.value)
+    with pytest.raises(PermissionDenied):
+        jobs.submit_job(jobs_pod.admin, jobs_pod.vm, spec())  # no grant of his own
+    assert not Job.objects.exists()
+
+
+def test_the_lab_limits_waiting_jobs_per_person(jobs_pod, django_capture_on_commit_callbacks):
+    jobs_pod.lab.max_queued_jobs = 2
+    jobs_pod.lab.save()
+    submit(jobs_pod, django_capture_on_commit_callbacks)
+    submit(jobs_pod, django_capture_on_commit_callbacks)
+    with pytest.raises(ValidationError, match="allows 2"):
+        submit(jobs_pod, django_capture_on_commit_callbacks)
+    assert Job.objects.count() == 2
+
+
+def test_the_portals_own_job_holding_a_chip_is_not_outside_the_portal(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    job = submit(
+        jobs_pod, django_capture_on_commit_callbacks, script="",
+        args=["sh", "-c", "exec 3</dev/accel0; echo holding; exec sleep 300"],
+    )  # fmt: skip
+    job = drive(jobs_pod.vm, job, lambda j: all("holding" in t for t in logs(j)))
+    assert jobs.check_usage(jobs_pod.vm.pk) == []
+    jobs_pod.vm.refresh_from_db()
+    assert jobs_pod.vm.outside_holders == [] and jobs_pod.vm.usage_checked_at
+    with django_capture_on_commit_callbacks(execute=False):
+        jobs.cancel_job(job, jobs_pod.milo)
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    assert job.state == JobState.CANCELLED
+
+
+def test_a_job_past_its_time_limit_is_stopped_and_failed(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    job = submit(
+        jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "300"],
+        time_limit_minutes=1,
+    )  # fmt: skip
+    job = drive(jobs_pod.vm, job, lambda j: j.state == JobState.RUNNING)
+    # A minute later, as the poll would see it.
+    Job.objects.filter(pk=job.pk).update(started_at=job.started_at - dt.timedelta(minutes=2))
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    assert job.state == JobState.FAILED and "time limit of 1 minute" in job.reason
+    assert all(p.state == "ended" and p.signal for p in job.parts.all())
+
+
+def test_a_pass_that_died_mid_way_is_finished_by_the_next(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    # Died while validating: the job is back in line and runs.
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"])
+    Job.objects.filter(pk=job.pk).update(state=JobState.VALIDATING)
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=60)
+    assert job.state == JobState.SUCCEEDED, job.reason
+
+    # Died after starting it on every worker but before recording it as running: the
+    # next pass finds every worker running it.
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "300"])
+    job = drive(jobs_pod.vm, job, lambda j: j.state == JobState.RUNNING)
+    Job.objects.filter(pk=job.pk).update(state=JobState.STARTING)
+    jobs.advance(jobs_pod.vm.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.RUNNING
+    with django_capture_on_commit_callbacks(execute=False):
+        jobs.cancel_job(job, jobs_pod.milo)
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    assert job.state == JobState.CANCELLED
+
+
+def test_a_pass_held_by_another_process_is_not_run_twice(jobs_pod):
+    from django.utils import timezone
+
+    TpuVm.objects.filter(pk=jobs_pod.vm.pk).update(
+        jobs_claimed_until=timezone.now() + dt.timedelta(seconds=30)
+    )
+    assert jobs.advance(jobs_pod.vm.pk).busy
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_submissions_racing_for_one_vm_one_runs_and_one_waits(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    """Two people's passes at the same moment (two Celery workers): the VM's claim lets
+    one pass in, and the database refuses a second job holding the VM's place."""
+    import threading
+
+    from django.db import IntegrityError, connection, transaction
+
+    if connection.vendor != "postgresql":
+        pytest.skip("concurrent writers need PostgreSQL (PORTAL_TEST_BACKEND=services)")
+    first = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "300"])
+    second = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "300"])
+    reports, gate = [], threading.Barrier(2)
+
+    def pass_() -> None:
+        gate.wait()
+        try:
+            reports.append(jobs.advance(jobs_pod.vm.pk))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=pass_) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert sorted(r.busy for r in reports) == [False, True]
+    assert (first.state, second.state) == (JobState.RUNNING, JobState.QUEUED)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        Job.objects.filter(pk=second.pk).update(state=JobState.STARTING)
+    with django_capture_on_commit_callbacks(execute=False):
+        jobs.cancel_job(first, jobs_pod.milo)
+        jobs.cancel_job(second, jobs_pod.milo)
+    drive(jobs_pod.vm, first, lambda j: j.has_ended, timeout=30)
+
+
+def test_a_vm_that_is_no_longer_listed_loses_its_running_job_and_frees_the_queue(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    from django.utils import timezone
+
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "300"])
+    job = drive(jobs_pod.vm, job, lambda j: j.state == JobState.RUNNING)
+    TpuVm.objects.filter(pk=jobs_pod.vm.pk).update(missing_since=timezone.now())
+    with django_capture_on_commit_callbacks(execute=True):
+        job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    assert job.state == JobState.LOST and "no longer listed" in job.reason
+    TpuVm.objects.filter(pk=jobs_pod.vm.pk).update(missing_since=None)

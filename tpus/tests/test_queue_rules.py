@@ -1,0 +1,107 @@
+"""Background work has one door: ``tpus.queue`` enqueues it, after commit; services
+and the accounts app never import the tasks; tasks stay thin."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from django.core import mail
+
+from tpus import queue
+
+ROOT = Path(__file__).resolve().parents[2]
+ENQUEUE_CALLS = {"delay", "delay_on_commit", "apply_async", "send_task"}
+
+
+def shipped_modules():
+    for package in ("accounts", "portal", "tpus", "bench", "testfleet"):
+        for path in (ROOT / package).rglob("*.py"):
+            if "tests" not in path.relative_to(ROOT).parts:
+                yield path
+
+
+def imports_of(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_service_and_nothing_in_accounts_imports_the_tasks():
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in shipped_modules()
+        if path.is_relative_to(ROOT / "tpus" / "services") or path.is_relative_to(ROOT / "accounts")
+        if "tpus.tasks" in imports_of(path)
+    ]
+    assert offenders == []
+
+
+def test_only_the_queue_module_hands_work_to_celery():
+    offenders = []
+    for path in shipped_modules():
+        if path == ROOT / "tpus" / "queue.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ENQUEUE_CALLS
+            ):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_every_task_is_at_most_fifteen_lines():
+    tree = ast.parse((ROOT / "tpus" / "tasks.py").read_text())
+    long = [
+        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 15
+    ]
+    assert long == []
+
+
+def test_every_name_the_queue_uses_is_a_registered_task():
+    from portal.celery import app
+
+    source = (ROOT / "tpus" / "queue.py").read_text()
+    names = {
+        node.args[0].value
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", "") == "_on_commit"
+        and isinstance(node.args[0], ast.Constant)
+    }
+    queue._registered()
+    assert names and names <= set(app.tasks)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_queued_work_runs_only_once_the_transaction_commits(cast):
+    from django.db import transaction
+
+    mail.outbox.clear()
+    with transaction.atomic():
+        queue.membership_requested(cast.pending_membership.pk)
+        assert mail.outbox == []
+    assert [m.to for m in mail.outbox] == [[cast.admin.email]]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_queued_work_is_dropped_when_the_transaction_rolls_back(cast):
+    from django.db import transaction
+
+    mail.outbox.clear()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        queue.membership_requested(cast.pending_membership.pk)
+        raise RuntimeError("rolled back")
+    assert mail.outbox == []
+    queue.membership_requested(cast.pending_membership.pk)  # outside a transaction: at once
+    assert [m.to for m in mail.outbox] == [[cast.admin.email]]

@@ -1,0 +1,283 @@
+"""Pages for jobs on TPU VMs: the Jobs section of a VM's page, running a job, a job's
+page with each worker's live log, and the lab's TPU usage."""
+
+from __future__ import annotations
+
+import csv
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import Http404, HttpResponse, StreamingHttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from portal.paging import page_of
+from tpus import access
+from tpus.forms.jobs import JobForm, PeriodForm
+from tpus.models import Job
+from tpus.models.jobs import JobState, JobWorkerState
+from tpus.services import job_logs, sshconfig, usage
+from tpus.services import jobs as job_services
+
+RECENT_JOBS = 10
+# The live log shows the last lines of the tail the portal keeps (the whole log is a
+# download away), so a chatty job's page stays light to poll.
+LOG_LINES_SHOWN = 300
+# Where a job's folder is on a worker (docs/jobs-host.md).
+HOST_JOBS_DIR = "/var/lib/tpu-portal/jobs"
+
+
+# --- the VM page's Jobs section --------------------------------------------------------
+
+
+def vm_jobs_context(user, lab, vm, *, is_admin: bool) -> dict:
+    """What the Jobs section of a VM's page shows: what holds the TPU now, the queue,
+    the form for someone who may run jobs there, and recent jobs (everyone's for the
+    lab's admins, one's own for others)."""
+    may_run = job_services.may_run_jobs(user, vm)
+    recent = Job.objects.filter(vm=vm).select_related("user__unix_account")
+    if not is_admin:
+        recent = recent.filter(user=user)
+    return {
+        **_now_context(vm),
+        "may_run_jobs": may_run,
+        "job_form": JobForm() if may_run else None,
+        "recent_jobs": recent.order_by("-queued_at", "-id")[:RECENT_JOBS],
+    }
+
+
+def _now_context(vm) -> dict:
+    now = usage.vm_now(vm)
+    usage.look_again_where_stale([now])
+    return {
+        "jobs_now": now,
+        "jobs_queue": usage.queue_of(vm),
+        "refresh_seconds": settings.PORTAL_JOB_USAGE_REFRESH_SECONDS,
+    }
+
+
+@login_required
+def vm_jobs(request, slug, vm_id):
+    """The live part of the Jobs section (htmx): who is using the TPU, the queue."""
+    lab = access.get_member_lab(request.user, slug)
+    vm = access.get_vm_for_viewer(request.user, lab, vm_id)
+    is_admin = access.is_lab_admin(request.user, lab)
+    context = {"lab": lab, "vm": vm, "is_admin": is_admin, **_now_context(vm)}
+    return render(request, "tpus/_vm_jobs_now.html", context)
+
+
+@login_required
+def job_submit(request, slug, vm_id):
+    """Queue a job; a bad form or a refusal is shown on this page and stores nothing."""
+    lab = access.get_member_lab(request.user, slug)
+    vm = access.get_vm_for_viewer(request.user, lab, vm_id)
+    form = JobForm(request.POST if request.method == "POST" else None)
+    status = 200
+    if request.method == "POST" and form.is_valid():
+        try:
+            job = job_services.submit_job(request.user, vm, form.spec(), request=request)
+        except PermissionDenied as exc:
+            form.add_error(None, str(exc) or "You may not run jobs on this TPU VM.")
+            status = 403
+        except ValidationError as exc:
+            form.add_service_error(exc)
+        else:
+            messages.success(request, f"Job {job.pk} is queued on {vm.name}.")
+            return redirect("job_detail", lab.slug, vm.pk, job.pk)
+    context = {
+        "lab": lab,
+        "vm": vm,
+        "form": form,
+        "may_run_jobs": job_services.may_run_jobs(request.user, vm),
+    }
+    return render(request, "tpus/job_submit.html", context, status=status)
+
+
+# --- a job's page ---------------------------------------------------------------------
+
+
+def _ssh_hosts(user, vm, indexes: list[int]) -> dict[int, str]:
+    """Each worker's name in the viewer's ssh config: ``tpu5``, or ``tpu5-w1`` on a
+    pod (``sshconfig.entries_for``)."""
+    host = sshconfig.host_name_for(user, vm)
+    pod = len(indexes) > 1
+    return {i: f"{host}-w{i}" if pod else host for i in indexes}
+
+
+def _live_context(request, lab, job) -> dict:
+    parts = list(job.parts.select_related("worker__vm"))
+    hosts = _ssh_hosts(request.user, job.vm, [p.index for p in parts])
+    now = timezone.now()
+    for part in parts:
+        part.host = hosts[part.index]
+        part.elapsed = (part.ended_at or now) - part.started_at if part.started_at else None
+        part.tail_shown = "\n".join(part.log_tail.splitlines()[-LOG_LINES_SHOWN:])
+        part.is_running = part.state == JobWorkerState.RUNNING
+    aliases = {w.index: w.alias for w in job.vm.workers.all()}
+    preflight = [
+        {
+            "index": int(index),
+            "alias": aliases.get(int(index), f"worker {index}"),
+            "checks": [{"name": c[0], "status": c[1], "detail": c[2]} for c in checks],
+        }
+        for index, checks in sorted(job.preflight.items(), key=lambda item: int(item[0]))
+    ]
+    return {
+        "lab": lab,
+        "vm": job.vm,
+        "job": job,
+        "parts": parts,
+        "log_dir": f"{HOST_JOBS_DIR}/{job.host_id}",
+        "position": usage.position(job),
+        "preflight": preflight,
+        "preflight_open": job.state in (JobState.REJECTED, JobState.BLOCKED),
+        "is_owner": job.user_id == request.user.pk,
+        "may_cancel": access.may_cancel_job(request.user, job),
+    }
+
+
+@login_required
+def job_detail(request, slug, vm_id, job_id):
+    lab = access.get_member_lab(request.user, slug)
+    job = access.get_job_for_viewer(request.user, lab, vm_id, job_id)
+    return render(request, "tpus/job_detail.html", _live_context(request, lab, job))
+
+
+@login_required
+def job_live(request, slug, vm_id, job_id):
+    """The part of a job's page that changes (htmx, every 2 s until the job ends)."""
+    lab = access.get_member_lab(request.user, slug)
+    job = access.get_job_for_viewer(request.user, lab, vm_id, job_id)
+    return render(request, "tpus/_job_live.html", _live_context(request, lab, job))
+
+
+@login_required
+def job_log(request, slug, vm_id, job_id, index):
+    """One worker's whole log, read from the worker while it downloads."""
+    lab = access.get_member_lab(request.user, slug)
+    job = access.get_job_for_viewer(request.user, lab, vm_id, job_id)
+    if not job.parts.filter(index=index).exists():
+        raise Http404("No such worker in this job.")
+    try:
+        stream = job_logs.whole_log(job, index)
+    except LookupError as exc:
+        context = {"lab": lab, "vm": job.vm, "job": job, "index": index, "error": str(exc)}
+        return render(request, "tpus/job_log_error.html", context, status=502)
+    response = StreamingHttpResponse(stream, content_type="text/plain; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{job_logs.filename(job, index)}"'
+    return response
+
+
+@login_required
+@require_POST
+def job_cancel(request, slug, vm_id, job_id):
+    lab = access.get_member_lab(request.user, slug)
+    job = access.get_job_for_viewer(request.user, lab, vm_id, job_id)
+    if not access.may_cancel_job(request.user, job):
+        raise PermissionDenied(access.CANCEL_REFUSED)
+    if not job.can_cancel:
+        state = job.get_state_display().lower()
+        messages.error(request, f"Job {job.pk} is {state}: there is nothing to cancel.")
+    else:
+        job = job_services.cancel_job(job, request.user, request=request)
+        messages.success(
+            request,
+            f"Job {job.pk} is cancelled."
+            if job.has_ended
+            else f"Stopping job {job.pk} on every worker…",
+        )
+    return redirect("job_detail", lab.slug, job.vm_id, job.pk)
+
+
+@login_required
+@require_POST
+def job_rerun(request, slug, vm_id, job_id):
+    lab = access.get_member_lab(request.user, slug)
+    job = access.get_job_for_viewer(request.user, lab, vm_id, job_id)
+    if job.user_id != request.user.pk:
+        raise PermissionDenied("Only the person who submitted a job can run it again.")
+    try:
+        new = job_services.rerun_job(request.user, job, request=request)
+    except (PermissionDenied, ValidationError) as exc:
+        text = " ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
+        messages.error(request, text)
+        return redirect("job_detail", lab.slug, job.vm_id, job.pk)
+    messages.success(request, f"Job {new.pk} is queued on {job.vm.name}: {job.pk} again.")
+    return redirect("job_detail", lab.slug, job.vm_id, new.pk)
+
+
+# --- the lab's TPU usage ---------------------------------------------------------------
+
+
+def _usage_scope(request, slug):
+    lab = access.get_member_lab(request.user, slug)
+    is_admin = access.is_lab_admin(request.user, lab)
+    form = PeriodForm.of(request.GET)
+    return lab, is_admin, form, form.period()
+
+
+@login_required
+def lab_usage(request, slug):
+    """What holds each TPU now, and worker-hours per person and per VM over a period:
+    everyone's for the lab's admins, one's own for members."""
+    lab, is_admin, form, period = _usage_scope(request, slug)
+    vms = usage.with_queue_length(
+        access.viewable_vms(request.user, lab, is_admin=is_admin).order_by("name", "zone", "pk")
+    )
+    vm_page = page_of(request, vms, param="vms")
+    now = usage.now_for(vm_page.object_list)
+    usage.look_again_where_stale(now)
+    context = {
+        "lab": lab,
+        "is_admin": is_admin,
+        "form": form,
+        "period": period,
+        "vm_page": vm_page,
+        "now": now,
+        "definition": usage.WORKER_HOURS,
+    }
+    if period is not None:
+        jobs = usage.jobs_in(lab, period, user=None if is_admin else request.user)
+        context.update(
+            people=page_of(request, usage.by_person(jobs), param="people"),
+            per_vm=page_of(request, usage.by_vm(jobs), param="per_vm"),
+            totals=usage.totals(jobs),
+        )
+    return render(request, "tpus/lab_usage.html", context)
+
+
+@login_required
+def lab_usage_csv(request, slug):
+    """Worker-hours per person and VM over the period, as CSV."""
+    lab, is_admin, form, period = _usage_scope(request, slug)
+    if period is None:
+        errors = "; ".join(e for field in form.errors.values() for e in field)
+        return HttpResponse(errors, status=400, content_type="text/plain; charset=utf-8")
+    jobs = usage.jobs_in(lab, period, user=None if is_admin else request.user)
+    response = HttpResponse(content_type="text/csv; charset=utf-8")
+    name = f"tpu-usage-{lab.slug}-{period.first:%Y%m%d}-{period.last:%Y%m%d}.csv"
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
+    writer = csv.writer(response)
+    writer.writerow(["email", "username", "vm", "zone", "jobs", "worker_hours", "from", "to"])
+    for row in usage.by_person_and_vm(jobs).iterator():
+        writer.writerow(
+            [
+                _cell(row["email"]),
+                _cell(row["username"] or ""),
+                _cell(row["vm_name"]),
+                _cell(row["zone"]),
+                row["jobs"],
+                f"{usage.hours(row['total']):.2f}",
+                period.first.isoformat(),
+                period.last.isoformat(),
+            ]
+        )
+    return response
+
+
+def _cell(text: str) -> str:
+    """Text a spreadsheet will not read as a formula (an email may begin with '=')."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
