@@ -22,7 +22,7 @@ from django.views.decorators.debug import sensitive_variables
 from accounts import sshmessages as msg
 from accounts.models import SSHKey, User
 from accounts.sshkeys import KeyRejected, ParsedKey, ensure_not_admin_key, parse_public_key
-from portal import audit
+from portal import audit, people
 from portal.audit import AuditAction
 from portal.validators import validate_plain_text
 from tpus.models import LabKey
@@ -157,4 +157,5 @@ def _record(action: AuditAction, user: User, key: SSHKey, request, actor=None) -
 
 
 def _keys_changed(user: User) -> None:
+    people.changed()
     access_changes.user_keys_changed(user)

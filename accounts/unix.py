@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from accounts.models import SSHKey, UidAllocation, UnixAccount, User
 from accounts.usernames import suggest_username, validate_unix_username
-from portal import audit
+from portal import audit, people
 from portal.audit import AuditAction
 
 # Concurrent allocations that lose a race try again with the next number; each loss
@@ -112,6 +112,7 @@ def choose_username(user: User, name: str, request=None) -> UnixAccount:
         if not updated:
             raise UnixAccountError("locked", "Your account already exists on a lab machine.")
         previous, account.username = account.username, name
+        people.changed()
         audit.record(
             AuditAction.UNIX_USERNAME_CHOSEN,
             actor=user,

@@ -125,13 +125,18 @@ def valid_filters(form: forms.Form) -> dict:
 
 
 class MemberFilterForm(forms.Form):
-    """The admin page's member list: search and state."""
+    """The admin page's member list: search, state and role."""
 
     q = forms.CharField(required=False, max_length=100, label="Search")
     state = forms.ChoiceField(
         required=False,
         choices=[("", "Any state"), *MembershipState.choices],
         label="State",
+    )
+    role = forms.ChoiceField(
+        required=False,
+        choices=[("", "Any role"), *Role.choices],
+        label="Role",
     )
 
     def filters(self) -> dict:

@@ -5,15 +5,19 @@ appear and cannot be chosen."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
-from django.db.models import Count, Exists, F, OuterRef, Q, QuerySet
+from django.core.cache import cache
+from django.db.models import Count, Exists, F, Max, OuterRef, Q, QuerySet
 
+from portal import people
 from tpus.models import Lab, Membership, TpuVm
 from tpus.services.grants import why_not_grantable
 
 # A picker shows this many matches at most; typing more narrows them.
 PICKER_LIMIT = 20
+# How long readiness counts stay cached at most, should a change slip past the stamp.
+READINESS_SECONDS = 300
 
 
 class NoMatch(ValueError):
@@ -21,12 +25,16 @@ class NoMatch(ValueError):
     who or what is missing and why."""
 
 
-def memberships(lab: Lab, *, q: str = "", state: str = "") -> QuerySet[Membership]:
-    """The lab's memberships matching ``q`` (part of a name, email or unix username)
-    and ``state`` (any state when empty), admins first, then by email."""
+def memberships(lab: Lab, *, q: str = "", state: str = "", role: str = "") -> QuerySet[Membership]:
+    """The lab's memberships matching ``q`` (part of a name, email or unix username),
+    ``state`` and ``role`` (any when empty), by email. By email alone, so a page is
+    read along the email index and stops after a page's worth of people, at any size
+    of lab (ordering by role first sorted every member on every page)."""
     found = lab.memberships.select_related("user__unix_account")
     if state:
         found = found.filter(state=state)
+    if role:
+        found = found.filter(role=role)
     q = q.strip()
     if q:
         found = found.filter(
@@ -34,7 +42,7 @@ def memberships(lab: Lab, *, q: str = "", state: str = "") -> QuerySet[Membershi
             | Q(user__email__icontains=q)
             | Q(user__unix_account__username__icontains=q)
         )
-    return found.order_by("role", "user__email", "pk")
+    return found.order_by("user__email", "pk")
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,22 @@ class Readiness:
 
 
 def grant_readiness(lab: Lab) -> Readiness:
+    """The counts, from the cache while nothing they depend on changed: the lab's
+    memberships (how many, the latest change), its policy version and people's names
+    and keys (``portal.people``). A hit costs one small indexed query; a miss adds the
+    count over every membership, a few milliseconds at 5,000 people."""
+    stamp = lab.memberships.aggregate(n=Count("pk"), last=Max("changed_at"))
+    key = f"grant-readiness:{lab.pk}"
+    version = (stamp["n"], str(stamp["last"]), lab.policy_version, people.generation())
+    cached = cache.get(key)
+    if cached is not None and cached[0] == version:
+        return Readiness(*cached[1])
+    readiness = count_readiness(lab)
+    cache.set(key, (version, astuple(readiness)), READINESS_SECONDS)
+    return readiness
+
+
+def count_readiness(lab: Lab) -> Readiness:
     """One aggregate query over the lab's memberships (fixed cost at any size)."""
     from accounts.models import SSHKey
 

@@ -55,6 +55,7 @@ def lab_key(lab: Lab) -> LabKey:
     per-lab keys get theirs on first use). Safe when two processes ask at once."""
     existing = LabKey.objects.filter(lab=lab).first()
     if existing is not None:
+        existing.lab = lab  # the caller's, not a second query for it
         return existing
     key = _generate(lab)
     try:

@@ -93,9 +93,21 @@ def now_for(vms) -> list[VmNow]:
     return [VmNow(vm, running.get(vm.pk), getattr(vm, "queue_length", 0)) for vm in vms]
 
 
-def vm_now(vm: TpuVm) -> VmNow:
-    [now] = now_for(with_queue_length(TpuVm.objects.filter(pk=vm.pk)))
-    return now
+def vm_now(vm: TpuVm, *, queue: list[Job] | None = None) -> VmNow:
+    """What holds ``vm``'s TPU now. Given ``queue`` (``queue_of(vm)``), the waiting
+    jobs are counted only when there are more than it shows."""
+    running = (
+        Job.objects.filter(vm=vm, state__in=ACTIVE_STATES)
+        .select_related("user__unix_account")
+        .first()
+    )
+    if running is not None:
+        running.vm = vm
+    if queue is not None and len(queue) < QUEUE_SHOWN:
+        waiting = len(queue)
+    else:
+        waiting = Job.objects.filter(vm=vm, state__in=WAITING_STATES).count()
+    return VmNow(vm, running, waiting)
 
 
 def look_again_where_stale(now: list[VmNow]) -> list[int]:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from django.urls import reverse
 
+from accounts.keys import add_key
+from accounts.tests.keydata import ED25519
 from accounts.unix import choose_username
 from tpus.models import Membership
 from tpus.services import directory
+from tpus.services import labs as lab_services
 
 
 def _vm(lab):
@@ -73,4 +76,32 @@ def test_the_count_is_one_query_at_any_size(
     for i in range(30):
         add_member(lab, make_user(f"p{i}@uni.example"))
     with django_assert_num_queries(1):
-        directory.grant_readiness(lab)
+        directory.count_readiness(lab)
+
+
+def test_the_counts_are_cached_and_every_change_they_depend_on_is_seen_at_once(
+    make_lab, make_user, add_member, django_assert_num_queries, django_capture_on_commit_callbacks
+):
+    lab = make_lab("Vision", slug="vision")
+    admin = make_user("boss@vision.example")
+    add_member(lab, admin, role="admin")
+    milo = make_user("milo@uni.example")
+    add_member(lab, milo)
+    ann = make_user("ann@uni.example")
+    add_member(lab, ann, state="requested")
+    assert directory.grant_readiness(lab).no_username == 2
+    with django_assert_num_queries(1):  # only the memberships' stamp
+        assert directory.grant_readiness(lab).no_username == 2
+
+    with django_capture_on_commit_callbacks(execute=True):
+        choose_username(milo, "milo")
+    readiness = directory.grant_readiness(lab)
+    assert (readiness.ready, readiness.no_username, readiness.no_key) == (1, 1, 1)
+    with django_capture_on_commit_callbacks(execute=True):
+        add_key(milo, ED25519)
+    assert directory.grant_readiness(lab).no_key == 0
+    lab_services.approve_membership(admin, Membership.objects.get(user=ann))
+    assert directory.grant_readiness(lab).requested == 0
+    lab.policy_version += 1
+    lab.save()
+    assert directory.grant_readiness(lab).no_policy == 3

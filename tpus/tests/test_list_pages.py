@@ -53,6 +53,7 @@ def test_the_members_list_shows_fifty_at_a_time_and_pages_keep_the_search(client
         ("q=milo@vision", ["milo@vision.example"], ["member01@"]),
         ("state=requested", ["asker0@", "pat@vision.example"], ["member01@", "milo@"]),
         ("q=someone", [], ["someone@other.example"]),
+        ("role=admin", ["admin@vision.example"], ["member01@", "milo@"]),
     ],
 )
 def test_the_members_list_finds_by_username_name_email_and_state(

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Count, IntegerField, OuterRef, Prefetch, Subquery
+from django.db.models import (
+    Count,
+    IntegerField,
+    OuterRef,
+    Prefetch,
+    Subquery,
+    prefetch_related_objects,
+)
 from django.db.models.functions import Coalesce
 from django.shortcuts import redirect, render
+from django.utils.functional import SimpleLazyObject
 from django.views.decorators.http import require_POST
 
 from portal.paging import page_of
@@ -33,11 +41,14 @@ def _count(rows) -> Subquery:
 def vm_list(request, slug):
     """One page of the lab's TPU VMs, found by name, zone, state and type."""
     lab = access.get_admin_lab(request.user, slug)
-    accelerators = lab.vms.exclude(accelerator_type="").values_list("accelerator_type", flat=True)
+    # order_by(): without it the model's ordering by name joins the DISTINCT, and every
+    # VM's row comes back instead of each zone and type once.
+    vms = lab.vms.order_by()
+    accelerators = vms.exclude(accelerator_type="").values_list("accelerator_type", flat=True)
     filters = VmFilterForm(
         request.GET or None,
-        zones=sorted({*lab.zones, *lab.vms.values_list("zone", flat=True).distinct()}),
-        accelerators=sorted(set(accelerators.distinct())),
+        zones=sorted({*lab.zones, *vms.values_list("zone", flat=True).distinct()}),
+        accelerators=sorted(accelerators.distinct()),
     )
     # Counted per row by subqueries on the page's 50 VMs, not by joining every VM's
     # workers and grants and grouping before the page is cut.
@@ -126,7 +137,8 @@ def vm_detail(request, slug, vm_id):
         progress = vm_progress_context(vm)
         context.update(
             grant_form=GrantForm(lab=lab),
-            readiness=directory.grant_readiness(lab),
+            # Counted only if the form is shown (every worker's host keys confirmed).
+            readiness=SimpleLazyObject(lambda: directory.grant_readiness(lab)),
             grants_page=page_of(request, grants, param="grants"),
             # "Give access" waits until every worker's host keys are confirmed.
             unpinned_workers=[w for w in progress["workers"] if not w.is_pinned],
@@ -134,8 +146,9 @@ def vm_detail(request, slug, vm_id):
             **connection_context(vm),
         )
     else:
+        prefetch_related_objects([vm], "workers")  # one query for the table and the snippet
         context.update(
-            workers=vm.workers.order_by("index"),
+            workers=sorted(vm.workers.all(), key=lambda w: w.index),
             my_grant=vm.grants.filter(user=request.user).first(),
             snippet=sshconfig.snippet_for(request.user, [vm]),
         )

@@ -50,11 +50,12 @@ def vm_jobs_context(user, lab, vm, *, is_admin: bool) -> dict:
 
 
 def _now_context(vm) -> dict:
-    now = usage.vm_now(vm)
+    queue = usage.queue_of(vm)
+    now = usage.vm_now(vm, queue=queue)
     usage.look_again_where_stale([now])
     return {
         "jobs_now": now,
-        "jobs_queue": usage.queue_of(vm),
+        "jobs_queue": queue,
         "refresh_seconds": settings.PORTAL_JOB_USAGE_REFRESH_SECONDS,
     }
 
