@@ -58,14 +58,25 @@ def test_only_the_queue_module_hands_work_to_celery():
     assert offenders == []
 
 
+TASK_MODULES = sorted((ROOT / "tpus" / "tasks").glob("*.py"))
+
+
 def test_every_task_is_at_most_fifteen_lines():
-    tree = ast.parse((ROOT / "tpus" / "tasks.py").read_text())
     long = [
-        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
-        for node in tree.body
+        f"{path.name} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for path in TASK_MODULES
+        for node in ast.parse(path.read_text()).body
         if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 15
     ]
-    assert long == []
+    assert TASK_MODULES and long == []
+
+
+def test_the_task_modules_stay_small_and_every_task_keeps_its_package_name():
+    from portal.celery import app
+
+    assert [p.name for p in TASK_MODULES if len(p.read_text().splitlines()) > 120] == []
+    ours = {name for name in app.tasks if name.startswith("tpus.")}
+    assert ours and all(name.count(".") == 2 and name.startswith("tpus.tasks.") for name in ours)
 
 
 def test_every_name_the_queue_uses_is_a_registered_task():

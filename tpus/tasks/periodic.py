@@ -1,0 +1,55 @@
+"""What beat runs: the heartbeat, the inventory sync, the sweeps and grant expiry."""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+from portal import heartbeat
+from portal.celery import every
+from tpus.models import Lab
+from tpus.services import grants, maintenance, sync
+from tpus.tasks.naming import task
+
+
+@every(settings.PORTAL_HEARTBEAT_SECONDS, name="heartbeat")
+@task(ignore_result=True)
+def record_heartbeat() -> None:
+    """Proves beat and a worker are both running (shown to site admins)."""
+    heartbeat.beat()
+
+
+@every(settings.PORTAL_SYNC_SECONDS, name="sync-inventory")
+@task(ignore_result=True)
+def sync_inventory() -> None:
+    """Refresh every lab's TPU VMs: one ListNodes per (project, zone)."""
+    sync.sync_inventory()
+
+
+@task(ignore_result=True)
+def sync_lab_inventory(lab_id: int) -> None:
+    lab = Lab.objects.filter(pk=lab_id).first()
+    if lab is not None:
+        sync.sync_inventory([lab])
+
+
+@every(settings.PORTAL_RECONCILE_SWEEP_SECONDS, name="reconcile-sweep")
+@task(ignore_result=True)
+def reconcile_sweep() -> None:
+    """Queue again whatever is stuck or lost, and reconcile every VM now and then so
+    drift is found and mended."""
+    maintenance.requeue_stuck_work()
+
+
+@every(settings.PORTAL_STALLED_CHECK_SECONDS, name="release-stalled-claims")
+@task(ignore_result=True)
+def release_stalled_claims() -> None:
+    """Run again now the reconciles and disk operations whose holder died."""
+    maintenance.rerun_stalled_claims()
+
+
+@every(settings.PORTAL_EXPIRY_CHECK_SECONDS, name="expire-grants")
+@task(ignore_result=True)
+def expire_grants() -> None:
+    """Revoke expired grants; warn people a week before their access ends."""
+    grants.expire_grants()
+    grants.warn_expiring_grants()
