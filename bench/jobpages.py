@@ -159,6 +159,9 @@ def _with_parts(jobs, workers) -> None:
     from tpus.models import Job, JobWorker
 
     parts = []
+    for job in jobs:
+        if job.state != "queued":
+            job.worker_count = len(workers[job.vm_id])
     for job in Job.objects.bulk_create(jobs):
         if job.state == "queued":
             continue

@@ -620,6 +620,7 @@ class Bench:
                     state="succeeded" if i % 5 else "failed", args=["sleep", "1"],
                     python=f"/home/{self.username}/jax", queued_at=began, begun_at=began,
                     started_at=began, ended_at=ended, changed_at=ended,
+                    worker_count=len(workers),
                 ))  # fmt: skip
             rows = Job.objects.bulk_create(rows, batch_size=2000)
             parts = [

@@ -87,6 +87,9 @@ class Job(models.Model):
     cancelled_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # How many workers it runs on (its parts), set when the portal begins with it: what
+    # usage multiplies its time by, without counting the parts of every job.
+    worker_count = models.PositiveSmallIntegerField(default=0)
     # Why it ended other than by succeeding, in words a person can act on: the failed
     # pre-flight checks per worker, the worker whose process failed, the reboot.
     reason = models.TextField(blank=True)

@@ -484,6 +484,7 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
         if job.state not in WAITING_STATES:
             return True
         job.state = JobState.VALIDATING
+        job.worker_count = len(workers)
         job.begun_at = timezone.now()
         job.changed_at = job.begun_at
         job.reason = ""

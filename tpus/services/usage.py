@@ -25,7 +25,7 @@ from django.db.models.functions import Coalesce, Greatest, Least
 from django.utils import timezone
 
 from tpus import queue
-from tpus.models import Job, JobWorker, Lab, TpuVm
+from tpus.models import Job, Lab, TpuVm
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
 from tpus.services import jobs
 
@@ -182,20 +182,16 @@ def jobs_in(lab: Lab, period: Period, *, user=None) -> QuerySet:
     jobs = jobs.filter(started_at__lt=period.end).filter(
         Q(ended_at__isnull=True) | Q(ended_at__gt=period.start)
     )
-    workers = (
-        JobWorker.objects.filter(job=OuterRef("pk"))
-        .order_by()
-        .values("job")
-        .annotate(n=Count("pk"))
-        .values("n")
-    )
     began = Greatest(F("started_at"), Value(period.start, DateTimeField()))
     stopped = Least(
         Coalesce(F("ended_at"), Value(now, DateTimeField())), Value(period.end, DateTimeField())
     )
     return jobs.annotate(
-        workers=Coalesce(Subquery(workers, output_field=IntegerField()), 0),
-        worker_time=ExpressionWrapper((stopped - began) * F("workers"), DurationField()),
+        # (As IntegerField: SQLite multiplies a duration by that type only.)
+        worker_time=ExpressionWrapper(
+            (stopped - began) * ExpressionWrapper(F("worker_count"), IntegerField()),
+            DurationField(),
+        ),
     )
 
 

@@ -50,6 +50,8 @@ def make_job(vm, user, state: str = "queued", *, parts: bool | None = None, **fi
     )
     if parts if parts is not None else bool(job.started_at or state == "rejected"):
         ended = job.ended_at is not None
+        job.worker_count = vm.workers.count()
+        job.save(update_fields=["worker_count"])
         JobWorker.objects.bulk_create(
             JobWorker(
                 job=job,

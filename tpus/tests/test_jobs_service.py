@@ -106,6 +106,7 @@ def test_a_pod_job_runs_one_collective_on_every_worker_and_succeeds(
     assert report.started == [job.pk] and job.state == JobState.RUNNING, job.reason
     parts = list(job.parts.order_by("index"))
     assert [p.state for p in parts] == ["running"] * 4 and all(p.pid for p in parts)
+    assert job.worker_count == 4  # what usage multiplies its time by
     assert {c[0] for c in job.preflight["0"]} >= {"chips", "python", "script", "port"}
 
     with django_capture_on_commit_callbacks(execute=True):

@@ -205,6 +205,7 @@ def _grow(scene, pod, count: int, make_user) -> None:
     states = ["succeeded", "failed", "cancelled", "lost", "rejected", "queued", "blocked"]
     now = timezone.now()
     jobs = []
+    sizes = {vm.pk: vm.workers.count() for vm in (scene.vm, pod)}
     for n in range(count):
         state = states[n % len(states)]
         started = (
@@ -222,6 +223,7 @@ def _grow(scene, pod, count: int, make_user) -> None:
                 started_at=started,
                 ended_at=started + dt.timedelta(minutes=30) if started else None,
                 queued_at=now - dt.timedelta(hours=n % 48 + 2),
+                worker_count=sizes[(pod if n % 2 else scene.vm).pk] if started else 0,
             )
         )
     Job.objects.bulk_create(jobs)
