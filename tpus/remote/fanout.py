@@ -129,7 +129,7 @@ class Sessions:
                 return WorkerOutcome(worker, error=exc), None
 
         answers = self._map(one, self.workers)
-        return Held(self, [o for o, _ in answers], [s for _, s in answers])
+        return Held(self, [o for o, _ in answers], [s for _, s in answers], then)
 
     def _map(self, one, chosen):
         if self.pool is None:
@@ -140,10 +140,13 @@ class Sessions:
 class Held:
     """Every worker waiting between the two scripts of ``Sessions.begin``."""
 
-    def __init__(self, sessions: Sessions, first: list[WorkerOutcome], steps: list):
+    def __init__(
+        self, sessions: Sessions, first: list[WorkerOutcome], steps: list, then: scripts.Script
+    ):
         self.sessions = sessions
         self.first = first
         self.steps = steps
+        self.then = then
 
     def __enter__(self) -> Held:
         return self
