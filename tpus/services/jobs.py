@@ -10,8 +10,9 @@ docs/jobs-host.md). The portal learns how a job goes only by asking the workers 
 A pass: poll the VM's active job (log bytes, exits, reboots); stop what must stop (a
 cancel, a failed or lost worker of a pod, the time limit); once the VM's place is free,
 take the next job in line, run the pre-flight on every worker at once, and start it
-on every worker at once. So the next job starts in the same pass that saw the last
-one end.
+on every worker at once, in the same exec per worker (each waits for the word to
+start once every worker passed). So the next job starts in the same pass that saw the
+last one end, over the connections that pass already made.
 """
 
 from __future__ import annotations
