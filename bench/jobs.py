@@ -245,22 +245,31 @@ class Bench:
                                         f"chown -h {self.username}: {home}/jax"])  # fmt: skip
 
     def _time_fanouts(self) -> None:
-        """Time each fan-out of this process's passes by script (wraps the name the
-        jobs service calls; changes no behaviour)."""
+        """Time each fan-out of this process's passes by script (wraps the names the
+        jobs service calls; changes no behaviour). A pre-flight and start in one exec
+        count as the pre-flight until every worker answered it, then as the start."""
+        from tpus.remote import Held
         from tpus.services import jobs as service
 
-        original = service._Hosts.run
         fanouts = self.fanouts
 
-        def timed(hosts, script, *args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return original(hosts, script, *args, **kwargs)
-            finally:
-                name = str(getattr(script, "name", script))
-                fanouts[name] = fanouts.get(name, 0.0) + time.perf_counter() - began
+        def timed(original, name_of):
+            def wrapper(this, *args, **kwargs):
+                began = time.perf_counter()
+                try:
+                    return original(this, *args, **kwargs)
+                finally:
+                    name = name_of(this, *args)
+                    fanouts[name] = fanouts.get(name, 0.0) + time.perf_counter() - began
 
-        service._Hosts.run = timed
+            return wrapper
+
+        def named(_, script, *rest):
+            return str(getattr(script, "name", script))
+
+        service._Hosts.run = timed(service._Hosts.run, named)
+        service._Hosts.begin = timed(service._Hosts.begin, named)
+        Held.go = timed(Held.go, lambda held, *_: held.then.name)
 
     def spec(self, *args: str):
         from tpus.services.jobs import JobSpec

@@ -8,13 +8,14 @@ raises one error type, RemoteError, that says whether a retry can help.
 
 from tpus.remote.config import Login, site_login
 from tpus.remote.errors import HostKeyMismatch, RemoteError
-from tpus.remote.fanout import Sessions, WorkerOutcome, run_on_workers, run_script
+from tpus.remote.fanout import Held, Sessions, WorkerOutcome, run_on_workers, run_script
 from tpus.remote.pins import HostKeyPins, InvalidHostKey
 from tpus.remote.scan import scan_host_keys
 from tpus.remote.scripts import Script
 from tpus.remote.ssh import ScriptResult, Worker
 
 __all__ = [
+    "Held",
     "HostKeyMismatch",
     "HostKeyPins",
     "InvalidHostKey",

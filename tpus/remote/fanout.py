@@ -102,9 +102,83 @@ class Sessions:
             except RemoteError as exc:
                 return WorkerOutcome(worker, error=exc)
 
+        return self._map(one, chosen)
+
+    def begin(
+        self,
+        first: str | scripts.Script,
+        data: Data,
+        then: str | scripts.Script,
+        *,
+        dry_run: bool | None = None,
+    ) -> Held:
+        """Run ``first`` on every worker in parallel, each in one exec that then waits
+        for the word to run ``then`` (``ssh.Connection.begin``). The Held answer has
+        every worker's first outcome; its ``go`` runs ``then`` everywhere, and leaving
+        its ``with`` block without ``go`` stops every worker with nothing more done."""
+        first, then = _script(first), _script(then)
+
+        def one(worker: Worker):
+            payload = data(worker) if callable(data) else data
+            try:
+                step = self.connections[id(worker)].begin(
+                    first, _bytes(payload), then, dry_run=dry_run
+                )
+                return WorkerOutcome(worker, step.result), step
+            except RemoteError as exc:
+                return WorkerOutcome(worker, error=exc), None
+
+        answers = self._map(one, self.workers)
+        return Held(self, [o for o, _ in answers], [s for _, s in answers], then)
+
+    def _map(self, one, chosen):
         if self.pool is None:
             return [one(worker) for worker in chosen]
         return list(self.pool.map(one, chosen))
+
+
+class Held:
+    """Every worker waiting between the two scripts of ``Sessions.begin``."""
+
+    def __init__(
+        self, sessions: Sessions, first: list[WorkerOutcome], steps: list, then: scripts.Script
+    ):
+        self.sessions = sessions
+        self.first = first
+        self.steps = steps
+        self.then = then
+
+    def __enter__(self) -> Held:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def go(self, data: Data = b"") -> list[WorkerOutcome]:
+        """The word to every worker: its second script runs with ``data`` (the same for
+        all, or a function of the worker). Outcomes in the order of the workers; a
+        worker whose first script failed has that error again."""
+        pairs = list(zip(self.sessions.workers, self.first, self.steps, strict=True))
+        self.steps = [None] * len(self.steps)
+
+        def one(item) -> WorkerOutcome:
+            worker, first, step = item
+            if step is None:
+                return WorkerOutcome(worker, error=first.error)
+            payload = data(worker) if callable(data) else data
+            try:
+                return WorkerOutcome(worker, step.go(_bytes(payload)))
+            except RemoteError as exc:
+                return WorkerOutcome(worker, error=exc)
+
+        return self.sessions._map(one, pairs)
+
+    def stop(self) -> None:
+        """No worker runs the second script (each sees the end of its stdin)."""
+        steps, self.steps = self.steps, [None] * len(self.steps)
+        for step in steps:
+            if step is not None:
+                step.stop()
 
 
 def _script(script: str | scripts.Script) -> scripts.Script:

@@ -13,10 +13,22 @@ bytes it is asked for, so the data the script reads from stdin starts right afte
 
 A script answers with ``key=value`` lines on stdout (other lines are ignored), exits
 non-zero with its reason as the last line of stderr, and is idempotent.
+
+Two scripts in one exec (``Connection.begin``), for work that must be judged on every
+worker before any worker goes on (a job's pre-flight, then its start)::
+
+    sudo -n -- /bin/sh -c '<_TWO_STEPS>' job-preflight.sh job-start.sh
+
+stdin carries both scripts (each after its length as ten digits), then the first
+script's data after its length. The first script runs with exactly that data as its
+stdin; once it has exited 0, the host prints ``tpu-portal-step=done`` and waits for one
+line: ``go`` runs the second script with the rest of stdin as its data; anything else,
+or the end of stdin (the portal went away), ends the run with nothing more done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import re
@@ -37,6 +49,12 @@ from tpus.remote.scripts import Script
 log = logging.getLogger(__name__)
 
 _BOOTSTRAP = 'set -eu; n=$(head -c 10); s=$(head -c "$n"); exec /bin/sh -c "$s" "$0"'
+_TWO_STEPS = (
+    'set -eu; n=$(head -c 10); a=$(head -c "$n"); n=$(head -c 10); b=$(head -c "$n"); '
+    'n=$(head -c 10); head -c "$n" | /bin/sh -c "$a" "$0"; echo tpu-portal-step=done; '
+    'read -r word || word=""; [ "$word" = go ] || exit 0; exec /bin/sh -c "$b" "$1"'
+)
+_STEP_DONE = b"tpu-portal-step=done\n"
 _RESULT_LINE = re.compile(r"^([a-z][a-z0-9_.-]*)=(.*)$")
 MAX_OUTPUT_BYTES = 4 * 1024 * 1024
 # Never offered: CBC and 3DES ciphers, SHA-1 and MD5 MACs, SHA-1 key exchanges.
@@ -99,6 +117,16 @@ def command_for(script: Script) -> str:
     return f"sudo -n -- /bin/sh -c {shlex.quote(_BOOTSTRAP)} {shlex.quote(script.name)}"
 
 
+def command_for_two(first: Script, then: Script) -> str:
+    """The fixed command line that runs ``first``, waits for the word, runs ``then``."""
+    quoted = " ".join(shlex.quote(x) for x in (_TWO_STEPS, first.name, then.name))
+    return f"sudo -n -- /bin/sh -c {quoted}"
+
+
+def _framed(body: bytes) -> bytes:
+    return f"{len(body):010d}".encode() + body
+
+
 def execute(
     worker: Worker, script: Script, data: bytes = b"", *, dry_run: bool | None = None
 ) -> ScriptResult:
@@ -133,12 +161,55 @@ class Connection:
     def run(
         self, script: Script, data: bytes = b"", *, dry_run: bool | None = None
     ) -> ScriptResult:
+        cfg = self._ready(dry_run)
+        if cfg is None:
+            log.info("dry run: would run %s on %s (%d bytes)", script.name, self.worker, len(data))
+            return ScriptResult(self.worker, script.name, 0, dry_run=True)
+        started = time.monotonic()
+        try:
+            run = _Exec(self.client, command_for(script), cfg.script_timeout, self.worker)
+            run.send(_framed(script.body) + data, last=True)
+            status, out, err = run.finish()
+        except RemoteError:
+            self.close()  # a broken connection is not used again
+            raise
+        return _result(self.worker, script, status, out, err, time.monotonic() - started)
+
+    def begin(
+        self, first: Script, data: bytes, then: Script, *, dry_run: bool | None = None
+    ) -> Step:
+        """Run ``first`` with ``data`` and hold the host there: the returned Step says
+        ``go`` (``then`` runs with its data) or stops. Raises RemoteError like ``run``;
+        a first script that failed leaves nothing waiting on the host."""
+        cfg = self._ready(dry_run)
+        if cfg is None:
+            log.info("dry run: would run %s then %s on %s", first.name, then.name, self.worker)
+            return Step(self, None, ScriptResult(self.worker, first.name, 0, dry_run=True), then)
+        started = time.monotonic()
+        run = None
+        try:
+            run = _Exec(self.client, command_for_two(first, then), cfg.script_timeout, self.worker)
+            run.send(_framed(first.body) + _framed(then.body) + _framed(data), last=False)
+            if run.wait_for(_STEP_DONE):
+                out, err = run.take()
+                status = 0
+            else:
+                status, out, err = run.finish()
+        except RemoteError:
+            if run is not None:
+                run.close()
+            self.close()
+            raise
+        result = _result(self.worker, first, status, out, err, time.monotonic() - started)
+        return Step(self, run, result, then)
+
+    def _ready(self, dry_run: bool | None) -> remote_config.RemoteConfig | None:
+        """The door's checks before a run, then a connection; None for a dry run."""
         worker = self.worker
         check_allowed(worker)
         cfg = remote_config.current()
         if dry_run if dry_run is not None else cfg.dry_run:
-            log.info("dry run: would run %s on %s with %d bytes", script.name, worker, len(data))
-            return ScriptResult(worker, script.name, 0, dry_run=True)
+            return None
         if not worker.pins:
             raise RemoteError(
                 "no host key is pinned for this worker; refusing to connect",
@@ -153,33 +224,67 @@ class Connection:
                 retryable=False,
                 worker=str(worker),
             )
-        started = time.monotonic()
         if self.client is None:
             self.client = _connect(worker, cfg)
-        try:
-            payload = f"{len(script.body):010d}".encode() + script.body + data
-            status, out, err = _run(
-                self.client, command_for(script), payload, cfg.script_timeout, worker
-            )
-        except RemoteError:
-            self.close()  # a broken connection is not used again
-            raise
-        elapsed = time.monotonic() - started
-        stdout = out.decode(errors="replace")
-        stderr = err.decode(errors="replace")
-        log.info("%s on %s: exit %s in %.2f s", script.name, worker, status, elapsed)
-        if status != 0:
-            reason = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+        return cfg
+
+
+class Step:
+    """A host held between the two scripts of ``Connection.begin``: ``result`` is the
+    first script's answer; ``go`` runs the second, ``stop`` (or nothing, once the
+    connection closes) ends the run on the host with nothing more done."""
+
+    def __init__(self, connection: Connection, run: _Exec | None, result: ScriptResult, then):
+        self.connection = connection
+        self.run = run
+        self.result = result
+        self.then = then
+
+    def go(self, data: bytes = b"") -> ScriptResult:
+        worker, run = self.connection.worker, self.run
+        if self.result.dry_run:
+            return ScriptResult(worker, self.then.name, 0, dry_run=True)
+        if run is None:
             raise RemoteError(
-                f"{script.name} failed (exit {status}): {reason[:500] or 'no message'}",
-                kind=RemoteError.SCRIPT,
-                retryable=False,
-                worker=str(worker),
-                exit_status=status,
-                stderr=stderr[-4000:],
-            )
-        pairs = [(m[1], m[2]) for ln in stdout.splitlines() if (m := _RESULT_LINE.match(ln))]
-        return ScriptResult(worker, script.name, status, stdout, stderr, pairs, elapsed)
+                "the host is no longer waiting for the word", kind=RemoteError.DISCONNECTED,
+                retryable=True, worker=str(worker),
+            )  # fmt: skip
+        self.run = None
+        started = time.monotonic()
+        try:
+            run.restart_clock()
+            run.send(b"go\n" + data, last=True)
+            status, out, err = run.finish()
+        except RemoteError:
+            self.connection.close()
+            raise
+        return _result(worker, self.then, status, out, err, time.monotonic() - started)
+
+    def stop(self) -> None:
+        """End of stdin without the word: the host exits without running ``then``."""
+        run, self.run = self.run, None
+        if run is not None:
+            run.close()
+
+
+def _result(
+    worker: Worker, script: Script, status: int, out: bytes, err: bytes, elapsed: float
+) -> ScriptResult:
+    stdout = out.decode(errors="replace")
+    stderr = err.decode(errors="replace")
+    log.info("%s on %s: exit %s in %.2f s", script.name, worker, status, elapsed)
+    if status != 0:
+        reason = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+        raise RemoteError(
+            f"{script.name} failed (exit {status}): {reason[:500] or 'no message'}",
+            kind=RemoteError.SCRIPT,
+            retryable=False,
+            worker=str(worker),
+            exit_status=status,
+            stderr=stderr[-4000:],
+        )
+    pairs = [(m[1], m[2]) for ln in stdout.splitlines() if (m := _RESULT_LINE.match(ln))]
+    return ScriptResult(worker, script.name, status, stdout, stderr, pairs, elapsed)
 
 
 def check_allowed(worker: Worker) -> None:
@@ -336,71 +441,125 @@ def _connect(worker: Worker, cfg: remote_config.RemoteConfig) -> paramiko.SSHCli
     return client
 
 
-def _run(
-    client: paramiko.SSHClient, command: str, payload: bytes, timeout: float, worker: Worker
-) -> tuple[int, bytes, bytes]:
-    """One channel: exec ``command``, send ``payload`` then EOF, collect both streams
-    (interleaved, so a chatty stderr cannot stall the window), wait for the status."""
-    where = str(worker)
-    deadline = time.monotonic() + timeout
-    out, err = bytearray(), bytearray()
-    try:
-        transport = client.get_transport()
-        channel = transport.open_session(timeout=max(1.0, deadline - time.monotonic()))
-        channel.settimeout(max(0.1, deadline - time.monotonic()))
-        channel.exec_command(command)
+class _Exec:
+    """One channel running one command: send its stdin, read both streams (interleaved,
+    so a chatty stderr cannot stall the window), wait for a marker line or the exit
+    status, within ``timeout``. Every failure is a RemoteError."""
+
+    def __init__(self, client: paramiko.SSHClient, command: str, timeout: float, worker: Worker):
+        self.worker = worker
+        self.timeout = timeout
+        self.out, self.err = bytearray(), bytearray()
+        self.restart_clock()
+        with self._errors():
+            transport = client.get_transport()
+            self.channel = transport.open_session(timeout=self._left(1.0))
+            self.channel.settimeout(self._left(0.1))
+            self.channel.exec_command(command)
+
+    def restart_clock(self) -> None:
+        self.deadline = time.monotonic() + self.timeout
+
+    def _left(self, least: float) -> float:
+        return max(least, self.deadline - time.monotonic())
+
+    def send(self, data: bytes, *, last: bool) -> None:
+        with self._errors():
+            try:
+                self.channel.sendall(data)
+                if last:
+                    self.channel.shutdown_write()
+            except OSError:
+                pass  # the command exited without reading all of it; its status tells why
+
+    def wait_for(self, marker: bytes) -> bool:
+        """Read until a line of stdout is ``marker`` (True; what came before it is the
+        answer so far) or the command ended (False)."""
+        with self._errors():
+            while True:
+                if self.out.startswith(marker) or b"\n" + marker in self.out:
+                    cut = self.out.rfind(marker)
+                    del self.out[cut:]
+                    return True
+                if not self._pump():
+                    return False
+
+    def finish(self) -> tuple[int, bytes, bytes]:
+        """Read to the end; the exit status and both streams."""
+        with self._errors():
+            while self._pump():
+                pass
+            channel = self.channel
+            # Output that arrived together with the exit status.
+            while channel.recv_ready():
+                _keep(self.out, channel.recv(65536))
+            while channel.recv_stderr_ready():
+                _keep(self.err, channel.recv_stderr(65536))
+            status = channel.exit_status if channel.exit_status_ready() else -1
+        if status == -1:
+            raise RemoteError(
+                "the script ended without an exit status (killed, or the host went away)",
+                kind=RemoteError.DISCONNECTED,
+                retryable=True,
+                worker=str(self.worker),
+                stderr=self.err.decode(errors="replace")[-4000:],
+            )
+        return status, bytes(self.out), bytes(self.err)
+
+    def take(self) -> tuple[bytes, bytes]:
+        """Both streams so far, emptied (for the next step's answer)."""
+        out, err = bytes(self.out), bytes(self.err)
+        self.out.clear()
+        self.err.clear()
+        return out, err
+
+    def close(self) -> None:
+        with contextlib.suppress(paramiko.SSHException, OSError, EOFError):
+            self.channel.close()  # what may be broken already
+
+    def _pump(self) -> bool:
+        """Read what is there or wait for more; False once the command has ended."""
+        channel = self.channel
+        if channel.recv_ready():
+            _keep(self.out, channel.recv(65536))
+            return True
+        if channel.recv_stderr_ready():
+            _keep(self.err, channel.recv_stderr(65536))
+            return True
+        # The exit status can overtake the last of the output (it waits for window
+        # space we free by reading): stop only once the host also sent EOF.
+        if channel.closed or (channel.exit_status_ready() and channel.eof_received):
+            return False
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        if channel.eof_received:
+            channel.status_event.wait(min(remaining, 1.0))
+        else:
+            select.select([channel], [], [], min(remaining, 1.0))
+        return True
+
+    @contextlib.contextmanager
+    def _errors(self):
+        where = str(self.worker)
         try:
-            channel.sendall(payload)
-            channel.shutdown_write()
-        except OSError:
-            pass  # the script exited without reading all of it; its status tells why
-        while True:
-            if channel.recv_ready():
-                _keep(out, channel.recv(65536))
-                continue
-            if channel.recv_stderr_ready():
-                _keep(err, channel.recv_stderr(65536))
-                continue
-            # The exit status can overtake the last of the output (it waits for window
-            # space we free by reading): stop only once the host also sent EOF.
-            if channel.closed or (channel.exit_status_ready() and channel.eof_received):
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            if channel.eof_received:
-                channel.status_event.wait(min(remaining, 1.0))
-            else:
-                select.select([channel], [], [], min(remaining, 1.0))
-        # Output that arrived together with the exit status.
-        while channel.recv_ready():
-            _keep(out, channel.recv(65536))
-        while channel.recv_stderr_ready():
-            _keep(err, channel.recv_stderr(65536))
-        status = channel.exit_status if channel.exit_status_ready() else -1
-    except TimeoutError:
-        raise RemoteError(
-            f"the script did not finish within {timeout:.0f} s",
-            kind=RemoteError.TIMEOUT,
-            retryable=True,
-            worker=where,
-        ) from None
-    except (paramiko.SSHException, OSError, EOFError) as exc:
-        raise RemoteError(
-            f"the connection broke while the script ran: {exc}",
-            kind=RemoteError.DISCONNECTED,
-            retryable=True,
-            worker=where,
-        ) from None
-    if status == -1:
-        raise RemoteError(
-            "the script ended without an exit status (killed, or the host went away)",
-            kind=RemoteError.DISCONNECTED,
-            retryable=True,
-            worker=where,
-            stderr=err.decode(errors="replace")[-4000:],
-        )
-    return status, bytes(out), bytes(err)
+            yield
+        except TimeoutError:
+            self.close()
+            raise RemoteError(
+                f"the script did not finish within {self.timeout:.0f} s",
+                kind=RemoteError.TIMEOUT,
+                retryable=True,
+                worker=where,
+            ) from None
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise RemoteError(
+                f"the connection broke while the script ran: {exc}",
+                kind=RemoteError.DISCONNECTED,
+                retryable=True,
+                worker=where,
+            ) from None
 
 
 def _keep(buffer: bytearray, chunk: bytes) -> None:

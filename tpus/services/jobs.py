@@ -10,8 +10,9 @@ docs/jobs-host.md). The portal learns how a job goes only by asking the workers 
 A pass: poll the VM's active job (log bytes, exits, reboots); stop what must stop (a
 cancel, a failed or lost worker of a pod, the time limit); once the VM's place is free,
 take the next job in line, run the pre-flight on every worker at once, and start it
-on every worker at once. So the next job starts in the same pass that saw the last
-one end.
+on every worker at once, in the same exec per worker (each waits for the word to
+start once every worker passed). So the next job starts in the same pass that saw the
+last one end, over the connections that pass already made.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tpus import queue
 from tpus.models import Grant, Job, JobWorker, TpuVm
 from tpus.models.grants import GrantState
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState
-from tpus.remote import Sessions, WorkerOutcome
+from tpus.remote import Held, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
 from tpus.services import leases
 from tpus.services.hosts import remote_worker
@@ -369,17 +370,19 @@ def advance(vm_id: int, *, max_steps: int = 20) -> PassReport:
     if not _claim(vm_id):
         report.busy = True
         return report
+    connections = _PassConnections()
     try:
         with Heartbeat(TpuVm.objects.filter(pk=vm_id), "jobs_claimed_until", "job pass"):
             for _ in range(max_steps):
-                if not _step(vm_id, report):
+                if not _step(vm_id, report, connections):
                     break
     finally:
+        connections.close()
         _release(vm_id)
     return report
 
 
-def _step(vm_id: int, report: PassReport) -> bool:
+def _step(vm_id: int, report: PassReport, connections: _PassConnections) -> bool:
     """Do the next thing; True when another step may have something to do at once."""
     job = Job.objects.filter(vm_id=vm_id, state__in=ACTIVE_STATES).select_related("vm").first()
     if job is None:
@@ -390,12 +393,12 @@ def _step(vm_id: int, report: PassReport) -> bool:
         )
         if head is None:
             return False
-        return _begin(head, report)
+        return _begin(head, report, connections)
     if job.state in (JobState.VALIDATING, JobState.STARTING):
         # A pass that died between its steps (its claim lapsed): finish its work.
-        return _recover(job, report)
+        return _recover(job, report, connections)
     report.polled += 1
-    return _poll(job, report)
+    return _poll(job, report, connections)
 
 
 def _vm_and_workers(vm_id: int):
@@ -460,18 +463,56 @@ class _Hosts:
         of ``only`` (default: every worker)."""
         chosen = self.workers if only is None else list(only)
         remote = [r for w in chosen for r in self.remote if self.model[id(r)] is w]
-        payload = (lambda r: data(self.model[id(r)])) if callable(data) else data
-        return self.sessions.run(script, payload, only=remote)
+        return self.sessions.run(script, self.payload(data), only=remote)
+
+    def begin(self, first: str, data, then: str) -> Held:
+        """``first`` on every worker, each held until ``go`` runs ``then`` (give it
+        ``payload(data)``) or the ``with`` block is left without it."""
+        return self.sessions.begin(first, self.payload(data), then)
+
+    def payload(self, data):
+        """Data for the door: a function of the model worker, of the remote one."""
+        return (lambda r: data(self.model[id(r)])) if callable(data) else data
 
 
-def _begin(job: Job, report: PassReport) -> bool:
+class _PassConnections:
+    """One pass's connections to its VM's workers: made by the first step that needs
+    them and kept for the pass's next steps, so the pass that sees a job end starts the
+    next one in line without logging in again. Closed when the pass ends (never kept
+    between passes); a step that finds other workers, addresses, host keys or another
+    login connects anew."""
+
+    def __init__(self) -> None:
+        self.hosts: _Hosts | None = None
+
+    def to(self, vm: TpuVm, workers) -> _Hosts:
+        fresh = _Hosts(vm, workers)
+        if self.hosts is not None and self.hosts.remote == fresh.remote:
+            fresh.__exit__(None, None, None)
+            # The same workers as this step's rows, so callers' objects match.
+            self.hosts.workers = fresh.workers
+            self.hosts.model = {
+                id(r): w for r, w in zip(self.hosts.remote, fresh.workers, strict=True)
+            }
+            return self.hosts
+        self.close()
+        self.hosts = fresh
+        return fresh
+
+    def close(self) -> None:
+        if self.hosts is not None:
+            self.hosts.__exit__(None, None, None)
+            self.hosts = None
+
+
+def _begin(job: Job, report: PassReport, connections: _PassConnections) -> bool:
     vm, workers = _vm_and_workers(job.vm_id)
     reason = _unready(vm, workers)
     if reason:
         _wait(job, f"Waiting: {reason}")
         return False
-    with _Hosts(vm, workers) as hosts:
-        return _validate_and_start(job, vm, workers, hosts, report)
+    hosts = connections.to(vm, workers)
+    return _validate_and_start(job, vm, workers, hosts, report)
 
 
 def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport) -> bool:
@@ -516,7 +557,15 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
             )
         )
 
-    outcomes = hosts.run("job-preflight.sh", preflight)
+    # The pre-flight and the start are one exec per worker: each worker answers its
+    # checks and waits; only when every worker passed does each get the word to start.
+    # Leaving this block otherwise (a failed check, a cancel, an error) stops them all.
+    with hosts.begin("job-preflight.sh", preflight, "job-start.sh") as held:
+        return _judge_and_start(job, vm, workers, hosts, held, report)
+
+
+def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, report) -> bool:
+    outcomes = held.first
     unreachable = [(w, o) for w, o in zip(workers, outcomes, strict=True) if not o.ok]
     if unreachable:
         worker, outcome = unreachable[0]
@@ -560,7 +609,7 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
         current.preflight = job.preflight
         current.changed_at = timezone.now()
         current.save(update_fields=["state", "preflight", "changed_at"])
-    return _start(current, vm, workers, reports, report, hosts)
+    return _start(current, vm, workers, reports, report, hosts, held)
 
 
 def workers_by_index(workers) -> dict:
@@ -607,7 +656,9 @@ def _holder_fields(detail: str) -> dict:
     return fields
 
 
-def _start(job: Job, vm: TpuVm, workers, reports, report: PassReport, hosts: _Hosts) -> bool:
+def _start(
+    job: Job, vm: TpuVm, workers, reports, report: PassReport, hosts: _Hosts, held: Held
+) -> bool:
     username = job.user.unix_account.username
     first = workers[0]
     coordinator = f"{first.internal_ip or first.external_ip}:{settings.PORTAL_JOB_COORDINATOR_PORT}"
@@ -631,7 +682,7 @@ def _start(job: Job, vm: TpuVm, workers, reports, report: PassReport, hosts: _Ho
             )
         )
 
-    outcomes = hosts.run("job-start.sh", start)
+    outcomes = held.go(hosts.payload(start))
     problems = []
     with transaction.atomic():
         parts = {p.index: p for p in JobWorker.objects.select_for_update().filter(job=job)}
@@ -686,20 +737,22 @@ def _start_answer(outcome: WorkerOutcome):
     return answer
 
 
-def _recover(job: Job, report: PassReport) -> bool:
+def _recover(job: Job, report: PassReport, connections: _PassConnections) -> bool:
     """A job left in validating or starting by a pass that died."""
     if job.state == JobState.VALIDATING:
         _back_in_line(job, "")
         return True
-    _poll(job, report, recovering=True)
+    _poll(job, report, connections, recovering=True)
     return True
 
 
-def _poll(job: Job, report: PassReport, *, recovering: bool = False) -> bool:
+def _poll(
+    job: Job, report: PassReport, connections: _PassConnections, *, recovering: bool = False
+) -> bool:
     """Ask every worker how the job goes (one exec each), record it, and decide."""
     vm, workers = _vm_and_workers(job.vm_id)
-    with _Hosts(vm, workers) as hosts:
-        return _follow(job, vm, workers, hosts, report, recovering)
+    hosts = connections.to(vm, workers)
+    return _follow(job, vm, workers, hosts, report, recovering)
 
 
 def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, recovering: bool):

@@ -9,6 +9,7 @@ import datetime as dt
 import time
 
 import pytest
+from django.conf import settings
 from django.core import mail
 from django.core.exceptions import PermissionDenied, ValidationError
 
@@ -86,6 +87,14 @@ def drive(vm: TpuVm, job: Job, until, timeout: float = 90.0) -> Job:
         time.sleep(0.3)
 
 
+def logins(pod, host) -> int:  # noqa: F811
+    return pod.fleet.log(host.name).count("Accepted publickey for")
+
+
+def commands(pod, host) -> int:  # noqa: F811
+    return pod.fleet.log(host.name).count("Starting session: command")
+
+
 def logs(job: Job) -> list[str]:
     return [p.log_tail for p in job.parts.order_by("index")]
 
@@ -136,6 +145,7 @@ def test_one_job_at_a_time_the_next_starts_in_the_pass_that_ends_the_first(
     # same pass starts the job that waited.
     with django_capture_on_commit_callbacks(execute=False):
         jobs.cancel_job(first, jobs_pod.milo)
+    before = [logins(jobs_pod, host) for host in jobs_pod.hosts]
     began = time.monotonic()
     report = jobs.advance(jobs_pod.vm.pk)
     took = time.monotonic() - began
@@ -144,6 +154,9 @@ def test_one_job_at_a_time_the_next_starts_in_the_pass_that_ends_the_first(
     print(f"\ncancel on 4 workers and the next job started in one pass: {took:.2f} s")
     assert first.state == JobState.CANCELLED and report.ended[0] == first.pk
     assert report.started == [second.pk]
+    # One login per worker for the whole pass: the stop, then the next job's start.
+    after = [logins(jobs_pod, host) for host in jobs_pod.hosts]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1, 1, 1]
     assert all(p.state == "ended" for p in first.parts.all())
     for host, part in zip(jobs_pod.hosts, first.parts.order_by("index"), strict=True):
         left = sh(jobs_pod, host, f"ps -e -o pgid= | grep -cx ' *{part.pid}' || true").strip()
@@ -215,6 +228,36 @@ def test_a_script_that_differs_on_one_worker_is_rejected_naming_it(
     job.refresh_from_db()
     assert job.state == JobState.REJECTED
     assert "worker 3 (tpu5-w3): script: differs from worker 0's copy" in job.reason
+    assert not JobWorker.objects.filter(job=job, pid__isnull=False).exists()
+
+
+def test_a_check_failing_on_one_worker_starts_the_job_on_no_worker(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "30"])
+    before = [commands(jobs_pod, host) for host in jobs_pod.hosts]
+    port = settings.PORTAL_JOB_COORDINATOR_PORT
+    listen = f"import socket, time; s = socket.socket(); s.bind(('', {port})); s.listen(); "
+    # The coordinator's port is taken on worker 0: its pre-flight fails, the others pass.
+    sh(jobs_pod, jobs_pod.hosts[0], f'python3 -c "{listen}time.sleep(60)" >/dev/null 2>&1 & '
+       "echo $! >/tmp/listener.pid")  # fmt: skip
+    try:
+        time.sleep(0.5)
+        report = jobs.advance(jobs_pod.vm.pk)
+    finally:
+        sh(jobs_pod, jobs_pod.hosts[0], "kill -KILL $(cat /tmp/listener.pid)")
+    job.refresh_from_db()
+    assert job.state == JobState.REJECTED and report.started == []
+    assert "worker 0 (tpu5-w0): port:" in job.reason, job.reason
+    # Every worker ran the pre-flight (one exec each, waiting for the word), none started.
+    assert [commands(jobs_pod, h) - b for h, b in zip(jobs_pod.hosts, before, strict=True)] == [
+        1, 1, 1, 1,
+    ]  # fmt: skip
+    time.sleep(0.3)
+    for host in jobs_pod.hosts:
+        assert job.host_id not in sh(jobs_pod, host, "ls /var/lib/tpu-portal/jobs/ || true")
+        # Nothing waits for a word that will never come.
+        assert sh(jobs_pod, host, "pgrep -f 'tpu-portal-[s]tep' || true").strip() == ""
     assert not JobWorker.objects.filter(job=job, pid__isnull=False).exists()
 
 

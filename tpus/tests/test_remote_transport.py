@@ -19,6 +19,7 @@ from tpus.remote import (
     HostKeyPins,
     RemoteError,
     Script,
+    Sessions,
     Worker,
     run_on_workers,
     run_script,
@@ -271,3 +272,53 @@ def test_a_login_the_host_is_too_busy_to_answer_is_a_timeout_not_a_refusal(
     with pytest.raises(RemoteError) as caught:
         run_script(worker_for(fleet, fleet_host), "whoami.sh")
     assert caught.value.kind == RemoteError.TIMEOUT and caught.value.retryable
+
+
+# --- two scripts in one exec ------------------------------------------------------------
+
+
+def test_two_steps_run_in_one_exec_and_the_second_gets_its_own_data_on_go(
+    fleet, fleet_settings, fleet_hosts
+):
+    hosts = fleet_hosts(3)
+    before = {h.name: fleet.log(h.name).count("Starting session: command") for h in hosts}
+    with Sessions([worker_for(fleet, h) for h in hosts]) as sessions:
+        with sessions.begin("whoami.sh", lambda w: w.name, "whoami.sh") as held:
+            first = held.first
+            second = held.go(HOSTILE)
+    assert [o.result.values["stdin_bytes"] for o in first] == [str(len(h.name)) for h in hosts]
+    assert [o.result.values["stdin_sha256"] for o in second] == [
+        hashlib.sha256(HOSTILE).hexdigest()
+    ] * 3
+    assert [o.result.values["hostname"] for o in second] == [h.hostname for h in hosts]
+    sessions_used = {h.name: fleet.log(h.name).count("Starting session: command") - before[h.name]
+                     for h in hosts}  # fmt: skip
+    assert sessions_used == {h.name: 1 for h in hosts}
+    assert b"pwned" not in fleet.exec(hosts[0].name, ["sh", "-c", "ls /tmp /root /"]).stdout
+
+
+def test_leaving_without_the_word_runs_nothing_more_on_any_host(fleet, fleet_settings, fleet_hosts):
+    hosts = fleet_hosts(2)
+    marker = f"/tmp/second-{time.monotonic_ns()}"
+    second = Script("touches.sh", f"set -eu\ntouch {marker}\necho touched=1\n".encode())
+    with Sessions([worker_for(fleet, h) for h in hosts]) as sessions:
+        with sessions.begin("whoami.sh", b"x", second) as held:
+            assert all(o.ok for o in held.first)
+        # The hosts were told nothing more; their exec has ended.
+        again = sessions.run("whoami.sh", b"")
+    assert all(o.ok for o in again)
+    time.sleep(0.3)
+    for host in hosts:
+        assert fleet.exec(host.name, ["test", "-e", marker], check=False).returncode != 0
+
+
+def test_a_first_step_that_fails_reports_it_and_leaves_nothing_waiting(
+    fleet, fleet_settings, fleet_host
+):
+    failing = Script.from_path(TEST_SCRIPTS / "fails.sh")
+    with Sessions([worker_for(fleet, fleet_host)]) as sessions:
+        with sessions.begin(failing, b"", "whoami.sh") as held:
+            [first] = held.first
+            [second] = held.go(b"")
+    assert first.error.kind == RemoteError.SCRIPT and not first.error.retryable
+    assert second.error is first.error

@@ -68,17 +68,20 @@ trap 'rm -rf -- "$work"' EXIT
 input=$work/input
 head -c $((MAX_INPUT + 1)) >"$input"
 [ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
-[ "$(head -n 1 "$input")" = "tpu-portal-job-preflight 1" ] || die "the input has no tpu-portal-job-preflight 1 header"
-[ "$(tail -n 1 "$input")" = end ] || die "the input was cut off (no final end)"
 B64='[A-Za-z0-9+/]+={0,2}'
 if grep -n -v -E "^(tpu-portal-job-preflight 1|end|user [a-z][a-z0-9-]{0,30}|chips [0-9]{1,3} /dev/[A-Za-z0-9/_.*?-]{1,100}|min_disk_mb [0-9]{1,9}|min_mem_mb [0-9]{1,9}|port [0-9]{1,5}|python $B64|script $B64|env [A-Za-z_][A-Za-z0-9_]{0,127})$" "$input" >"$work/bad"; then
     die "line $(head -n 1 "$work/bad" | cut -d: -f1) of the input is not allowed"
 fi
-# Every line passed the pattern above: read them with the shell's own read.
+# Every line passed the pattern above: read them with the shell's own read (a last
+# line without its newline is not read, so "end" must be the last line read).
 user="" expected="" glob="" min_disk="" min_mem="" port="" python_b64="" script_b64=""
-n_user=0 n_chips=0 n_disk=0 n_mem=0 n_env=0
+n_line=0 n_user=0 n_chips=0 n_disk=0 n_mem=0 n_env=0 last=""
 : >"$work/env"
 while read -r key value rest; do
+    n_line=$((n_line + 1))
+    [ "$n_line" -gt 1 ] || [ "$key $value" = "tpu-portal-job-preflight 1" ] ||
+        die "the input has no tpu-portal-job-preflight 1 header"
+    last=$key
     case $key in
         user) user=$value n_user=$((n_user + 1)) ;;
         chips) expected=$value glob=$rest n_chips=$((n_chips + 1)) ;;
@@ -93,6 +96,8 @@ while read -r key value rest; do
             ;;
     esac
 done <"$input"
+[ "$n_line" -gt 0 ] || die "the input has no tpu-portal-job-preflight 1 header"
+[ "$last" = end ] || die "the input was cut off (no final end)"
 [ "$n_user" = 1 ] || die "the input needs exactly one user line"
 [ "$n_chips" = 1 ] || die "the input needs exactly one chips line"
 [ "$n_disk" = 1 ] || die "the input needs exactly one min_disk_mb line"
@@ -155,7 +160,7 @@ if [ -e "$LIBTPU_LOCK" ] || [ -L "$LIBTPU_LOCK" ]; then
 else
     check libtpu_lockfile ok "no $LIBTPU_LOCK"
 fi
-if [ -f "$PORTAL_LOCK" ] && ! flock -n "$PORTAL_LOCK" true; then
+if [ -f "$PORTAL_LOCK" ] && ! { flock -n 8; } 8<"$PORTAL_LOCK"; then
     check portal_lock fail "job $(cat "$HOLDER" 2>/dev/null || echo unknown) holds this TPU"
 else
     check portal_lock ok "free"
@@ -186,8 +191,8 @@ python_versions() {
     done
     key=$({ echo "$uid $python"; stat -L -c '%n %d %i %y %z %s' -- "$@"; } 2>/dev/null | sha256sum)
     key=${key%% *}
-    if [ -f "$PYCACHE/$key" ]; then
-        cat "$PYCACHE/$key"
+    if [ -f "$PYCACHE/$key" ] && IFS= read -r found <"$PYCACHE/$key"; then
+        printf '%s\n' "$found"
         return 0
     fi
     found=$(as_user timeout 20 "$python" -E -c "$PYCODE") || return 1

@@ -107,19 +107,6 @@ case $first_arg in
     *=*) die "the command's first word must not contain '='" ;;
 esac
 
-# The spec the supervisor runs: NUL-free lines, every value still in base64.
-spec=$work/spec
-{
-    echo "uid $uid"
-    echo "gid $gid"
-    echo "user $(printf '%s' "$user" | base64 -w 0)"
-    echo "home $(printf '%s' "$home" | base64 -w 0)"
-    echo "cwd $(printf '%s' "$cwd" | base64 -w 0)"
-    echo "python $(printf '%s' "$python" | base64 -w 0)"
-    echo "job $job"
-    grep -E '^(pod|env|arg) ' "$input"
-} >"$spec"
-
 # 2. Already there? Starting the same job again is a success, not a second run.
 dir=$JOBS/$job
 if [ -d "$dir" ]; then
@@ -146,15 +133,24 @@ mv -f "$HOLDER.new" "$HOLDER"
 
 # 4. The job's folder: root's, readable by the user's group; the user cannot change it.
 mkdir -m 2750 "$dir.new"
-cp "$spec" "$dir.new/spec"
+umask 027
+# The spec the supervisor runs: the account's ids and the input's own lines (free text
+# still in base64). The checked name, home, cwd and python are its arguments.
+{
+    echo "uid $uid"
+    echo "gid $gid"
+    echo "job $job"
+    grep -E '^(user|python|cwd|pod|env|arg) ' "$input"
+} >"$dir.new/spec"
 : >"$dir.new/log"
 cat >"$dir.new/supervise.sh" <<'SUPERVISOR'
-# The supervisor of one job (root, its own session, fd 9 = the TPU's lock).
+# The supervisor of one job (root, its own session, fd 9 = the TPU's lock, fd 3 = the
+# pipe job-start.sh waits on). Arguments: the folder, uid, gid, user, home, cwd, python.
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
 umask 027  # files root's, readable by the user's group (the folder is setgid)
-dir=$1
+dir=$1 uid=$2 gid=$3 user=$4 home=$5 cwd=$6 python=$7
 cd "$dir"
 d() { printf '%s' "$1" | base64 -d; }
 # The 22nd field of /proc/PID/stat (the start time), read by the shell itself.
@@ -167,15 +163,9 @@ starttime() {
     echo "${20}"
 }
 
-uid="" gid="" user="" home="" cwd="" python="" job="" pod=""
+job="" pod=""
 while read -r key value rest; do
     case $key in
-        uid) uid=$value ;;
-        gid) gid=$value ;;
-        user) user=$(d "$value") ;;
-        home) home=$(d "$value") ;;
-        cwd) cwd=$(d "$value") ;;
-        python) [ -z "$value" ] || python=$(d "$value") ;;
         job) job=$value ;;
         pod) pod="$value $rest" ;;
     esac
@@ -203,14 +193,18 @@ done <spec
 echo "$$ $(starttime $$)" >supervisor
 read -r boot </proc/sys/kernel/random/boot_id
 echo "$boot" >boot_id
-date +%s.%N >started_at
+started=$(date +%s.%N)
+echo "$started" >started_at
 # The command: in its own session and process group (pgid = its pid), as the user with
-# no way back to root, without the lock's descriptor, output into the log.
+# no way back to root, without the lock's descriptor or the pipe, output into the log.
 setsid setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- "$@" \
-    </dev/null >>log 2>&1 9>&- &
+    </dev/null >>log 2>&1 9>&- 3>&- &
 child=$!
 echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid.new
 mv -f pid.new pid
+# What job-start.sh answers; it returns once the pipe is closed.
+echo "$child $boot $started" >&3
+exec 3>&-
 set +e
 wait "$child"
 status=$?
@@ -228,21 +222,19 @@ rm -f /run/tpu-portal/holder
 SUPERVISOR
 chown -R "root:$gid" "$dir.new"
 chmod 2750 "$dir.new"
-chmod 0640 "$dir.new/spec" "$dir.new/log" "$dir.new/supervise.sh"
 mv "$dir.new" "$dir"
 
 # 5. Detach: a new session, nothing of the SSH channel, the lock's descriptor kept.
-setsid -f /bin/sh "$dir/supervise.sh" "$dir" </dev/null >>"$dir/supervisor.log" 2>&1
+#    The supervisor's fd 3 is a pipe to here: it writes the command's pid, the boot id
+#    and the start time once the command runs, then closes it (no polling for a file).
+answer=$(setsid -f /bin/sh "$dir/supervise.sh" "$dir" "$uid" "$gid" "$user" "$home" \
+    "$cwd" "$python" 3>&1 </dev/null >>"$dir/supervisor.log" 2>&1)
 exec 9>&-
-tries=0
-while [ ! -f "$dir/pid" ]; do
-    tries=$((tries + 1))
-    [ "$tries" -le 500 ] || die "the supervisor did not start the command within 5 s"
-    sleep 0.01
-done
-read -r pid _ <"$dir/pid"
-read -r boot <"$dir/boot_id"
-read -r started <"$dir/started_at"
+pid="" boot="" started=""
+read -r pid boot started <<ANSWER || true
+$answer
+ANSWER
+[ -n "$started" ] || die "the supervisor did not start the command (see $dir/supervisor.log)"
 echo "start=started"
 echo "pid=$pid"
 echo "boot_id=$boot"
