@@ -6,7 +6,8 @@ from __future__ import annotations
 from datetime import date, datetime
 
 from django.core.exceptions import ObjectDoesNotExist
-from django.db.models import Prefetch
+from django.db.models import Count, IntegerField, OuterRef, Prefetch, Subquery
+from django.db.models.functions import Coalesce
 from django.http import HttpResponse
 from ninja import Query, Router, Schema, Status
 from ninja.pagination import paginate
@@ -16,7 +17,7 @@ from portal.schemas import Error
 from tpus import access
 from tpus.api import filters as api_filters
 from tpus.api.docs import PAGED, filter_help
-from tpus.models import Grant, IpChange, Worker
+from tpus.models import Grant, IpChange, TpuVm, Worker
 from tpus.models.grants import GrantState
 from tpus.services import grants as grant_services
 from tpus.services import sshconfig
@@ -63,10 +64,12 @@ class GrantOut(Schema):
 
     @staticmethod
     def resolve_workers_total(obj):
-        return len(grant_workers(obj))
+        return workers_total(obj)
 
     @staticmethod
     def resolve_workers_applied(obj):
+        if obj.state in _SETTLED:
+            return workers_total(obj)
         return sum(w["state"] == "applied" for w in grant_workers(obj))
 
     @staticmethod
@@ -91,36 +94,41 @@ class GrantOut(Schema):
         return account.username if account else None
 
 
+# Every worker confirmed a settled grant when it settled; what a worker does later is
+# the VM's news (its workers' last reconcile), not this grant's.
+_SETTLED = (GrantState.ACTIVE, GrantState.REVOKED)
+IN_FLIGHT = [state for state in GrantState.values if state not in _SETTLED]
+
+
 def grant_workers(grant) -> list[dict]:
-    """Each worker's standing with ``grant``, from what it last answered. Uses the VM's
-    workers as prefetched by the lists (``_WITH_WORKERS``), else loads them once; worked
-    out once per grant object."""
+    """The standing with ``grant`` of each worker that does not have it yet, from what
+    it last answered (none for a settled grant). Uses the VM's workers as prefetched
+    by the lists (``_WITH_WORKERS``), else loads them once; worked out once per grant
+    object."""
+    if grant.state in _SETTLED:
+        return []
     cached = getattr(grant, "_worker_standing", None)
     if cached is None:
-        cached = grant._worker_standing = _worker_standing(grant)
+        cached = grant._worker_standing = _standing_from_syncs(grant)
     return cached
 
 
-_SETTLED = (GrantState.ACTIVE, GrantState.REVOKED)
-
-
-def _worker_standing(grant) -> list[dict]:
+def workers_total(grant) -> int:
+    """How many workers the grant's VM has: counted by the lists (``with_worker_count``)
+    or from the workers already loaded."""
+    counted = getattr(grant, "vm_worker_count", None)
+    if counted is not None:
+        return counted
     if grant.state in _SETTLED:
-        # Every worker confirmed it when it settled; what a worker does later is the
-        # VM's news (its workers' last reconcile), not this grant's.
-        cache = getattr(grant.vm, "_prefetched_objects_cache", {})
-        workers = cache["workers"] if "workers" in cache else grant.vm.workers.all()
-        return [
-            {"index": w.index, "alias": w.alias, "state": "applied", "error": "",
-             "last_attempt_at": None}
-            for w in workers
-        ]  # fmt: skip
-    return _standing_from_syncs(grant)
+        return grant.vm.workers.count()
+    return len(grant_workers(grant))
 
 
 def _standing_from_syncs(grant) -> list[dict]:
     cache = getattr(grant.vm, "_prefetched_objects_cache", {})
-    workers = cache["workers"] if "workers" in cache else grant.vm.workers.select_related("sync")
+    workers = cache.get("workers")
+    if not workers:  # not prefetched, or the grant went in flight after the prefetch read
+        workers = grant.vm.workers.select_related("sync")
     return [worker_standing(worker, grant) for worker in workers]
 
 
@@ -160,8 +168,23 @@ def _has_sync(worker) -> bool:
     return True
 
 
-# The VM's workers and what each last did, in one query for a whole page of grants.
-_WITH_WORKERS = Prefetch("vm__workers", queryset=Worker.objects.select_related("sync", "vm"))
+# The VM's workers and what each last did, in one query for a whole page of grants;
+# only of VMs with a grant in flight (a settled grant needs just the count).
+_WITH_WORKERS = Prefetch(
+    "vm__workers",
+    queryset=Worker.objects.filter(
+        vm__in=TpuVm.objects.filter(grants__state__in=IN_FLIGHT).values("pk")
+    ).select_related("sync", "vm"),
+)
+
+
+def with_worker_count(grants):
+    """``grants`` with ``vm_worker_count``: their VM's workers, counted per row."""
+    counted = Worker.objects.filter(vm=OuterRef("vm")).order_by().values("vm")
+    counted = counted.annotate(n=Count("pk")).values("n")
+    return grants.annotate(
+        vm_worker_count=Coalesce(Subquery(counted, output_field=IntegerField()), 0)
+    )
 
 
 class GrantIn(Schema):
@@ -199,7 +222,7 @@ def list_grants(
     updated_since: str | None = Query(None, description=filter_help("updated_since")),
 ):
     lab = access.get_admin_lab(request.user, slug)
-    grants = (
+    grants = with_worker_count(
         Grant.objects.filter(vm__lab=lab)
         .select_related("vm", "user__unix_account")
         .prefetch_related(_WITH_WORKERS)
@@ -287,8 +310,10 @@ def my_grants(
     state: str | None = Query(None, description=filter_help("state", GrantState)),
     updated_since: str | None = Query(None, description=filter_help("updated_since")),
 ):
-    grants = request.user.grants.select_related("vm", "user__unix_account").prefetch_related(
-        _WITH_WORKERS
+    grants = with_worker_count(
+        request.user.grants.select_related("vm", "user__unix_account").prefetch_related(
+            _WITH_WORKERS
+        )
     )
     return _filter_grants(
         grants, state=parse_choice(state, GrantState, "state"), since=parse_since(updated_since)

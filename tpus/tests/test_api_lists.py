@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.db.models.signals import post_init
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -285,3 +286,30 @@ def test_a_page_costs_the_same_queries_for_two_rows_as_for_fifty(
         return len(context)
 
     assert queries(2) == queries(50)
+
+
+def test_a_settled_grant_counts_its_vms_workers_and_only_grants_in_flight_load_them(
+    client, cast, lab_with_grants
+):
+    pod = lab_with_grants.tpu6
+    for index in range(1, 4):
+        Worker.objects.create(vm=pod, index=index)
+    [active] = lab_with_grants(1, vm=pod)
+    [pending] = lab_with_grants(1, vm=lab_with_grants.tpu5, state="pending")
+    client.force_login(cast.admin)
+    loaded = []
+
+    def record(sender, instance, **kwargs):
+        loaded.append(instance.vm_id)
+
+    post_init.connect(record, sender=Worker)
+    try:
+        items = {g["id"]: g for g in _get(client, "/api/v1/labs/vision/grants")["items"]}
+    finally:
+        post_init.disconnect(record, sender=Worker)
+    assert (items[active.pk]["workers_total"], items[active.pk]["workers_applied"]) == (4, 4)
+    assert items[active.pk]["workers"] == []
+    assert (items[pending.pk]["workers_total"], items[pending.pk]["workers_applied"]) == (1, 0)
+    assert [w["state"] for w in items[pending.pk]["workers"]] == ["waiting"]
+    # Only the worker of the VM with a grant in flight was read, not the pod's four.
+    assert loaded == [lab_with_grants.tpu5.pk]
