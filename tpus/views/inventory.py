@@ -115,6 +115,11 @@ def vm_register(request, slug):
     return render(request, "tpus/vm_register.html", {"lab": lab, "form": form})
 
 
+# The VM page's "Who has access" rows each carry their own forms; a shorter page keeps
+# the page quick on a pod with hundreds of people.
+ACCESS_PAGE_SIZE = 25
+
+
 @login_required
 def vm_detail(request, slug, vm_id):
     """Lab admins see everything and manage access; a collaborator with access sees
@@ -139,7 +144,7 @@ def vm_detail(request, slug, vm_id):
             grant_form=GrantForm(lab=lab),
             # Counted only if the form is shown (every worker's host keys confirmed).
             readiness=SimpleLazyObject(lambda: directory.grant_readiness(lab)),
-            grants_page=page_of(request, grants, param="grants"),
+            grants_page=page_of(request, grants, param="grants", size=ACCESS_PAGE_SIZE),
             # "Give access" waits until every worker's host keys are confirmed.
             unpinned_workers=[w for w in progress["workers"] if not w.is_pinned],
             **progress,
