@@ -177,12 +177,12 @@ def viewable_vms(user, lab: Lab, *, is_admin: bool | None = None) -> QuerySet:
     return vms
 
 
-def get_vm_for_viewer(user, lab: Lab, vm_id: int):
+def get_vm_for_viewer(user, lab: Lab, vm_id: int, *, is_admin: bool | None = None):
     """A VM the person may see (``viewable_vms``). Else 404."""
     from tpus.models import TpuVm
 
     try:
-        return viewable_vms(user, lab).get(pk=vm_id)
+        return viewable_vms(user, lab, is_admin=is_admin).get(pk=vm_id)
     except (TpuVm.DoesNotExist, ValueError, TypeError):
         raise Http404("No such TPU VM.") from None
 
@@ -207,9 +207,10 @@ def get_job_for_viewer(user, lab: Lab, vm_id: int, job_id: int):
     the job's own page."""
     from tpus.models import Job
 
-    vm = get_vm_for_viewer(user, lab, vm_id)
+    is_admin = is_lab_admin(user, lab)
+    vm = get_vm_for_viewer(user, lab, vm_id, is_admin=is_admin)
     jobs = Job.objects.filter(vm=vm).select_related("vm__lab", "user__unix_account")
-    if not is_lab_admin(user, lab):
+    if not is_admin:
         jobs = jobs.filter(user=user)
     try:
         return jobs.get(pk=job_id)

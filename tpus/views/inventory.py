@@ -125,8 +125,8 @@ def vm_detail(request, slug, vm_id):
     """Lab admins see everything and manage access; a collaborator with access sees
     the workers, their own grant, and how to connect."""
     lab = access.get_member_lab(request.user, slug)
-    vm = access.get_vm_for_viewer(request.user, lab, vm_id)
     is_admin = access.is_lab_admin(request.user, lab)
+    vm = access.get_vm_for_viewer(request.user, lab, vm_id, is_admin=is_admin)
     context = {
         "lab": lab,
         "vm": vm,

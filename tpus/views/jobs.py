@@ -64,8 +64,8 @@ def _now_context(vm) -> dict:
 def vm_jobs(request, slug, vm_id):
     """The live part of the Jobs section (htmx): who is using the TPU, the queue."""
     lab = access.get_member_lab(request.user, slug)
-    vm = access.get_vm_for_viewer(request.user, lab, vm_id)
     is_admin = access.is_lab_admin(request.user, lab)
+    vm = access.get_vm_for_viewer(request.user, lab, vm_id, is_admin=is_admin)
     context = {"lab": lab, "vm": vm, "is_admin": is_admin, **_now_context(vm)}
     return render(request, "tpus/_vm_jobs_now.html", context)
 
