@@ -63,9 +63,7 @@ def _install_probes() -> None:
         from tpus.services import reconcile
 
         _timed(ssh, "_connect", "connect", lambda worker, cfg: {"worker": str(worker)})
-        _timed(ssh, "_run", "run", lambda client, cmd, payload, timeout, worker: {
-            "worker": str(worker)
-        })  # fmt: skip
+        _timed(ssh.Connection, "run", "run", lambda conn, *a: {"worker": str(conn.worker)})
         _timed(reconcile, "run_on_workers", "fanout", lambda workers, *a: {"n": len(workers)})
         _timed(reconcile, "settle_grants", "settle", lambda vm_id: {"vm": vm_id})
         _timed(reconcile, "_run_once", "run_once", lambda vm_id, report: {"vm": vm_id})

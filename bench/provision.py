@@ -414,13 +414,14 @@ class Bench:
         from tpus.remote import run_on_workers, run_script, ssh
         from tpus.remote.desired import encode
         from tpus.remote.scripts import load
+        from tpus.services.hosts import remote_worker
         from tpus.services.labkeys import login_for
-        from tpus.services.reconcile import _remote, desired_state
+        from tpus.services.reconcile import desired_state
 
         size = max(self.args.sizes)
         vm = self.vms[size]
         workers = list(vm.workers.order_by("index"))
-        remote = [_remote(w, login_for(vm.lab)) for w in workers]
+        remote = [remote_worker(w, login_for(vm.lab)) for w in workers]
         data = encode(desired_state(vm))
         host = self.vm_hosts[size][0]
         script = load("reconcile.sh")
