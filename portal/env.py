@@ -98,8 +98,15 @@ def database(url: str) -> dict:
         return {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": path,
-            # WAL lets the web process read while the worker writes.
-            "OPTIONS": {"init_command": "PRAGMA journal_mode=WAL;", "timeout": 20},
+            # WAL lets the web process read while the worker writes. IMMEDIATE: a
+            # transaction takes the write lock when it begins, so one that read first
+            # waits (up to the timeout) for another writer instead of failing at once
+            # with "database is locked" when it comes to write.
+            "OPTIONS": {
+                "init_command": "PRAGMA journal_mode=WAL;",
+                "timeout": 20,
+                "transaction_mode": "IMMEDIATE",
+            },
         }
     if parts.scheme in {"postgres", "postgresql"}:
         name = unquote(parts.path.lstrip("/"))
