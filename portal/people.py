@@ -1,5 +1,5 @@
 """A generation number for "someone's readiness for access changed": a unix username
-chosen, an SSH key added or deleted, an account deactivated. Counts that depend on
+chosen, an SSH key added or deleted. Counts that depend on
 those facts (how many of a lab's people can be given access) are cached under it, so
 the change is seen at the next page and not after the cache entry expires."""
 
