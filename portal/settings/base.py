@@ -124,7 +124,9 @@ else:
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
-USE_I18N = True
+# The portal speaks English only. Without the translation machinery every label,
+# choice name and "3 minutes ago" on a page is a plain string, not a lookup.
+USE_I18N = False
 USE_TZ = True
 
 STATIC_URL = "static/"
