@@ -5,7 +5,7 @@ belong to is a 404, indistinguishable from one that does not exist."""
 from __future__ import annotations
 
 from django.core.exceptions import PermissionDenied
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet, Value
 from django.http import Http404
 
 from tpus.models import Invite, Lab, Membership
@@ -70,19 +70,35 @@ def get_visible_lab(user, slug: str) -> Lab:
         raise Http404("No such lab.") from None
 
 
+def _admin_of(user):
+    """True in a ``Lab`` query for the labs ``user`` administers (see ``admin_labs``)."""
+    if user.is_site_admin:
+        return Value(True)
+    return Exists(
+        Membership.objects.filter(
+            lab=OuterRef("pk"), user=user, state=MembershipState.APPROVED, role=Role.ADMIN
+        )
+    )
+
+
 def get_member_lab(user, slug: str) -> Lab:
-    """A lab whose members' area the person may see; else 404."""
+    """A lab whose members' area the person may see; else 404. It carries whether
+    they administer it (``is_lab_admin`` reads that instead of asking again)."""
+    if not user.is_authenticated:
+        raise Http404("No such lab.")
     try:
-        return member_labs(user).get(slug=slug)
+        lab = member_labs(user).annotate(viewer_is_admin=_admin_of(user)).get(slug=slug)
     except Lab.DoesNotExist:
         raise Http404("No such lab.") from None
+    lab.viewer_of = user.pk
+    return lab
 
 
 def get_admin_lab(user, slug: str) -> Lab:
     """A lab the person administers. A member of that lab who is not an admin gets a
     403 (they already know it exists); anyone else a 404."""
     lab = get_member_lab(user, slug)
-    if not admin_labs(user).filter(pk=lab.pk).exists():
+    if not is_lab_admin(user, lab):
         raise PermissionDenied("Only the lab's admins can do that.")
     return lab
 
@@ -113,6 +129,8 @@ def get_invite_for_admin(user, lab: Lab, invite_id: int) -> Invite:
 
 
 def is_lab_admin(user, lab: Lab) -> bool:
+    if getattr(lab, "viewer_of", None) == user.pk:
+        return lab.viewer_is_admin  # read with the lab itself (``get_member_lab``)
     return admin_labs(user).filter(pk=lab.pk).exists()
 
 
