@@ -41,14 +41,14 @@ def _count(rows) -> Subquery:
 def vm_list(request, slug):
     """One page of the lab's TPU VMs, found by name, zone, state and type."""
     lab = access.get_admin_lab(request.user, slug)
-    # order_by(): without it the model's ordering by name joins the DISTINCT, and every
-    # VM's row comes back instead of each zone and type once.
-    vms = lab.vms.order_by()
-    accelerators = vms.exclude(accelerator_type="").values_list("accelerator_type", flat=True)
+    # The zone and type choices in one query. order_by(): without it the model's
+    # ordering by name joins the DISTINCT, and every VM's row comes back instead of
+    # each (zone, type) pair once.
+    kinds = set(lab.vms.order_by().values_list("zone", "accelerator_type").distinct())
     filters = VmFilterForm(
         request.GET or None,
-        zones=sorted({*lab.zones, *vms.values_list("zone", flat=True).distinct()}),
-        accelerators=sorted(accelerators.distinct()),
+        zones=sorted({*lab.zones, *(zone for zone, _ in kinds)}),
+        accelerators=sorted({kind for _, kind in kinds if kind}),
     )
     # Counted per row by subqueries on the page's 50 VMs, not by joining every VM's
     # workers and grants and grouping before the page is cut.
@@ -132,7 +132,6 @@ def vm_detail(request, slug, vm_id):
         "vm": vm,
         "is_admin": is_admin,
         "attachments": vm.attachments.select_related("disk"),
-        "ip_changes": IpChange.objects.filter(worker__vm=vm).select_related("worker__vm")[:20],
         **vm_jobs_context(request.user, lab, vm, is_admin=is_admin),
     }
     if is_admin:
@@ -157,7 +156,22 @@ def vm_detail(request, slug, vm_id):
             my_grant=vm.grants.filter(user=request.user).first(),
             snippet=sshconfig.snippet_for(request.user, [vm]),
         )
+    context["ip_changes"] = address_history(vm, context["workers"])
     return render(request, "tpus/vm_detail.html", context)
+
+
+ADDRESS_CHANGES_SHOWN = 20
+
+
+def address_history(vm, workers) -> list[IpChange]:
+    """The VM's latest address changes, each row given its worker from ``workers`` (the
+    page has them already) rather than joined in again."""
+    changes = list(IpChange.objects.filter(worker__vm=vm)[:ADDRESS_CHANGES_SHOWN])
+    by_id = {w.pk: w for w in workers}
+    for change in changes:
+        if change.worker_id in by_id:
+            change.worker = by_id[change.worker_id]
+    return changes
 
 
 @login_required
