@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass, field
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import ObjectDoesNotExist
 from django.db.models import Q
 from django.shortcuts import redirect, render
+from django.template.defaultfilters import pluralize
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
@@ -42,10 +45,92 @@ def vm_progress_context(vm) -> dict:
         "vm": vm,
         "changes": grants,
         "workers": workers,
+        "sync_rows": sync_rows(vm, workers, running=running, stalled_since=stalled_since),
         "in_flight": in_flight,
         "running": running,
         "stalled_since": stalled_since,
     }
+
+
+@dataclass
+class SyncRow:
+    """A line of "Provisioning on each worker": one worker, or neighbouring workers
+    that are all in the same state with the same answer (a pod in step is one line)."""
+
+    workers: list
+    badge: str
+    state: str
+    title: str = ""
+    answer: str = ""
+    error: str = ""
+    drift: tuple = ()
+    waiting: tuple = ()
+    mismatch_at: dt.datetime | None = None
+    successes: list = field(default_factory=list)
+
+    @property
+    def first(self):
+        return self.workers[0]
+
+    @property
+    def label(self) -> str:
+        if len(self.workers) == 1:
+            return self.first.alias
+        return f"{self.first.alias} – {self.workers[-1].alias} ({len(self.workers)} workers)"
+
+    @property
+    def last_success_at(self) -> dt.datetime | None:
+        """The oldest of the line's last successes; None if one never succeeded."""
+        return None if None in self.successes else min(self.successes, default=None)
+
+    def key(self) -> tuple:
+        return (self.badge, self.state, self.title, self.answer, self.error, self.drift,
+                self.waiting, self.mismatch_at, None in self.successes)  # fmt: skip
+
+
+def sync_rows(vm, workers, *, running: bool, stalled_since) -> list[SyncRow]:
+    """Each worker's provisioning state, neighbours in the same state on one line."""
+    rows: list[SyncRow] = []
+    for worker in workers:
+        row = _sync_row(vm, worker, running=running, stalled_since=stalled_since)
+        if rows and rows[-1].key() == row.key():
+            rows[-1].workers.append(worker)
+            rows[-1].successes.extend(row.successes)
+        else:
+            rows.append(row)
+    return rows
+
+
+def _sync_row(vm, worker, *, running: bool, stalled_since) -> SyncRow:
+    try:
+        sync = worker.sync
+    except ObjectDoesNotExist:
+        sync = None
+    if sync is not None and sync.applied_version >= vm.desired_version:
+        badge, state, title = "ok", "up to date", ""
+    elif sync is not None and sync.last_error:
+        badge, state, title = "failed", "retrying" if sync.last_error_retryable else "failed", ""
+    elif not worker.is_pinned:
+        badge, state, title = "failed", "host keys not confirmed", ""
+    elif stalled_since:
+        badge, state = "failed", f"stalled since {timezone.localtime(stalled_since):%H:%M:%S}"
+        title = "The run that held this VM stopped; it is picked up again shortly."
+    else:
+        badge, state, title = "pending", "working…" if running else "queued", ""
+    row = SyncRow([worker], badge, state, title, mismatch_at=worker.host_key_mismatch_at)
+    if sync is None:
+        row.successes = [None]
+        return row
+    row.successes = [sync.last_success_at]
+    report = sync.last_report or {}
+    if sync.last_error:
+        row.error = sync.last_error
+    elif report.get("values"):
+        changed = str(report["values"].get("changed") or "0")
+        row.answer = "in step" if changed == "0" else f"{changed} change{pluralize(changed)} made"
+        row.drift = tuple(report.get("drift_user") or ())
+        row.waiting = tuple(report.get("waiting_device") or ())
+    return row
 
 
 @login_required

@@ -1,0 +1,62 @@
+"""A pod's "Provisioning on each worker" table: neighbouring workers in the same
+state are one line, so 32 workers in step read as one, and any worker that is not
+stands out on its own line."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from tpus.models import TpuVm, Worker, WorkerSync
+
+KEYS = ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHk0Yx2hP9vF1aQ0bCq3l4mWc7S1RkGzj0Q7H3p5sT2a"]
+
+
+@pytest.fixture
+def pod(cast):
+    vm = TpuVm.objects.create(lab=cast.lab, name="tpu5", zone="us-central2-b", desired_version=3)
+    now = timezone.now()
+    for index in range(6):
+        worker = Worker.objects.create(
+            vm=vm, index=index, external_ip=f"192.0.2.{index + 1}", host_keys=KEYS
+        )
+        sync = {"applied_version": 3, "last_report": {"values": {"changed": "0"}}}
+        sync["last_success_at"] = now - dt.timedelta(minutes=index + 1)
+        if index == 3:  # one worker failing in the middle of the pod
+            sync = {"applied_version": 2, "last_error": "connection refused", "failures": 1}
+        WorkerSync.objects.create(worker=worker, **sync)
+    return vm
+
+
+def _rows(client, cast, vm) -> list[str]:
+    client.force_login(cast.admin)
+    body = client.get(reverse("vm_progress", args=[cast.lab.slug, vm.pk])).content.decode()
+    return [row.split("</tr>")[0] for row in body.split('<tr id="worker-sync-')[1:]]
+
+
+def test_workers_in_step_are_one_line_and_a_failing_one_stands_alone(client, cast, pod):
+    rows = _rows(client, cast, pod)
+    assert [r.split('"')[0] for r in rows] == ["0", "3", "4"]
+    first, failing, last = rows
+    assert "tpu5-w0 – tpu5-w2 (3 workers)" in first and "up to date" in first
+    assert "in step" in first and "3\xa0minutes ago" in first  # the oldest of the three
+    assert "tpu5-w3<" in failing and "failed" in failing and "connection refused" in failing
+    assert "tpu5-w4 – tpu5-w5 (2 workers)" in last and "6\xa0minutes ago" in last
+
+
+def test_a_worker_that_never_succeeded_is_not_folded_into_its_neighbours(client, cast, pod):
+    WorkerSync.objects.filter(worker__vm=pod, worker__index=5).update(last_success_at=None)
+    rows = _rows(client, cast, pod)
+    assert [r.split('"')[0] for r in rows] == ["0", "3", "4", "5"]
+    assert "never" in rows[-1] and "tpu5-w5<" in rows[-1]
+
+
+def test_a_worker_without_host_keys_says_so_on_its_own_line(client, cast, pod):
+    Worker.objects.filter(vm=pod, index=1).update(host_keys=[])
+    WorkerSync.objects.filter(worker__vm=pod, worker__index=1).update(applied_version=0)
+    rows = _rows(client, cast, pod)
+    assert [r.split('"')[0] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert "host keys not confirmed" in rows[1]
