@@ -34,15 +34,15 @@ def _body(client, url, **headers) -> str:
     return response.content.decode()
 
 
-def test_the_members_list_shows_fifty_at_a_time_and_pages_keep_the_search(client, cast, people):
+def test_the_members_list_shows_25_at_a_time_and_pages_keep_the_search(client, cast, people):
     client.force_login(cast.admin)
     url = reverse("lab_admin", args=[cast.lab.slug])
     first = _body(client, url + "?q=member&state=approved")
-    assert first.count('id="member-') == 50
-    assert "1–50 of 55" in first
+    assert first.count('id="member-') == 25
+    assert "1–25 of 55" in first
     assert "?q=member&amp;state=approved&amp;page=2" in first
-    second = _body(client, url + "?q=member&state=approved&page=2")
-    assert second.count('id="member-') == 5
+    last = _body(client, url + "?q=member&state=approved&page=3")
+    assert last.count('id="member-') == 5
 
 
 @pytest.mark.parametrize(
@@ -89,9 +89,14 @@ def test_the_admin_page_shows_the_oldest_requests_and_says_how_many_wait(client,
     client.force_login(cast.admin)
     body = _body(client, reverse("lab_admin", args=[cast.lab.slug]))
     requests = body.split("<h2>Requests to join</h2>", 1)[1].split("<h2>Members</h2>", 1)[0]
-    assert requests.count('id="membership-') == 20
-    assert "The 20 oldest of 26 requests" in requests
-    assert "asker00@" in requests and "asker24@" not in requests
+    assert requests.count('id="membership-') == 10
+    assert "The 10 oldest of 26 requests" in requests
+    assert "asker00@" in requests and "asker09@" in requests and "asker10@" not in requests
+    # The rest are a click away: the member list, filtered to requests.
+    assert 'href="?state=requested#members"' in requests
+    everyone = _body(client, reverse("lab_admin", args=[cast.lab.slug]) + "?state=requested")
+    assert everyone.split('id="members"', 1)[1].count('id="member-') == 25
+    assert "1–25 of 26" in everyone
 
 
 @pytest.fixture

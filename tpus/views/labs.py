@@ -150,8 +150,10 @@ def policy_accept(request, slug):
 
 
 # The admin page shows this many of the oldest requests to join; deciding them
-# brings up the next ones.
-REQUESTS_SHOWN = 20
+# brings up the next ones, and the member list filtered by state shows them all.
+REQUESTS_SHOWN = 10
+# Members per page of the admin page's list (each row links to the person's access).
+MEMBERS_PAGE_SIZE = 25
 
 
 @login_required
@@ -160,7 +162,9 @@ def lab_admin(request, slug):
     email or username and by state. An htmx search swaps just the member list."""
     lab = access.get_admin_lab(request.user, slug)
     filters = MemberFilterForm(request.GET or None)
-    members = page_of(request, directory.memberships(lab, **filters.filters()))
+    members = page_of(
+        request, directory.memberships(lab, **filters.filters()), size=MEMBERS_PAGE_SIZE
+    )
     if is_htmx(request):
         return render(request, "tpus/_members.html", {"lab": lab, "page": members})
     requests = lab.memberships.filter(state=MembershipState.REQUESTED).select_related("user")
