@@ -9,6 +9,7 @@ from django.db.models import Prefetch, prefetch_related_objects
 from django.shortcuts import get_object_or_404
 from ninja import Query, Router, Schema, Status
 from ninja.pagination import paginate
+from pydantic import BaseModel
 
 from portal.pagination import KeysetPagination, parse_choice
 from portal.schemas import Error
@@ -26,9 +27,11 @@ router = Router(tags=["tpu vms"])
 _WORKERS = Prefetch("workers", queryset=Worker.objects.select_related("sync"))
 
 
-class WorkerSummaryOut(Schema):
+class WorkerSummaryOut(BaseModel):
     """A worker in a list of VMs: where it is and how its last reconcile went (its host
-    keys are in the VM's own object, ``GET …/vms/{id}``)."""
+    keys are in the VM's own object, ``GET …/vms/{id}``). A plain pydantic model, built
+    from ``of``'s dict: a page of pods has hundreds of workers, and a ninja ``Schema``
+    would read each field of each through its resolver machinery."""
 
     index: int
     alias: str
@@ -44,35 +47,24 @@ class WorkerSummaryOut(Schema):
     last_error_retryable: bool
 
     @staticmethod
-    def resolve_host_key_alarm_since(obj):
-        return obj.host_key_mismatch_at
-
-    @staticmethod
-    def _sync(obj):
+    def of(worker: Worker) -> dict:
+        """The fields, read once from the worker and its last reconcile. Plain values
+        rather than resolvers per field: a page of pods has hundreds of workers."""
         try:
-            return obj.sync
+            sync = worker.sync
         except ObjectDoesNotExist:  # no reconcile has reached it yet
-            return None
-
-    @staticmethod
-    def resolve_applied_version(obj):
-        sync = WorkerSummaryOut._sync(obj)
-        return sync.applied_version if sync else None
-
-    @staticmethod
-    def resolve_last_success_at(obj):
-        sync = WorkerSummaryOut._sync(obj)
-        return sync.last_success_at if sync else None
-
-    @staticmethod
-    def resolve_last_error(obj):
-        sync = WorkerSummaryOut._sync(obj)
-        return sync.last_error if sync else ""
-
-    @staticmethod
-    def resolve_last_error_retryable(obj):
-        sync = WorkerSummaryOut._sync(obj)
-        return bool(sync and sync.last_error_retryable)
+            sync = None
+        return {
+            "index": worker.index,
+            "alias": worker.alias,
+            "internal_ip": worker.internal_ip,
+            "external_ip": worker.external_ip,
+            "host_key_alarm_since": worker.host_key_mismatch_at,
+            "applied_version": sync.applied_version if sync else None,
+            "last_success_at": sync.last_success_at if sync else None,
+            "last_error": sync.last_error if sync else "",
+            "last_error_retryable": bool(sync and sync.last_error_retryable),
+        }
 
 
 class WorkerOut(WorkerSummaryOut):
@@ -80,6 +72,14 @@ class WorkerOut(WorkerSummaryOut):
 
     host_keys: list[str]
     presented_host_key: str
+
+    @staticmethod
+    def of(worker: Worker) -> dict:
+        return {
+            **WorkerSummaryOut.of(worker),
+            "host_keys": worker.host_keys,
+            "presented_host_key": worker.presented_host_key,
+        }
 
 
 class ZoneSyncOut(Schema):
@@ -112,7 +112,7 @@ class VmOut(Schema):
 
     @staticmethod
     def resolve_workers(obj):
-        return obj.workers.all()
+        return [WorkerOut.of(w) for w in obj.workers.all()]
 
     @staticmethod
     def resolve_sync(obj):
@@ -132,6 +132,10 @@ class VmListItemOut(VmOut):
     small."""
 
     workers: list[WorkerSummaryOut]
+
+    @staticmethod
+    def resolve_workers(obj):
+        return [WorkerSummaryOut.of(w) for w in obj.workers.all()]
 
 
 class CandidateOut(Schema):
