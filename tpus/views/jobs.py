@@ -4,6 +4,7 @@ page with each worker's live log, and the lab's TPU usage."""
 from __future__ import annotations
 
 import csv
+import functools
 
 from django.conf import settings
 from django.contrib import messages
@@ -11,6 +12,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
+from django.template.loader import render_to_string
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
@@ -44,9 +46,17 @@ def vm_jobs_context(user, lab, vm, *, is_admin: bool) -> dict:
     return {
         **_now_context(vm),
         "may_run_jobs": may_run,
-        "job_form": JobForm() if may_run else None,
+        "job_form": blank_job_form() if may_run else "",
         "recent_jobs": recent.order_by("-queued_at", "-id")[:RECENT_JOBS],
     }
+
+
+@functools.cache
+def blank_job_form() -> str:
+    """The empty job form's fields, drawn once per process: they are the same for
+    everyone and every VM (no choice or initial value depends on either), and drawing
+    a form field by field costs a VM page more than anything else on it."""
+    return render_to_string("tpus/_job_form.html", {"form": JobForm()})
 
 
 def _now_context(vm) -> dict:
