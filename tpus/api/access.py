@@ -11,6 +11,7 @@ from django.db.models.functions import Coalesce
 from django.http import HttpResponse
 from ninja import Query, Router, Schema, Status
 from ninja.pagination import paginate
+from pydantic import BaseModel, model_validator
 
 from portal.pagination import KeysetPagination, parse_choice, parse_since
 from portal.schemas import Error
@@ -26,7 +27,7 @@ from tpus.services.grants import GrantError
 router = Router(tags=["access"])
 
 
-class GrantWorkerOut(Schema):
+class GrantWorkerOut(BaseModel):
     """Where one worker of the grant's VM stands with this grant."""
 
     index: int
@@ -39,7 +40,10 @@ class GrantWorkerOut(Schema):
     last_attempt_at: datetime | None
 
 
-class GrantOut(Schema):
+class GrantOut(BaseModel):
+    """A grant. A plain pydantic model filled from the grant by ``fields_of`` in one
+    pass (lists carry up to 100 of them), not a field at a time through resolvers."""
+
     id: int
     vm: str
     vm_id: int
@@ -58,40 +62,39 @@ class GrantOut(Schema):
     workers_applied: int
     workers: list[GrantWorkerOut]
 
-    @staticmethod
-    def resolve_workers(obj):
-        return [w for w in grant_workers(obj) if w["state"] != "applied"]
+    @model_validator(mode="before")
+    @classmethod
+    def _from_grant(cls, obj):
+        return cls.fields_of(obj) if isinstance(obj, Grant) else obj
 
     @staticmethod
-    def resolve_workers_total(obj):
-        return workers_total(obj)
-
-    @staticmethod
-    def resolve_workers_applied(obj):
-        if obj.state in _SETTLED:
-            return workers_total(obj)
-        return sum(w["state"] == "applied" for w in grant_workers(obj))
-
-    @staticmethod
-    def resolve_error(obj):
-        # A grant still pending says what holds it up, as the VM page does.
-        if obj.error or obj.state != GrantState.PENDING:
-            return obj.error
-        stuck = [w for w in grant_workers(obj) if w["error"]]
-        return "; ".join(f"{w['alias']} ({w['state']}): {w['error']}" for w in stuck)
-
-    @staticmethod
-    def resolve_vm(obj):
-        return obj.vm.name
-
-    @staticmethod
-    def resolve_user(obj):
-        return obj.user.email
-
-    @staticmethod
-    def resolve_username(obj):
-        account = getattr(obj.user, "unix_account", None)
-        return account.username if account else None
+    def fields_of(grant: Grant) -> dict:
+        standing = grant_workers(grant)
+        total = workers_total(grant)
+        error = grant.error
+        if not error and grant.state == GrantState.PENDING:
+            # A grant still pending says what holds it up, as the VM page does.
+            stuck = [w for w in standing if w["error"]]
+            error = "; ".join(f"{w['alias']} ({w['state']}): {w['error']}" for w in stuck)
+        account = getattr(grant.user, "unix_account", None)
+        return {
+            "id": grant.pk,
+            "vm": grant.vm.name,
+            "vm_id": grant.vm_id,
+            "user": grant.user.email,
+            "username": account.username if account else None,
+            "sudo": grant.sudo,
+            "expires_on": grant.expires_on,
+            "state": grant.state,
+            "error": error,
+            "activated_at": grant.activated_at,
+            "retry_at": grant.retry_at,
+            "workers_total": total,
+            "workers_applied": (
+                total if grant.state in _SETTLED else sum(w["state"] == "applied" for w in standing)
+            ),
+            "workers": [w for w in standing if w["state"] != "applied"],
+        }
 
 
 # Every worker confirmed a settled grant when it settled; what a worker does later is
