@@ -202,7 +202,8 @@ python_versions() {
         return 0
     fi
     found=$(as_user timeout 20 "$python" -E -c "$PYCODE") || return 1
-    if [ -d "$PYCACHE" ] || { mkdir -p "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
+    # shellcheck disable=SC2174 # /run is there: -m is for /run/tpu-portal, as job-start.sh makes it
+    if [ -d "$PYCACHE" ] || { mkdir -p -m 0755 "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
         printf '%s\n' "$found" >"$PYCACHE/$key"
     fi
     printf '%s\n' "$found"

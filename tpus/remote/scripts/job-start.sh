@@ -120,11 +120,12 @@ fi
 
 # 3. The TPU's lock: taken here, held by the supervisor (it inherits the descriptor)
 #    until the job's last process is gone.
+# Made once (the pre-flight may have made $RUN, 0755 too): no programs on later starts.
 if [ ! -d "$RUN" ] || [ ! -d "$JOBS" ]; then
     mkdir -p "$RUN" "$JOBS"
+    chmod 0755 "$RUN"
+    chmod 0711 "$JOBS" "${JOBS%/*}"
 fi
-chmod 0755 "$RUN"
-chmod 0711 "$JOBS" "${JOBS%/*}"
 exec 9>>"$LOCK"
 if ! flock -n 9; then
     echo "start=refused busy $(cat "$HOLDER" 2>/dev/null || echo unknown)"
