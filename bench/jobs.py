@@ -60,6 +60,8 @@ HEADERS = {
           "portal/serial", "target", "median ≤ target"],
     "1 phases": ["workers", "submit_job", "pre-flight fan-out", "start fan-out",
                  "rest of the pass", "serial pre-flight", "serial start"],
+    "1 cpu": ["workers", "pass", "CPU-s: this process", "PostgreSQL", "the rest (hosts)",
+              "CPU-s per worker (hosts)", "processes per worker"],
     "2": ["workers", "job length", "end → SUCCEEDED", "end → next RUNNING",
           "SUCCEEDED → next RUNNING"],
     "3": ["workers", "killed worker", "→ FAILED", "→ last worker stopped",
@@ -118,6 +120,55 @@ class JobStates:
                 self.seen[int(pk)].append((state, float(at)))
 
 
+class CpuMeter:
+    """CPU seconds spent over a stretch of time on the whole machine, split into this
+    process (the portal's pass: Django, paramiko, every thread), the PostgreSQL backend
+    of its connection, and the rest: sshd, sudo and the scripts on the fleet's hosts
+    (plus whatever else runs on the machine, so figures are upper bounds), and the
+    processes started meanwhile (from /proc/stat's fork counter)."""
+
+    def __init__(self) -> None:
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            self.backend = cursor.fetchone()[0]
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _backend(self) -> float:
+        # The backend runs on this machine (the benchmark's PostgreSQL is local).
+        try:
+            fields = Path(f"/proc/{self.backend}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / self.tick
+
+    def _machine(self) -> tuple[float, int]:
+        busy, forks = 0.0, 0
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("cpu "):
+                v = [int(x) for x in line.split()[1:]]
+                busy = (sum(v[:8]) - v[3] - v[4]) / self.tick  # without idle and iowait
+            elif line.startswith("processes "):
+                forks = int(line.split()[1])
+        return busy, forks
+
+    def snapshot(self) -> tuple[float, float, float, int]:
+        me = os.times()
+        busy, forks = self._machine()
+        return me.user + me.system, self._backend(), busy, forks
+
+    @staticmethod
+    def spent(before, after) -> dict:
+        mine, backend = after[0] - before[0], after[1] - before[1]
+        return {
+            "cpu_self": mine,
+            "cpu_db": backend,
+            "cpu_rest": max(0.0, (after[2] - before[2]) - mine - backend),
+            "forks": after[3] - before[3],
+        }
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -129,6 +180,7 @@ class Bench:
         self.emulator = None
         self.fanouts: dict[str, float] = {}
         self.counter = 0
+        self.cpu: CpuMeter | None = None
 
     # --- scene --------------------------------------------------------------------------
 
@@ -288,10 +340,14 @@ class Bench:
 
         vm = self.vms[size]
         self.fanouts.clear()
+        if self.cpu is None:
+            self.cpu = CpuMeter()
         t0 = time.perf_counter()
         job = self.submit(size)
         t1 = time.perf_counter()
+        before = self.cpu.snapshot()
         report = jobs.advance(vm.pk)
+        after = self.cpu.snapshot()
         t2 = time.perf_counter()
         job.refresh_from_db()
         parts = list(job.parts.order_by("index"))
@@ -313,6 +369,8 @@ class Bench:
             "preflight": preflight,
             "start": start,
             "rest": (t2 - t1) - preflight - start,
+            "pass": t2 - t1,
+            **CpuMeter.spent(before, after),
         }
 
     def _check_alive(self, host, pid: int) -> None:
@@ -406,7 +464,7 @@ class Bench:
         return [(m[1], m[2]) for line in lines if (m := _ANSWER.match(line))]
 
     def part1(self) -> None:
-        rows, phases = [], []
+        rows, phases, cpu = [], [], []
         for size in self.args.sizes:
             self.portal_start(size)  # untimed warm-up of each way
             self.serial_start(size)
@@ -431,6 +489,12 @@ class Bench:
                                                                    "rest")),
                 median(p["preflight"] for p in s_phases), median(p["start"] for p in s_phases),
             ])  # fmt: skip
+            rest = median(p["cpu_rest"] for p in p_phases)
+            cpu.append([
+                size, median(p["pass"] for p in p_phases), median(p["cpu_self"] for p in p_phases),
+                median(p["cpu_db"] for p in p_phases), rest, rest / size,
+                median(p["forks"] for p in p_phases) / size,
+            ])  # fmt: skip
         self.results["1"] = [
             "1. submit → running on every worker (seconds; job = `sleep`, no Python start "
             f"of its own; {self.args.reps} repetition(s) after one untimed warm-up)",
@@ -439,6 +503,10 @@ class Bench:
             "where the time went (medians, seconds): the portal's pass in this process, "
             "the serial loop's two halves",
             table(HEADERS["1 phases"], phases),
+            "",
+            "the pass's CPU (medians; the machine's counters, so the rest includes anything "
+            "else running on it; the processes are those started on the whole machine)",
+            table(HEADERS["1 cpu"], cpu),
         ]
 
     # --- 2, 3, 4: the real poll ---------------------------------------------------------

@@ -45,13 +45,13 @@ die() {
 }
 # The checks are collected as NUL-ended records and written out at the end, each
 # made one line of safe characters (it goes back to the portal) by one pipeline
-# instead of three programs per check.
+# instead of three programs per check: a newline, like any character outside the
+# safe set, becomes a space.
 check() {
     printf 'check=%s %s %s\0' "$1" "$2" "$3" >>"$work/checks"
 }
 answer() {
-    tr '\n' ' ' <"$work/checks" | tr -c 'A-Za-z0-9 ._:,/()=@+~#%*\000-' ' ' |
-        tr '\0' '\n' | cut -c 1-440
+    tr -c 'A-Za-z0-9 ._:,/()=@+~#%*\000-' ' ' <"$work/checks" | tr '\0' '\n' | cut -c 1-440
 }
 lock_key() {
     dev=$(stat -c %d "$1")
@@ -75,7 +75,7 @@ fi
 # Every line passed the pattern above: read them with the shell's own read (a last
 # line without its newline is not read, so "end" must be the last line read).
 user="" expected="" glob="" min_disk="" min_mem="" port="" python_b64="" script_b64=""
-n_line=0 n_user=0 n_chips=0 n_disk=0 n_mem=0 n_env=0 last=""
+n_line=0 n_user=0 n_chips=0 n_disk=0 n_mem=0 n_env=0 last="" sets_preload=""
 : >"$work/env"
 while read -r key value rest; do
     n_line=$((n_line + 1))
@@ -93,6 +93,7 @@ while read -r key value rest; do
         env)
             echo "$value" >>"$work/env"
             n_env=$((n_env + 1))
+            [ "$value" != LD_PRELOAD ] || sets_preload=1
             ;;
     esac
 done <"$input"
@@ -116,6 +117,11 @@ EOF
 as_user() {
     setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- \
         env -i "HOME=$home" PATH=/usr/local/bin:/usr/bin:/bin LC_ALL=C "$@"
+}
+# A system tool as the user, whose environment does not change what it answers:
+# without env -i, one program fewer.
+user_tool() {
+    setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- "$@"
 }
 
 # --- the chips: there, and nobody holding one -------------------------------------
@@ -196,7 +202,8 @@ python_versions() {
         return 0
     fi
     found=$(as_user timeout 20 "$python" -E -c "$PYCODE") || return 1
-    if [ -d "$PYCACHE" ] || { mkdir -p "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
+    # shellcheck disable=SC2174 # /run is there: -m is for /run/tpu-portal, as job-start.sh makes it
+    if [ -d "$PYCACHE" ] || { mkdir -p -m 0755 "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
         printf '%s\n' "$found" >"$PYCACHE/$key"
     fi
     printf '%s\n' "$found"
@@ -210,7 +217,7 @@ fi
 case $python in
     /*[![:print:]]* | [!/]*) check python fail "the environment path must be absolute and printable" ;;
     *)
-        if ! as_user test -x "$python"; then
+        if ! user_tool test -x "$python"; then
             check python fail "$python is not there or $user cannot run it"
         elif ! versions=$(python_versions 2>"$work/err"); then
             check python fail "$python did not run: $(tail -n 1 "$work/err")"
@@ -227,14 +234,14 @@ esac
 if [ -n "$script_b64" ]; then
     script=$(decode "$script_b64")
     real_home=$(realpath -e -- "$home" 2>/dev/null || echo "$home")
-    if ! resolved=$(as_user realpath -e -- "$script" 2>/dev/null); then
+    if ! resolved=$(user_tool realpath -e -- "$script" 2>/dev/null); then
         check script fail "$script does not exist or $user cannot reach it"
     else
         case $resolved in
             "$real_home"/*)
-                if ! as_user test -f "$resolved"; then
+                if ! user_tool test -f "$resolved"; then
                     check script fail "$script is not a regular file"
-                elif ! sum=$(as_user sha256sum -- "$resolved" 2>/dev/null); then
+                elif ! sum=$(user_tool sha256sum -- "$resolved" 2>/dev/null); then
                     check script fail "$user cannot read $script"
                 else
                     check script ok "sha256=${sum%% *} $resolved"
@@ -246,7 +253,11 @@ if [ -n "$script_b64" ]; then
 fi
 
 # --- room: disk in the home, memory ------------------------------------------------
-disk=$(df -Pk -- "$home" 2>/dev/null | awk 'NR == 2 { print int($4 / 1024) }')
+# Blocks free to a user and their size, as df counts them (f_bavail, f_frsize).
+disk=""
+if room=$(stat -f -c '%a %S' -- "$home" 2>/dev/null); then
+    disk=$((${room% *} * ${room#* } / 1048576))
+fi
 if [ -z "$disk" ]; then
     check disk fail "cannot read the free space of $home"
 elif [ "$disk" -ge "$min_disk" ]; then
@@ -254,7 +265,13 @@ elif [ "$disk" -ge "$min_disk" ]; then
 else
     check disk fail "${disk} MB free in $home, below $min_disk MB"
 fi
-mem=$(awk '$1 == "MemAvailable:" { print int($2 / 1024) }' /proc/meminfo)
+mem=""
+while read -r name kb _; do
+    if [ "$name" = MemAvailable: ]; then
+        mem=$((kb / 1024))
+        break
+    fi
+done </proc/meminfo
 if [ "$mem" -ge "$min_mem" ]; then
     check memory ok "${mem} MB available"
 else
@@ -275,7 +292,7 @@ for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4 /usr/lib/aarch64-linux-gnu
         break
     fi
 done
-if grep -q -x 'LD_PRELOAD' "$work/env"; then
+if [ -n "$sets_preload" ]; then
     check tcmalloc note "LD_PRELOAD is set by the job"
 elif [ -n "$tcmalloc" ]; then
     check tcmalloc note "found $tcmalloc"

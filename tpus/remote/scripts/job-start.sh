@@ -120,9 +120,12 @@ fi
 
 # 3. The TPU's lock: taken here, held by the supervisor (it inherits the descriptor)
 #    until the job's last process is gone.
-mkdir -p "$RUN" "$JOBS"
-chmod 0755 "$RUN"
-chmod 0711 "$JOBS" "${JOBS%/*}"
+# Made once (the pre-flight may have made $RUN, 0755 too): no programs on later starts.
+if [ ! -d "$RUN" ] || [ ! -d "$JOBS" ]; then
+    mkdir -p "$RUN" "$JOBS"
+    chmod 0755 "$RUN"
+    chmod 0711 "$JOBS" "${JOBS%/*}"
+fi
 exec 9>>"$LOCK"
 if ! flock -n 9; then
     echo "start=refused busy $(cat "$HOLDER" 2>/dev/null || echo unknown)"
@@ -132,7 +135,9 @@ printf '%s\n' "$job" >"$HOLDER.new"
 mv -f "$HOLDER.new" "$HOLDER"
 
 # 4. The job's folder: root's, readable by the user's group; the user cannot change it.
+#    Its group is set first: what is written into it (setgid) takes that group.
 mkdir -m 2750 "$dir.new"
+chown "root:$gid" "$dir.new"
 umask 027
 # The spec the supervisor runs: the account's ids and the input's own lines (free text
 # still in base64). The checked name, home, cwd and python are its arguments.
@@ -220,8 +225,6 @@ fi
 mv -f exit.new exit
 rm -f /run/tpu-portal/holder
 SUPERVISOR
-chown -R "root:$gid" "$dir.new"
-chmod 2750 "$dir.new"
 mv "$dir.new" "$dir"
 
 # 5. Detach: a new session, nothing of the SSH channel, the lock's descriptor kept.
