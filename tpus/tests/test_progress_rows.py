@@ -5,6 +5,7 @@ stands out on its own line."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import pytest
 from django.urls import reverse
@@ -60,3 +61,23 @@ def test_a_worker_without_host_keys_says_so_on_its_own_line(client, cast, pod):
     rows = _rows(client, cast, pod)
     assert [r.split('"')[0] for r in rows] == ["0", "1", "2", "3", "4"]
     assert "host keys not confirmed" in rows[1]
+
+
+def test_a_grant_in_flight_comes_first_and_keeps_the_page_polling(client, cast, pod, make_user):
+    """Twenty grants changed in the last minutes, and one still pending from an hour
+    ago: it leads the list, and the live part keeps asking."""
+    from tpus.models import Grant
+
+    now = timezone.now()
+    for i in range(20):
+        grant = Grant.objects.create(user=make_user(f"p{i}@vision.example"), vm=pod)
+        Grant.objects.filter(pk=grant.pk).update(state="active", changed_at=now)
+    stuck = Grant.objects.create(user=cast.member, vm=pod)
+    Grant.objects.filter(pk=stuck.pk).update(changed_at=now - dt.timedelta(hours=1))
+    client.force_login(cast.admin)
+    body = client.get(reverse("vm_progress", args=[cast.lab.slug, pod.pk])).content.decode()
+    assert 'hx-trigger="every 1s"' in body
+    assert re.search(r'<tr id="grant-(\d+)"', body)[1] == str(stuck.pk)
+    Grant.objects.filter(pk=stuck.pk).update(state="active")
+    body = client.get(reverse("vm_progress", args=[cast.lab.slug, pod.pk])).content.decode()
+    assert "hx-trigger" not in body

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ObjectDoesNotExist
-from django.db.models import Q
+from django.db.models import Case, Q, Value, When
 from django.shortcuts import redirect, render
 from django.template.defaultfilters import pluralize
 from django.utils import timezone
@@ -29,16 +29,19 @@ PROGRESS_GRANTS = 20
 
 
 def vm_progress_context(vm) -> dict:
-    """What changes while a VM is being provisioned: the grants in flight or changed
-    lately, and each worker's last reconcile. Every grant is on the VM page, paged."""
+    """What changes while a VM is being provisioned: the grants in flight (first) and
+    those changed lately, and each worker's last reconcile. Every grant is on the VM
+    page, paged."""
     moving = Q(state__in=(GrantState.PENDING, GrantState.REVOKING))
     grants = list(
         vm.grants.filter(moving | Q(changed_at__gte=timezone.now() - RECENT))
         .select_related("user__unix_account")
-        .order_by("-changed_at", "-pk")[:PROGRESS_GRANTS]
+        .annotate(settled=Case(When(moving, then=Value(1)), default=Value(2)))
+        .order_by("settled", "-changed_at", "-pk")[:PROGRESS_GRANTS]
     )
     workers = list(vm.workers.select_related("sync").order_by("index"))
-    in_flight = vm.grants.filter(moving).exists()
+    # Grants in flight come first: if there is one, the list starts with it.
+    in_flight = bool(grants) and grants[0].settled == 1
     # Whether a reconcile is running now, or one died and stopped renewing its claim.
     running, stalled_since = leases.held_or_stalled(vm.reconcile_claimed_until)
     return {
