@@ -8,6 +8,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from django.db.models import (
+    Case,
     Count,
     DateTimeField,
     DurationField,
@@ -20,6 +21,7 @@ from django.db.models import (
     Subquery,
     Sum,
     Value,
+    When,
 )
 from django.db.models.functions import Coalesce, Greatest, Least
 from django.utils import timezone
@@ -93,21 +95,25 @@ def now_for(vms) -> list[VmNow]:
     return [VmNow(vm, running.get(vm.pk), getattr(vm, "queue_length", 0)) for vm in vms]
 
 
-def vm_now(vm: TpuVm, *, queue: list[Job] | None = None) -> VmNow:
-    """What holds ``vm``'s TPU now. Given ``queue`` (``queue_of(vm)``), the waiting
-    jobs are counted only when there are more than it shows."""
-    running = (
-        Job.objects.filter(vm=vm, state__in=ACTIVE_STATES)
+def vm_now(vm: TpuVm) -> tuple[VmNow, list[Job]]:
+    """What holds ``vm``'s TPU now, and the first ``QUEUE_SHOWN`` jobs waiting for it
+    in the order they will start: one query (and a count of the line only when it is
+    longer than shown)."""
+    jobs = list(
+        Job.objects.filter(vm=vm, state__in=[*ACTIVE_STATES, *WAITING_STATES])
         .select_related("user__unix_account")
-        .first()
+        .annotate(waiting=Case(When(state__in=ACTIVE_STATES, then=Value(0)), default=Value(1)))
+        .order_by("waiting", "queued_at", "id")[: QUEUE_SHOWN + 1]
     )
-    if running is not None:
-        running.vm = vm
-    if queue is not None and len(queue) < QUEUE_SHOWN:
-        waiting = len(queue)
+    for job in jobs:
+        job.vm = vm
+    running = jobs[0] if jobs and not jobs[0].waiting else None
+    line = [job for job in jobs if job.waiting][:QUEUE_SHOWN]
+    if len(line) < QUEUE_SHOWN:
+        waiting = len(line)
     else:
         waiting = Job.objects.filter(vm=vm, state__in=WAITING_STATES).count()
-    return VmNow(vm, running, waiting)
+    return VmNow(vm, running, waiting), line
 
 
 def look_again_where_stale(now: list[VmNow]) -> list[int]:
@@ -119,15 +125,6 @@ def look_again_where_stale(now: list[VmNow]) -> list[int]:
     for vm_id in stale:
         queue.check_tpu_usage(vm_id)
     return stale
-
-
-def queue_of(vm: TpuVm, limit: int = QUEUE_SHOWN) -> list[Job]:
-    """The first ``limit`` jobs waiting for ``vm``, in the order they will start."""
-    return list(
-        Job.objects.filter(vm=vm, state__in=WAITING_STATES)
-        .select_related("user__unix_account")
-        .order_by("queued_at", "id")[:limit]
-    )
 
 
 def position(job: Job) -> int | None:

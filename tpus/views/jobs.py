@@ -60,8 +60,7 @@ def blank_job_form() -> str:
 
 
 def _now_context(vm) -> dict:
-    queue = usage.queue_of(vm)
-    now = usage.vm_now(vm, queue=queue)
+    now, queue = usage.vm_now(vm)
     usage.look_again_where_stale([now])
     return {
         "jobs_now": now,
