@@ -9,7 +9,7 @@ from django.db.models import Prefetch, prefetch_related_objects
 from django.shortcuts import get_object_or_404
 from ninja import Query, Router, Schema, Status
 from ninja.pagination import paginate
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
 from portal.pagination import KeysetPagination, parse_choice
 from portal.schemas import Error
@@ -46,10 +46,14 @@ class WorkerSummaryOut(BaseModel):
     last_error: str
     last_error_retryable: bool
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_worker(cls, obj):
+        return cls.of(obj) if isinstance(obj, Worker) else obj
+
     @staticmethod
     def of(worker: Worker) -> dict:
-        """The fields, read once from the worker and its last reconcile. Plain values
-        rather than resolvers per field: a page of pods has hundreds of workers."""
+        """The fields, read once from the worker and its last reconcile."""
         try:
             sync = worker.sync
         except ObjectDoesNotExist:  # no reconcile has reached it yet
