@@ -36,12 +36,12 @@ def vm_progress_context(vm) -> dict:
     grants = list(
         vm.grants.filter(moving | Q(changed_at__gte=timezone.now() - RECENT))
         .select_related("user__unix_account")
-        .annotate(settled=Case(When(moving, then=Value(1)), default=Value(2)))
-        .order_by("settled", "-changed_at", "-pk")[:PROGRESS_GRANTS]
+        .annotate(rank=Case(When(moving, then=Value(0)), default=Value(1)))  # 0: in flight
+        .order_by("rank", "-changed_at", "-pk")[:PROGRESS_GRANTS]
     )
     workers = list(vm.workers.select_related("sync").order_by("index"))
     # Grants in flight come first: if there is one, the list starts with it.
-    in_flight = bool(grants) and grants[0].settled == 1
+    in_flight = bool(grants) and grants[0].rank == 0
     # Whether a reconcile is running now, or one died and stopped renewing its claim.
     running, stalled_since = leases.held_or_stalled(vm.reconcile_claimed_until)
     return {
