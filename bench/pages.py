@@ -427,11 +427,19 @@ def main() -> None:
             f"{CLIENTS} client threads in this process, {each} requests each per page "
             f"(at most {args.budget:.0f} s a page); single = median of 7 one after another.\n"
         )
+        # Every page once from every client first, untimed: the first burst a cold
+        # server sees (each gunicorn worker's first connections and templates) would
+        # otherwise land on whichever page is driven first, the reference.
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            for who, _, path in rows:
+                list(pool.map(browsers[who].get, [path] * CLIENTS))
         results = {}
         for who, name, path in rows:
             results[name] = drive(browsers[who], path, alone=7, each=each, budget=args.budget)
             print(f"  {name}: p95 {results[name]['p95']:.0f} ms", file=sys.stderr)
         reference = results["api me/grants"]["p95"]
+        # The reference again after every other page: how steady the machine was.
+        again = drive(browsers["member"], rows[0][2], alone=7, each=each, budget=args.budget)
         print(
             table(
                 [
@@ -460,6 +468,10 @@ def main() -> None:
                     for name, r in results.items()
                 ],
             )  # fmt: skip
+        )
+        print(
+            f"\napi me/grants driven again after every other page: p50 {again['p50']:.0f} ms, "
+            f"p95 {again['p95']:.0f} ms (the ratios use the first, {reference:.0f} ms)."
         )
     finally:
         stack.close()  # stops gunicorn by its pid, drops the database
