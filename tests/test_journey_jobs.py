@@ -97,7 +97,32 @@ def pod(
     return vm
 
 
-def test_milo_queues_follows_cancels_and_reruns_a_pod_job(pod, sign_in, tmp_path):  # noqa: F811
+def _story(job: Job, fleet) -> str:
+    """What the portal and the hosts know of ``job``: for a failure's message."""
+    job.refresh_from_db()
+    lines = [f"job {job.pk} {job.state}: {job.reason}"]
+    for part in job.parts.order_by("index"):
+        lines.append(f"  worker {part.index}: {part.state} exit={part.exit_status} "
+                     f"signal={part.signal} error={part.error}")  # fmt: skip
+    folder = f"/var/lib/tpu-portal/jobs/{job.host_id}"
+    for host in fleet.hosts.values():
+        if not host.running:
+            continue
+        found = fleet.exec(host.name, ["sh", "-c", f"ls {folder} && cat {folder}/supervisor.log"
+                                       f" {folder}/exit 2>&1"], check=False)  # fmt: skip
+        if found.returncode == 0:
+            lines.append(f"  {host.name}: {found.stdout.decode(errors='replace').strip()}")
+    return "\n".join(lines)
+
+
+def _expect_state(page, job: Job, fleet, text: str, timeout: int) -> None:
+    try:
+        expect(page.locator("#job-state .badge")).to_have_text(text, timeout=timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_story(job, fleet)}") from None
+
+
+def test_milo_queues_follows_cancels_and_reruns_a_pod_job(pod, sign_in, tmp_path, fleet):  # noqa: F811
     vm = pod
     milo = sign_in("milo@uni.example")
     milo.set_viewport_size({"width": 1280, "height": 900})
@@ -145,7 +170,7 @@ def test_milo_queues_follows_cancels_and_reruns_a_pod_job(pod, sign_in, tmp_path
     milo.get_by_role("button", name="Cancel").click()
     expect(milo.locator("#job-state .badge")).to_have_text("Cancelled", timeout=60_000)
     milo.goto(f"/labs/vision/vms/{vm.pk}/jobs/{second.pk}/")
-    expect(milo.locator("#job-state .badge")).to_have_text("Succeeded", timeout=120_000)
+    _expect_state(milo, second, fleet, "Succeeded", 120_000)
     for index in range(4):
         expect(milo.locator(f"#job-log-{index}")).to_contain_text(
             f"process {index} devices 16 sum 120.0"
@@ -157,7 +182,7 @@ def test_milo_queues_follows_cancels_and_reruns_a_pod_job(pod, sign_in, tmp_path
     milo.wait_for_url(lambda url: f"/jobs/{second.pk}/" not in url and "/jobs/" in url)
     third = Job.objects.order_by("pk").last()
     assert (third.rerun_of_id, third.script, third.args) == (second.pk, second.script, [])
-    expect(milo.locator("#job-state .badge")).to_have_text("Succeeded", timeout=120_000)
+    _expect_state(milo, third, fleet, "Succeeded", 120_000)
 
     # The lab's usage page counts milo's worker-hours, and the TPU is free again.
     milo.goto("/labs/vision/usage/")
