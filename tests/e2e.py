@@ -35,6 +35,27 @@ CHROMIUM_ARGS = [
 ]
 
 
+def expect_every_worker_up_to_date(progress, workers: int, timeout: float = 60_000) -> None:
+    """Wait until the VM page's "Provisioning on each worker" (``progress``, a Playwright
+    locator; it refreshes itself while changes are in flight) says "up to date" on
+    every line and its lines cover ``workers`` workers (a line is one worker, or
+    "tpu5-w0 – tpu5-w2 (3 workers)")."""
+    deadline = time.monotonic() + timeout / 1000
+    while True:
+        lines = progress.locator("tr[id^='worker-sync-']").all_inner_texts()  # at once
+        # A row's cells come tab-separated: the workers, the state, the last success…
+        states = [line.split("\t")[1].strip() if "\t" in line else "" for line in lines]
+        covered = sum(
+            int(found[1]) if (found := re.search(r"\((\d+) workers\)", line)) else 1
+            for line in lines
+        )
+        if lines and covered == workers and all(s == "up to date" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not every one of {workers} workers is up to date: {lines}")
+        time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -20,6 +20,7 @@ import pytest
 from playwright.sync_api import expect
 
 from testfleet.fixtures import add_fleet_node, give_lab_key
+from tests.e2e import expect_every_worker_up_to_date
 from tpus.models import Grant, Lab, Membership, TpuVm
 from tpus.services import inventory
 
@@ -176,10 +177,7 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
     admin.wait_for_url(f"**/labs/{lab.slug}/vms/{vm.pk}/")
     admin.evaluate("window.notReloaded = true")
     progress = admin.locator("#vm-progress")
-    # The pod's four workers in step are one line: the first to the last, up to date.
-    in_step = progress.locator("#worker-sync-0")
-    expect(in_step).to_contain_text("(4 workers)", timeout=60_000)
-    expect(in_step.locator(".badge")).to_have_text("up to date")
+    expect_every_worker_up_to_date(progress, 4)
     grant = Grant.objects.get(user__email="milo@uni.example", vm=vm)
     expect(progress.locator(f"#grant-{grant.pk} .badge")).to_have_text("Active")
     # The "Adding milo…" notice says it is done, without a reload.

@@ -19,7 +19,7 @@ import pytest
 from django.core.management import call_command
 from playwright.sync_api import expect
 
-from tests.e2e import ROOT
+from tests.e2e import ROOT, expect_every_worker_up_to_date
 from tests.laptop import Laptop
 from tpus.management.commands.demo_lab import set_up_demo
 
@@ -130,9 +130,7 @@ def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_ssh_tpu5(
     expect(page.get_by_text(done, exact=True)).to_be_visible(timeout=90_000)
     # Access is in place on every worker of the pod.
     progress = page.locator("#vm-progress")
-    in_step = progress.locator("#worker-sync-0")  # the pod's workers in step: one line
-    expect(in_step).to_contain_text(f"({len(workers)} workers)")
-    expect(in_step.locator(".badge")).to_have_text("up to date")
+    expect_every_worker_up_to_date(progress, len(workers))
     expect(progress.locator("tr", has_text=milo_email).locator(".badge")).to_have_text("Active")
     page.screenshot(path=shots / "2-milo-added.png", full_page=True)
 
