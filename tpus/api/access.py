@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from datetime import date, datetime
 
-from django.core.exceptions import ObjectDoesNotExist
 from django.db.models import Count, IntegerField, OuterRef, Prefetch, Subquery
 from django.db.models.functions import Coalesce
 from django.http import HttpResponse
@@ -139,7 +138,7 @@ def worker_standing(worker, grant) -> dict:
     """Where ``worker`` (loaded with its ``sync``) stands with a grant in flight, from
     what it last answered."""
     username = getattr(getattr(grant.user, "unix_account", None), "username", "")
-    sync = getattr(worker, "sync", None) if _has_sync(worker) else None
+    sync = worker.last_sync
     refused = [
         entry.partition(":")[2]
         for entry in ((sync.last_report or {}).get("user_error", []) if sync else [])
@@ -161,14 +160,6 @@ def worker_standing(worker, grant) -> dict:
         "error": error,
         "last_attempt_at": sync.last_attempt_at if sync else None,
     }
-
-
-def _has_sync(worker) -> bool:
-    try:
-        worker.sync  # noqa: B018 - loaded with the worker; absent before any reconcile
-    except ObjectDoesNotExist:
-        return False
-    return True
 
 
 # The VM's workers and what each last did, in one query for a whole page of grants;

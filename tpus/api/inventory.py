@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.core.exceptions import ObjectDoesNotExist
 from django.db.models import Prefetch, prefetch_related_objects
 from django.shortcuts import get_object_or_404
 from ninja import Query, Router, Schema, Status
@@ -54,10 +53,7 @@ class WorkerSummaryOut(BaseModel):
     @staticmethod
     def of(worker: Worker) -> dict:
         """The fields, read once from the worker and its last reconcile."""
-        try:
-            sync = worker.sync
-        except ObjectDoesNotExist:  # no reconcile has reached it yet
-            sync = None
+        sync = worker.last_sync
         return {
             "index": worker.index,
             "alias": worker.alias,

@@ -9,7 +9,6 @@ import base64
 import binascii
 from datetime import datetime
 
-from django.core.exceptions import ObjectDoesNotExist
 from ninja import Router, Schema, Status
 
 from accounts.sshkeys import fingerprint_sha256
@@ -45,13 +44,6 @@ def _key(line: str) -> dict:
 
 def _keys(lines: list[str]) -> list[dict]:
     return [_key(line) for line in lines]
-
-
-def _sync(worker):
-    try:
-        return worker.sync
-    except ObjectDoesNotExist:  # no reconcile has reached it yet
-        return None
 
 
 def host_key_state(worker) -> str:
@@ -130,7 +122,7 @@ def _progress(vm) -> dict:
     running, stalled = leases.held_or_stalled(vm.reconcile_claimed_until)
     rows = []
     for worker in workers:
-        sync = _sync(worker)
+        sync = worker.last_sync
         pending = []
         for grant in moving:
             standing = worker_standing(worker, grant)

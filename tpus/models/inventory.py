@@ -178,6 +178,15 @@ class Worker(models.Model):
     def is_pinned(self) -> bool:
         return bool(self.host_keys)
 
+    @property
+    def last_sync(self):
+        """What the worker did in its last reconcile (its ``WorkerSync``), or None
+        before any reconcile reached it. Load it with ``select_related("sync")``."""
+        try:
+            return self.sync
+        except models.ObjectDoesNotExist:
+            return None
+
     def published_key_changes(self) -> list[str]:
         """The published host keys that contradict the pinned ones (see
         ``published_key_changes``); empty when what the API published is no change."""

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import ObjectDoesNotExist
 from django.db.models import Case, Q, Value, When
 from django.shortcuts import redirect, render
 from django.template.defaultfilters import pluralize
@@ -105,10 +104,7 @@ def sync_rows(vm, workers, *, running: bool, stalled_since) -> list[SyncRow]:
 
 
 def _sync_row(vm, worker, *, running: bool, stalled_since) -> SyncRow:
-    try:
-        sync = worker.sync
-    except ObjectDoesNotExist:
-        sync = None
+    sync = worker.last_sync
     if sync is not None and sync.applied_version >= vm.desired_version:
         badge, state, title = "ok", "up to date", ""
     elif sync is not None and sync.last_error:
