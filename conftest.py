@@ -47,9 +47,14 @@ def tpu_emulator(tmp_path, settings):
     retries and polling, and the portal's settings point at it, so ``cloud_tpu()``
     in the code under test talks to it too.
     """
+    from tpus.cloud.config import _client_for
     from tpus.emulator.testing import start_emulator
 
     emulator = start_emulator(tmp_path / "tpu-emulator.json")
+    # The portal keeps one client per configuration; an earlier test's emulator may
+    # have had this port, and its client's channel would still be backing off from
+    # that emulator's going away ("connection refused"). Start from a fresh one.
+    _client_for.cache_clear()
     settings.TPU_API_ENDPOINT = emulator.endpoint
     settings.TPU_API_INSECURE = True
     settings.TPU_API_CREDENTIALS_FILE = ""
