@@ -110,8 +110,8 @@ def build_lab(scale: float) -> dict:
                 index=w,
                 internal_ip=f"10.{i // 250}.{i % 250}.{w + 1}",
                 external_ip=f"198.18.{i % 250}.{w + 1}",
-                # Confirmed host keys, as on a lab's real VMs (the VM page then shows
-                # the "Give access" form and its counts).
+                # Confirmed host keys, as on a lab's real VMs (the VM's access page
+                # then shows the "Give access" form and its counts).
                 host_keys=host_keys(rng),
                 host_keys_source="guest_attributes",
                 host_keys_pinned_at=now,
@@ -214,6 +214,7 @@ def pages(lab: dict) -> list[tuple[str, str, str]]:
         ("admin", "lab admin page", f"/labs/{s}/admin/"),
         ("admin", "VM list", f"/labs/{s}/vms/"),
         ("admin", "VM page, 32 workers", f"/labs/{s}/vms/{vm}/"),
+        ("admin", "VM access, 32 workers", f"/labs/{s}/vms/{vm}/access/"),
         ("admin", "VM progress partial", f"/labs/{s}/vms/{vm}/progress/"),
         ("admin", "member grant form", member_grant),
         ("admin", "audit log", f"/labs/{s}/audit/"),

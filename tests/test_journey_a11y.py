@@ -174,6 +174,7 @@ def test_a_lab_admins_pages_fit_a_phone_and_pass_axe(page, live_server, scene):
             "lab-admin": f"/labs/{lab.slug}/admin/",
             "vm-list": f"/labs/{lab.slug}/vms/",
             "vm": f"/labs/{lab.slug}/vms/{vm.pk}/",
+            "vm-access": f"/labs/{lab.slug}/vms/{vm.pk}/access/",
             "worker-keys": f"/labs/{lab.slug}/vms/{vm.pk}/workers/0/keys/",
             "ssh": "/ssh/",
             "keys": "/account/keys/",

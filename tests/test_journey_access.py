@@ -164,6 +164,8 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
     # … then opens tpu5 and adds milo; the page follows every worker by itself.
     admin.click("text=TPU VMs")
     admin.click(f"a:text-is('{vm.name}')")
+    admin.get_by_role("navigation", name=vm.name).get_by_role("link", name="Access").click()
+    admin.wait_for_url(f"**/labs/{lab.slug}/vms/{vm.pk}/access/")
     admin.wait_for_load_state("load")  # htmx has wired the page up
     picker = admin.get_by_role("combobox", name="Member")
     picker.fill("milo@")
@@ -174,7 +176,7 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
     polls = []
     admin.on("request", lambda r: polls.append(r.url) if "/progress/" in r.url else None)
     admin.click(f"text=Add to {vm.name}")
-    admin.wait_for_url(f"**/labs/{lab.slug}/vms/{vm.pk}/")
+    admin.wait_for_url(f"**/labs/{lab.slug}/vms/{vm.pk}/access/")
     admin.evaluate("window.notReloaded = true")
     progress = admin.locator("#vm-progress")
     expect_every_worker_up_to_date(progress, 4)
@@ -270,6 +272,8 @@ def test_milo_is_added_to_a_pod_follows_an_ip_change_and_is_revoked(
         assert _processes_of(fleet, host, uid)
     admin.goto(f"/labs/{lab.slug}/vms/{vm.pk}/")
     expect(admin.locator("body")).to_contain_text(new_ip)  # the address history
+    expect(admin.locator("#vm-access-summary")).to_contain_text("1 person has access")
+    admin.locator("#vm-access-summary").get_by_role("link").click()
     admin.once("dialog", lambda dialog: dialog.accept())
     admin.locator(f"#access-{grant.pk}").get_by_role("button", name="Revoke").click()
     expect(admin.locator(f"#grant-{grant.pk} .badge")).to_have_text("Revoked", timeout=30_000)

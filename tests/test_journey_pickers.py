@@ -45,7 +45,7 @@ def test_an_admin_gives_access_with_the_picker_using_only_the_keyboard(
     page.fill("input[name=password]", PASSWORD)
     page.keyboard.press("Enter")
     page.wait_for_url(lambda url: "/accounts/login/" not in url)
-    page.goto(f"/labs/{lab.slug}/vms/{vm.pk}/")
+    page.goto(f"/labs/{lab.slug}/vms/{vm.pk}/access/")
 
     field = page.get_by_role("combobox", name="Member")
     field.focus()

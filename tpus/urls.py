@@ -60,6 +60,7 @@ urlpatterns = [
     path("labs/<slug:slug>/vms/sync/", inventory.vm_sync, name="vm_sync"),
     path("labs/<slug:slug>/vms/search/", grants.vm_search, name="vm_search"),
     path("labs/<slug:slug>/vms/<int:vm_id>/", inventory.vm_detail, name="vm_detail"),
+    path("labs/<slug:slug>/vms/<int:vm_id>/access/", grants.vm_access, name="vm_access"),
     path("labs/<slug:slug>/vms/<int:vm_id>/progress/", grants.vm_progress, name="vm_progress"),
     path(
         "labs/<slug:slug>/vms/<int:vm_id>/connection/",

@@ -215,6 +215,11 @@ def may_run_jobs(user, vm: TpuVm) -> bool:
     return Grant.objects.filter(user=user, vm=vm, state=GrantState.ACTIVE).exists()
 
 
+def grant_runs_jobs(grant: Grant | None) -> bool:
+    """``may_run_jobs`` for a page that has the person's grant on the VM (or None)."""
+    return grant is not None and grant.state == GrantState.ACTIVE
+
+
 def submit_job(user, vm: TpuVm, spec: JobSpec, *, rerun_of: Job | None = None, request=None) -> Job:
     """Queue a job on ``vm`` for ``user``. Raises PermissionDenied without active
     access, ValidationError for a bad spec or a full queue; nothing is stored then."""

@@ -115,8 +115,10 @@ def host_name_for(user, vm: TpuVm) -> str:
 
 def naming_peers(user) -> list[TpuVm]:
     """The VMs whose names a person's host names must not clash with (no workers)."""
-    grants = Grant.objects.filter(user=user, state__in=WANTED_STATES)
-    return list(TpuVm.objects.filter(grants__in=grants).select_related("lab").distinct())
+    mine = Grant.objects.filter(user=user, state__in=WANTED_STATES).values("vm_id")
+    return list(
+        TpuVm.objects.filter(pk__in=mine).select_related("lab").only("name", "zone", "lab__slug")
+    )
 
 
 def vms_for(user) -> list[TpuVm]:

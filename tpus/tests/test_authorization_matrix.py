@@ -339,6 +339,12 @@ def _urls(cast):
             [REDIRECT, MISSING, MISSING, OK, OK, OK],
         ),
         (
+            "vm_access",
+            "get",
+            reverse("vm_access", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
             "vm_progress",
             "get",
             reverse("vm_progress", args=[lab, vm.pk]),

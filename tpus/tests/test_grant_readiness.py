@@ -29,7 +29,7 @@ def test_an_empty_lab_says_no_one_can_be_given_access_and_how_to_invite(
     add_member(lab, admin, role="admin")
     vm = _vm(lab)
     client.force_login(admin)
-    body = client.get(reverse("vm_detail", args=["vision", vm.pk])).content.decode()
+    body = client.get(reverse("vm_access", args=["vision", vm.pk])).content.decode()
     assert "No member can be given access yet." in body
     # The admin chose no username either: counted, with where to choose one.
     assert "1 member without a unix username" in body and reverse("key_list") in body
@@ -60,7 +60,7 @@ def test_each_reason_is_counted_and_linked(client, make_lab, make_user, add_memb
     assert readiness.no_key == 2  # boss and milo have no SSH key
 
     client.force_login(admin)
-    body = client.get(reverse("vm_detail", args=["vision", _vm(lab).pk])).content.decode()
+    body = client.get(reverse("vm_access", args=["vision", _vm(lab).pk])).content.decode()
     assert "2 members can be given access." in body
     assert "1 request to join waiting for your approval" in body
     assert reverse("lab_admin", args=["vision"]) + "#requests" in body

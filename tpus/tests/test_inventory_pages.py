@@ -226,6 +226,9 @@ def test_a_hand_registered_vm_page_offers_access_only_once_its_keys_are_confirme
     body = site_client.get(reverse("vm_detail", args=["vision", vm.pk])).content.decode()
     assert "Registered by hand" in body
     assert "Unknown" not in body and "runtime <code>?" not in body
+    assert "No one can be given access until its host keys are confirmed" in body
+    access_url = reverse("vm_access", args=["vision", vm.pk])
+    body = site_client.get(access_url).content.decode()
     assert "No one can be given access until the host keys" in body
     assert "Add to tpu9" not in body
     Worker.objects.filter(pk=worker.pk).update(
@@ -233,5 +236,5 @@ def test_a_hand_registered_vm_page_offers_access_only_once_its_keys_are_confirme
             "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIN8crqCQZGXDCh9KBbBRI4EGkWOX2SOeVCa1joX0XTan"
         ]
     )
-    body = site_client.get(reverse("vm_detail", args=["vision", vm.pk])).content.decode()
+    body = site_client.get(access_url).content.decode()
     assert "Add to tpu9" in body

@@ -160,9 +160,9 @@ def busy_vm(cast, make_user):
     return vm
 
 
-def test_the_vm_page_lists_its_grants_a_page_at_a_time(client, cast, busy_vm):
+def test_the_vm_access_page_lists_its_grants_a_page_at_a_time(client, cast, busy_vm):
     client.force_login(cast.admin)
-    url = reverse("vm_detail", args=[cast.lab.slug, busy_vm.pk])
+    url = reverse("vm_access", args=[cast.lab.slug, busy_vm.pk])
     first = _body(client, url)
     assert first.count('id="access-') == 25
     assert "?grants=2" in first and "1–25 of 61" in first

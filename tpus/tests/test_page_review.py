@@ -38,6 +38,7 @@ def test_every_lab_sub_page_links_back_to_the_lab(client, cast, vm):
         reverse("lab_audit", args=[slug]),
         reverse("vm_list", args=[slug]),
         reverse("vm_detail", args=[slug, vm.pk]),
+        reverse("vm_access", args=[slug, vm.pk]),
         reverse("worker_keys", args=[slug, vm.pk, 0]),
         reverse("member_grant", args=[slug, cast.member_membership.pk]),
         reverse("disk_register", args=[slug]),

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Case, Q, Value, When
+from django.db.models import Case, Count, F, Q, Value, When
 from django.shortcuts import redirect, render
 from django.template.defaultfilters import pluralize
 from django.utils import timezone
+from django.utils.functional import SimpleLazyObject
 from django.views.decorators.http import require_POST
 
 from portal.paging import page_of
@@ -20,6 +21,20 @@ from tpus.models.grants import GrantState
 from tpus.services import directory, leases
 from tpus.services import grants as grant_services
 from tpus.services.grants import GrantError
+
+# A grant's row on the access page, as plain values (rows of dicts render faster than
+# models): the grant, its person's unix username and email, and its state's label.
+GRANT_ROW = ("pk", "sudo", "expires_on", "state", "error", "changed_at")
+GRANT_PERSON = {"username": F("user__unix_account__username"), "email": F("user__email")}
+STATE_LABELS = dict(GrantState.choices)
+
+
+def grant_rows(grants) -> list[dict]:
+    rows = list(grants)
+    for row in rows:
+        row["state_label"] = STATE_LABELS[row["state"]]
+    return rows
+
 
 # The live part shows grants changed this recently (so the admin sees the outcome of
 # what they just did land), plus any still on their way, at most PROGRESS_GRANTS.
@@ -32,15 +47,24 @@ def vm_progress_context(vm) -> dict:
     those changed lately, and each worker's last reconcile. Every grant is on the VM
     page, paged."""
     moving = Q(state__in=(GrantState.PENDING, GrantState.REVOKING))
-    grants = list(
+    rank = Case(When(moving, then=Value(0)), default=Value(1))  # 0: in flight
+    shown = (
         vm.grants.filter(moving | Q(changed_at__gte=timezone.now() - RECENT))
-        .select_related("user__unix_account")
-        .annotate(rank=Case(When(moving, then=Value(0)), default=Value(1)))  # 0: in flight
-        .order_by("rank", "-changed_at", "-pk")[:PROGRESS_GRANTS]
+        .annotate(rank=rank)
+        .order_by("rank", "-changed_at", "-pk")
+        .values("pk")[:PROGRESS_GRANTS]
     )
-    workers = list(vm.workers.select_related("sync").order_by("index"))
+    # The rows chosen first, then their people joined: joined before the limit, the
+    # people of every grant on the VM would be read.
+    grants = grant_rows(
+        vm.grants.filter(pk__in=shown)
+        .annotate(rank=rank)
+        .order_by("rank", "-changed_at", "-pk")
+        .values(*GRANT_ROW, "rank", **GRANT_PERSON)
+    )
+    workers = list(vm.workers.select_related("sync").order_by("index").only(*SYNC_ROW))
     # Grants in flight come first: if there is one, the list starts with it.
-    in_flight = bool(grants) and grants[0].rank == 0
+    in_flight = bool(grants) and grants[0]["rank"] == 0
     # Whether a reconcile is running now, or one died and stopped renewing its claim.
     running, stalled_since = leases.held_or_stalled(vm.reconcile_claimed_until)
     return {
@@ -52,6 +76,13 @@ def vm_progress_context(vm) -> dict:
         "running": running,
         "stalled_since": stalled_since,
     }
+
+
+# What a line of "Provisioning on each worker" reads of a worker and its last reconcile.
+SYNC_ROW = (
+    "vm_id", "index", "host_keys", "host_key_mismatch_at", "sync__applied_version",
+    "sync__last_error", "sync__last_error_retryable", "sync__last_success_at", "sync__last_report",
+)  # fmt: skip
 
 
 @dataclass
@@ -132,6 +163,51 @@ def _sync_row(vm, worker, *, running: bool, stalled_since) -> SyncRow:
     return row
 
 
+# "Who has access" rows each carry their own buttons; a shorter page keeps the page
+# quick on a pod with hundreds of people.
+ACCESS_PAGE_SIZE = 25
+
+
+def grant_summary(vm) -> dict[str, int]:
+    """How many people have access to ``vm``, how many changes are on their way and how
+    many failed: the VM overview's pointer to its access page, in one query."""
+    return vm.grants.aggregate(
+        active=Count("pk", filter=Q(state=GrantState.ACTIVE)),
+        moving=Count("pk", filter=Q(state__in=(GrantState.PENDING, GrantState.REVOKING))),
+        failed=Count("pk", filter=Q(state=GrantState.FAILED)),
+    )
+
+
+@login_required
+def vm_access(request, slug, vm_id):
+    """A TPU VM's access, for the lab's admins: give it (once every worker's host keys
+    are confirmed), follow each change onto every worker live, and see, retry or revoke
+    everyone's access a page at a time."""
+    lab = access.get_admin_lab(request.user, slug)
+    vm = access.get_vm_for_admin(request.user, lab, vm_id)
+    grants = vm.grants.order_by("user__unix_account__username", "user__email", "pk")
+    grants_page = page_of(
+        request,
+        grants.values(*GRANT_ROW, **GRANT_PERSON),
+        param="grants",
+        size=ACCESS_PAGE_SIZE,
+        count=vm.grants.count,  # without the joins the rows need
+    )
+    grants_page.object_list = grant_rows(grants_page.object_list)
+    progress = vm_progress_context(vm)
+    context = {
+        "lab": lab,
+        "grant_form": GrantForm(lab=lab),
+        # Counted only if the form is shown (every worker's host keys confirmed).
+        "readiness": SimpleLazyObject(lambda: directory.grant_readiness(lab)),
+        "grants_page": grants_page,
+        # "Give access" waits until every worker's host keys are confirmed.
+        "unpinned_workers": [w for w in progress["workers"] if not w.is_pinned],
+        **progress,
+    }
+    return render(request, "tpus/vm_access.html", context)
+
+
 @login_required
 def vm_progress(request, slug, vm_id):
     lab = access.get_admin_lab(request.user, slug)
@@ -149,7 +225,7 @@ def grant_create(request, slug, vm_id):
     form = GrantForm(request.POST, lab=lab)
     if not form.is_valid():
         messages.error(request, " ".join(e for errors in form.errors.values() for e in errors))
-        return redirect("vm_detail", lab.slug, vm.pk)
+        return redirect("vm_access", lab.slug, vm.pk)
     user = form.cleaned_data["user"]
     try:
         [grant] = grant_services.grant_access(
@@ -170,7 +246,7 @@ def grant_create(request, slug, vm_id):
             f"Adding {user.unix_account.username} to {vm.name}…",
             extra_tags=f"grant-{grant.pk}",
         )
-    return redirect("vm_detail", lab.slug, vm.pk)
+    return redirect("vm_access", lab.slug, vm.pk)
 
 
 @login_required
@@ -228,7 +304,7 @@ def grant_revoke(request, slug, grant_id):
     grant = access.get_grant_for_admin(request.user, lab, grant_id)
     grant_services.revoke_access(request.user, grant, request=request)
     messages.success(request, f"Revoking {grant.user.email}'s access to {grant.vm.name}…")
-    return redirect("vm_detail", lab.slug, grant.vm_id)
+    return redirect("vm_access", lab.slug, grant.vm_id)
 
 
 @login_required
@@ -237,4 +313,4 @@ def grant_retry(request, slug, grant_id):
     lab = access.get_admin_lab(request.user, slug)
     grant = access.get_grant_for_admin(request.user, lab, grant_id)
     grant_services.retry_grant(request.user, grant, request=request)
-    return redirect("vm_detail", lab.slug, grant.vm_id)
+    return redirect("vm_access", lab.slug, grant.vm_id)

@@ -14,20 +14,18 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce
 from django.shortcuts import redirect, render
-from django.utils.functional import SimpleLazyObject
 from django.views.decorators.http import require_POST
 
 from portal.paging import page_of
 from tpus import access, queue
 from tpus.cloud import CloudError
-from tpus.forms.grants import GrantForm
 from tpus.forms.inventory import AttachForm, DiskForm, ImportForm, ManualVmForm, VmFilterForm
 from tpus.models import DiskAttachment, Grant, IpChange, Worker
 from tpus.models.grants import WANTED_STATES
 from tpus.services import directory, disk_operations, inventory, sshconfig, sync_health
 from tpus.services.inventory import InventoryError
 from tpus.views.connect import connection_context
-from tpus.views.grants import vm_progress_context
+from tpus.views.grants import grant_summary
 from tpus.views.jobs import vm_jobs_context
 
 
@@ -115,45 +113,34 @@ def vm_register(request, slug):
     return render(request, "tpus/vm_register.html", {"lab": lab, "form": form})
 
 
-# The VM page's "Who has access" rows each carry their own forms; a shorter page keeps
-# the page quick on a pod with hundreds of people.
-ACCESS_PAGE_SIZE = 25
-
-
 @login_required
 def vm_detail(request, slug, vm_id):
-    """Lab admins see everything and manage access; a collaborator with access sees
-    the workers, their own grant, and how to connect."""
+    """A TPU VM's overview. Lab admins see its workers and pinned host keys, the portal's
+    connection, how many people have access (managed on the VM's access page), jobs,
+    disks and addresses; a collaborator with access sees the workers, their own grant,
+    and how to connect."""
     lab = access.get_member_lab(request.user, slug)
     is_admin = access.is_lab_admin(request.user, lab)
     vm = access.get_vm_for_viewer(request.user, lab, vm_id, is_admin=is_admin)
+    my_grant = vm.grants.filter(user=request.user).first()  # an admin may have one too
     context = {
         "lab": lab,
         "vm": vm,
         "is_admin": is_admin,
+        "my_grant": my_grant,
         "attachments": vm.attachments.select_related("disk"),
-        **vm_jobs_context(request.user, lab, vm, is_admin=is_admin),
+        **vm_jobs_context(request.user, lab, vm, is_admin=is_admin, grant=my_grant),
     }
     if is_admin:
-        grants = vm.grants.select_related("user__unix_account").order_by(
-            "user__unix_account__username", "user__email", "pk"
-        )
-        progress = vm_progress_context(vm)
         context.update(
-            grant_form=GrantForm(lab=lab),
-            # Counted only if the form is shown (every worker's host keys confirmed).
-            readiness=SimpleLazyObject(lambda: directory.grant_readiness(lab)),
-            grants_page=page_of(request, grants, param="grants", size=ACCESS_PAGE_SIZE),
-            # "Give access" waits until every worker's host keys are confirmed.
-            unpinned_workers=[w for w in progress["workers"] if not w.is_pinned],
-            **progress,
+            workers=list(vm.workers.order_by("index")),
+            access_summary=grant_summary(vm),
             **connection_context(vm),
         )
     else:
         prefetch_related_objects([vm], "workers")  # one query for the table and the snippet
         context.update(
             workers=sorted(vm.workers.all(), key=lambda w: w.index),
-            my_grant=vm.grants.filter(user=request.user).first(),
             snippet=sshconfig.snippet_for(request.user, [vm]),
         )
     context["ip_changes"] = address_history(vm, context["workers"])

@@ -25,6 +25,11 @@ from tpus.services import job_logs, sshconfig, usage
 from tpus.services import jobs as job_services
 
 RECENT_JOBS = 10
+# What a row of "Recent jobs" reads.
+RECENT_JOB_ROW = (
+    "vm_id", "state", "script", "args", "queued_at", "ended_at",
+    "user__email", "user__unix_account__username",
+)  # fmt: skip
 # The live log shows the last lines of the tail the portal keeps (the whole log is a
 # download away), so a chatty job's page stays light to poll.
 LOG_LINES_SHOWN = 300
@@ -35,12 +40,17 @@ HOST_JOBS_DIR = "/var/lib/tpu-portal/jobs"
 # --- the VM page's Jobs section --------------------------------------------------------
 
 
-def vm_jobs_context(user, lab, vm, *, is_admin: bool) -> dict:
+def vm_jobs_context(user, lab, vm, *, is_admin: bool, grant) -> dict:
     """What the Jobs section of a VM's page shows: what holds the TPU now, the queue,
-    the form for someone who may run jobs there, and recent jobs (everyone's for the
-    lab's admins, one's own for others)."""
-    may_run = job_services.may_run_jobs(user, vm)
-    recent = Job.objects.filter(vm=vm).select_related("user__unix_account")
+    the form for someone who may run jobs there (``grant``, the viewer's own on the VM
+    or None, is in force), and recent jobs (everyone's for the lab's admins, one's own
+    for others)."""
+    may_run = job_services.grant_runs_jobs(grant)
+    recent = (
+        Job.objects.filter(vm=vm)
+        .select_related("user__unix_account")
+        .only(*RECENT_JOB_ROW)  # a job's environment, limits and reason stay behind
+    )
     if not is_admin:
         recent = recent.filter(user=user)
     return {

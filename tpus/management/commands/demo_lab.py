@@ -91,7 +91,7 @@ def set_up_demo(fleet: Fleet, controls: Controls) -> str:
     return (
         f"Demo Lab is ready: {vm.name} = {', '.join(h.ip for h in hosts)}\n"
         f"Collaborator login: {MILO_EMAIL} / {milo_password} (his SSH key: {milo_key})\n"
-        f"1. Open {site}/labs/{lab.slug}/vms/{vm.pk}/ and sign in as the site admin"
+        f"1. Open {site}/labs/{lab.slug}/vms/{vm.pk}/access/ and sign in as the site admin"
         f' (the login above); under "Give access", type {name} in "Member" and click'
         f' "Add to {vm.name}": each worker\'s progress shows live until'
         f' "{name} can now use {vm.name}."\n'
