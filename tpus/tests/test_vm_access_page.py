@@ -31,9 +31,7 @@ def _tabs(body: str) -> str:
     return body[body.index('<nav class="tabs"') : body.index("</nav>", body.index('class="tabs"'))]
 
 
-def test_the_overview_says_how_many_have_access_and_links_to_the_access_page(
-    client, cast, tpu5
-):
+def test_the_overview_says_how_many_have_access_and_links_to_the_access_page(client, cast, tpu5):
     client.force_login(cast.admin)
     body = client.get(reverse("vm_detail", args=["vision", tpu5.pk])).content.decode()
     access_url = reverse("vm_access", args=["vision", tpu5.pk])
