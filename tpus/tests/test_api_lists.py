@@ -12,7 +12,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from accounts.models import UnixAccount
-from tpus.models import Grant, IpChange, Membership, TpuVm, Worker
+from tpus.models import Grant, IpChange, Membership, TpuVm, Worker, WorkerSync
 from tpus.services import grants as grant_services
 from tpus.services import labs as lab_services
 
@@ -235,6 +235,33 @@ def test_vms_and_disks_filter_by_state_and_zone(client, cast, lab_with_grants):
     assert _get(client, f"{url}?zone=asia-east1-c", status=400)
     disks = _get(client, f"/api/v1/labs/{cast.lab.slug}/disks?vm=tpu5")
     assert disks == {"items": [], "next": None, "total": 0}
+
+
+def test_a_vm_in_the_list_is_the_vm_itself_without_its_workers_host_keys(
+    client, cast, lab_with_grants
+):
+    pod = lab_with_grants.tpu6
+    now = timezone.now()
+    Worker.objects.filter(vm=pod).update(internal_ip="10.0.0.1", host_keys=["ssh-ed25519 AAAA"])
+    alarmed = Worker.objects.create(
+        vm=pod, index=1, host_key_mismatch_at=now, presented_host_key="ssh-ed25519 BBBB"
+    )
+    Worker.objects.create(vm=pod, index=2, external_ip="192.0.2.3")  # never reconciled
+    WorkerSync.objects.create(worker=pod.workers.get(index=0), applied_version=3,
+                              last_success_at=now - timedelta(minutes=1))  # fmt: skip
+    WorkerSync.objects.create(worker=alarmed, last_error="unreachable", last_error_retryable=True)
+    client.force_login(cast.admin)
+    url = f"/api/v1/labs/{cast.lab.slug}/vms"
+
+    [listed] = [v for v in _get(client, url)["items"] if v["id"] == pod.pk]
+    alone = _get(client, f"{url}/{pod.pk}")
+    for worker in alone["workers"]:
+        del worker["host_keys"], worker["presented_host_key"]
+    assert listed == alone
+    assert [(w["alias"], w["applied_version"], w["last_error"], w["last_error_retryable"])
+            for w in listed["workers"]] == [
+        ("tpu6-w0", 3, "", False), ("tpu6-w1", 0, "unreachable", True), ("tpu6-w2", None, "", False)
+    ]  # fmt: skip
 
 
 def test_ip_history_pages_without_a_total_and_filters_by_time(client, cast, lab_with_grants):
