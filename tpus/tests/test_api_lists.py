@@ -340,3 +340,20 @@ def test_a_settled_grant_counts_its_vms_workers_and_only_grants_in_flight_load_t
     assert [w["state"] for w in items[pending.pk]["workers"]] == ["waiting"]
     # Only the worker of the VM with a grant in flight was read, not the pod's four.
     assert loaded == [lab_with_grants.tpu5.pk]
+
+
+def test_a_page_of_settled_grants_reads_no_workers(client, cast, lab_with_grants):
+    lab_with_grants(3)
+    [pending] = lab_with_grants(1, vm=lab_with_grants.tpu6, state="pending")
+    client.force_login(cast.admin)
+    url = f"/api/v1/labs/{cast.lab.slug}/grants"
+
+    def worker_reads(query):
+        with CaptureQueriesContext(connection) as context:
+            _get(client, f"{url}?{query}")
+        return [q for q in context.captured_queries if q["sql"].startswith('SELECT "tpus_worker"')]
+
+    assert worker_reads("state=active") == []
+    assert len(worker_reads("")) == 1  # the pending grant's VM's workers, for its standing
+    [item] = _get(client, f"{url}?state=pending")["items"]
+    assert (item["id"], item["workers_total"], item["workers_applied"]) == (pending.pk, 1, 0)
