@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlencode
@@ -137,8 +138,10 @@ def page_of(
     cursor: str | None,
     with_total: bool = True,
     default_limit: int | None = None,
+    prepare: Callable[[list], list] | None = None,
 ) -> dict[str, Any]:
-    """One page of ``queryset`` in id order, and the link to the next one."""
+    """One page of ``queryset`` in id order, and the link to the next one. ``prepare``
+    turns the page's rows into its items (see ``KeysetPagination``)."""
     size = parse_limit(limit, default_limit)
     after = decode_cursor(cursor)
     rows = queryset.order_by("pk")
@@ -149,7 +152,7 @@ def page_of(
     more = len(items) > size
     items = items[:size]
     page: dict[str, Any] = {
-        "items": items,
+        "items": prepare(items) if prepare is not None else items,
         "next": _next_url(request, items[-1].pk) if more else None,
     }
     if with_total:
@@ -178,13 +181,22 @@ class KeysetPagination(PaginationBase):
         next: str | None = Field(description="The following page with the same filters.")
 
     def __init__(
-        self, *, with_total: bool = True, default_limit: int | None = None, **kwargs: Any
+        self,
+        *,
+        with_total: bool = True,
+        default_limit: int | None = None,
+        prepare: Callable[[list], list] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.with_total = with_total
         # A list whose rows are large (a VM carries every worker of a pod) pages smaller
         # when the caller does not say.
         self.default_limit = default_limit
+        # Given the page's rows (model instances, in id order), returns the items the
+        # response model reads: a list loads what its rows need here, once the page is
+        # known, in one query for the whole page (and none when no row needs it).
+        self.prepare = prepare
         if not with_total:
             self.Output = self.OutputWithoutTotal
 
@@ -197,4 +209,5 @@ class KeysetPagination(PaginationBase):
             cursor=pagination.cursor,
             with_total=self.with_total,
             default_limit=self.default_limit,
+            prepare=self.prepare,
         )

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from datetime import date, datetime
 
-from django.db.models import Count, IntegerField, OuterRef, Prefetch, Subquery
+from django.db.models import (
+    Count,
+    IntegerField,
+    OuterRef,
+    Prefetch,
+    Subquery,
+    prefetch_related_objects,
+)
 from django.db.models.functions import Coalesce
 from django.http import HttpResponse
 from ninja import Query, Router, Schema, Status
@@ -105,8 +112,8 @@ IN_FLIGHT = [state for state in GrantState.values if state not in _SETTLED]
 def grant_workers(grant) -> list[dict]:
     """The standing with ``grant`` of each worker that does not have it yet, from what
     it last answered (none for a settled grant). Uses the VM's workers as prefetched
-    by the lists (``_WITH_WORKERS``), else loads them once; worked out once per grant
-    object."""
+    by the lists (``with_standing``, ``_WITH_WORKERS``), else loads them once; worked
+    out once per grant object."""
     if grant.state in _SETTLED:
         return []
     cached = getattr(grant, "_worker_standing", None)
@@ -199,13 +206,38 @@ class IpChangeOut(Schema):
         return obj.worker.alias
 
 
+def with_standing(grants: list[Grant]) -> list[Grant]:
+    """A page of grants, with the workers (and what each last did) of the VMs of the
+    grants in flight on it, in one query; none when every grant there is settled
+    (``with_worker_count`` counts their workers)."""
+    in_flight = [grant.vm for grant in grants if grant.state not in _SETTLED]
+    workers = Worker.objects.select_related("sync")
+    prefetch_related_objects(in_flight, Prefetch("workers", queryset=workers))
+    return grants
+
+
+# What ``GrantOut.fields_of`` reads of a grant, its VM and its person.
+_GRANT_COLUMNS = (
+    "vm__name",
+    "user__email",
+    "user__unix_account__username",
+    "sudo",
+    "expires_on",
+    "state",
+    "version",
+    "error",
+    "activated_at",
+    "retry_at",
+)
+
+
 @router.get(
     "/labs/{slug}/grants",
     response=list[GrantOut],
     summary="A lab's grants (lab admins)",
     description=PAGED,
 )
-@paginate(KeysetPagination)
+@paginate(KeysetPagination, prepare=with_standing)
 def list_grants(
     request,
     slug: str,
@@ -219,7 +251,7 @@ def list_grants(
     grants = with_worker_count(
         Grant.objects.filter(vm__lab=lab)
         .select_related("vm", "user__unix_account")
-        .prefetch_related(_WITH_WORKERS)
+        .only(*_GRANT_COLUMNS)
     )
     return _filter_grants(
         grants,

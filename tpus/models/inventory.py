@@ -172,7 +172,7 @@ class Worker(models.Model):
     @property
     def alias(self) -> str:
         """The stable name used for this worker in ssh configs and known_hosts."""
-        return f"{self.vm.name}-w{self.index}"
+        return worker_alias(self.vm.name, self.index)
 
     @property
     def is_pinned(self) -> bool:
@@ -191,6 +191,11 @@ class Worker(models.Model):
         """The published host keys that contradict the pinned ones (see
         ``published_key_changes``); empty when what the API published is no change."""
         return published_key_changes(self.host_keys, self.published_host_keys)
+
+
+def worker_alias(vm_name: str, index: int) -> str:
+    """``Worker.alias`` from the VM's name and the worker's index (for plain rows)."""
+    return f"{vm_name}-w{index}"
 
 
 def published_key_changes(pinned: list[str], published: list[str]) -> list[str]:

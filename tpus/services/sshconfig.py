@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.db.models import Prefetch
 from django.utils import timezone
 
-from tpus.models import Grant, PortForward, TpuVm
+from tpus.models import Grant, PortForward, TpuVm, Worker
 from tpus.models.grants import WANTED_STATES
 
 CONFIG_PATH = "~/.ssh/config.d/tpu-portal"
@@ -121,20 +122,34 @@ def naming_peers(user) -> list[TpuVm]:
     )
 
 
+# What the config, known_hosts and the ssh page read of a VM, its lab and its workers:
+# every config download and refresh loads all of a person's VMs, so nothing more.
+_VM_COLUMNS = ("name", "zone", "lab__slug", "lab__name", "lab__default_agent_forwarding")
+_WORKER_COLUMNS = ("vm_id", "index", "external_ip", "host_keys")
+
+
 def vms_for(user) -> list[TpuVm]:
-    """The VMs a person can log in to now (or will, once the hosts catch up)."""
+    """The VMs a person can log in to now (or will, once the hosts catch up), with
+    just the columns the config is made of."""
     grants = Grant.objects.filter(user=user, state__in=WANTED_STATES)
     return list(
         TpuVm.objects.filter(grants__in=grants)
         .select_related("lab")
-        .prefetch_related("workers")
+        .only(*_VM_COLUMNS)
+        .prefetch_related(Prefetch("workers", queryset=Worker.objects.only(*_WORKER_COLUMNS)))
         .order_by("name", "lab__slug")
     )
 
 
+def feed_of(user):
+    """The person's refresh URL row (``ConfigFeed``), or None: read once per user
+    object, so the page and every ``forward_agent`` share one query."""
+    return getattr(user, "config_feed", None) if hasattr(user, "pk") else None
+
+
 def forward_agent(user, vm: TpuVm) -> bool:
     """The person's own choice, else the lab's default."""
-    feed = getattr(user, "config_feed", None) if hasattr(user, "pk") else None
+    feed = feed_of(user)
     if feed is not None and feed.forward_agent is not None:
         return feed.forward_agent
     return bool(vm.lab.default_agent_forwarding)
@@ -151,11 +166,17 @@ def forwards_for(user, vms: list[TpuVm]) -> dict[int, list[tuple[int, int]]]:
     return found
 
 
-def host_blocks(user, vms: list[TpuVm], *, among: list[TpuVm] | None = None) -> str:
+def host_blocks(
+    user,
+    vms: list[TpuVm],
+    *,
+    among: list[TpuVm] | None = None,
+    forwards: dict[int, list[tuple[int, int]]] | None = None,
+) -> str:
     """The ``Host`` blocks of ``vms``, line for line as in the person's downloaded
     config: the page shows them, the emails carry them, and the config is a header and
     them. Names are unique over ``among`` (all the person's VMs; looked up when not
-    given).
+    given); ``forwards`` are the person's (``forwards_for``; looked up when not given).
 
     Every block needs the pinned keys in ``KNOWN_HOSTS_PATH`` (strict checking, no
     prompt). Without them ssh says only "No … host key is known for tpu-portal.…", so a
@@ -167,7 +188,8 @@ def host_blocks(user, vms: list[TpuVm], *, among: list[TpuVm] | None = None) -> 
     username = account.username if account and account.username else "<your unix username>"
     if among is None:
         among = naming_peers(user) if getattr(user, "pk", None) else []
-    forwards = forwards_for(user, vms)
+    if forwards is None:
+        forwards = forwards_for(user, vms)
     blocks, commented = [], set()
     for entry, vm in entries_for(vms, among):
         lines = []
@@ -226,9 +248,15 @@ def render_known_hosts(vms: list[TpuVm], *, among: list[TpuVm] | None = None) ->
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def snippet_for(user, vms: list[TpuVm], *, among: list[TpuVm] | None = None) -> str:
+def snippet_for(
+    user,
+    vms: list[TpuVm],
+    *,
+    among: list[TpuVm] | None = None,
+    forwards: dict[int, list[tuple[int, int]]] | None = None,
+) -> str:
     """What the page and the emails show: the same blocks as the downloaded config."""
-    return host_blocks(user, vms, among=among)
+    return host_blocks(user, vms, among=among, forwards=forwards)
 
 
 # --- The refresh URL ------------------------------------------------------------------
@@ -290,9 +318,12 @@ def user_for_token(token: str):
 
 
 def feed_urls(user) -> dict[str, str] | None:
+    return _urls_of(feed_for(user, create=False))
+
+
+def _urls_of(feed) -> dict[str, str] | None:
     from django.urls import reverse
 
-    feed = feed_for(user, create=False)
     if feed is None or not feed.enabled:
         return None
     token = _token(feed)
@@ -302,9 +333,10 @@ def feed_urls(user) -> dict[str, str] | None:
     }
 
 
-def refresh_command(user) -> str:
-    """The line to run (or put in cron) that keeps both files current."""
-    urls = feed_urls(user)
+def refresh_command(feed) -> str:
+    """The line to run (or put in cron) that keeps both files current: empty without
+    a refresh URL (``feed``, the person's ``feed_of``, missing or turned off)."""
+    urls = _urls_of(feed)
     if urls is None:
         return ""
     return (

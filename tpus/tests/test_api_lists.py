@@ -12,7 +12,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from accounts.models import UnixAccount
-from tpus.models import Grant, IpChange, Membership, TpuVm, Worker
+from tpus.models import Grant, IpChange, Membership, TpuVm, Worker, WorkerSync
 from tpus.services import grants as grant_services
 from tpus.services import labs as lab_services
 
@@ -237,6 +237,33 @@ def test_vms_and_disks_filter_by_state_and_zone(client, cast, lab_with_grants):
     assert disks == {"items": [], "next": None, "total": 0}
 
 
+def test_a_vm_in_the_list_is_the_vm_itself_without_its_workers_host_keys(
+    client, cast, lab_with_grants
+):
+    pod = lab_with_grants.tpu6
+    now = timezone.now()
+    Worker.objects.filter(vm=pod).update(internal_ip="10.0.0.1", host_keys=["ssh-ed25519 AAAA"])
+    alarmed = Worker.objects.create(
+        vm=pod, index=1, host_key_mismatch_at=now, presented_host_key="ssh-ed25519 BBBB"
+    )
+    Worker.objects.create(vm=pod, index=2, external_ip="192.0.2.3")  # never reconciled
+    WorkerSync.objects.create(worker=pod.workers.get(index=0), applied_version=3,
+                              last_success_at=now - timedelta(minutes=1))  # fmt: skip
+    WorkerSync.objects.create(worker=alarmed, last_error="unreachable", last_error_retryable=True)
+    client.force_login(cast.admin)
+    url = f"/api/v1/labs/{cast.lab.slug}/vms"
+
+    [listed] = [v for v in _get(client, url)["items"] if v["id"] == pod.pk]
+    alone = _get(client, f"{url}/{pod.pk}")
+    for worker in alone["workers"]:
+        del worker["host_keys"], worker["presented_host_key"]
+    assert listed == alone
+    assert [(w["alias"], w["applied_version"], w["last_error"], w["last_error_retryable"])
+            for w in listed["workers"]] == [
+        ("tpu6-w0", 3, "", False), ("tpu6-w1", 0, "unreachable", True), ("tpu6-w2", None, "", False)
+    ]  # fmt: skip
+
+
 def test_ip_history_pages_without_a_total_and_filters_by_time(client, cast, lab_with_grants):
     worker = lab_with_grants.tpu5.workers.get()
     long_ago = timezone.now() - timedelta(days=30)
@@ -313,3 +340,20 @@ def test_a_settled_grant_counts_its_vms_workers_and_only_grants_in_flight_load_t
     assert [w["state"] for w in items[pending.pk]["workers"]] == ["waiting"]
     # Only the worker of the VM with a grant in flight was read, not the pod's four.
     assert loaded == [lab_with_grants.tpu5.pk]
+
+
+def test_a_page_of_settled_grants_reads_no_workers(client, cast, lab_with_grants):
+    lab_with_grants(3)
+    [pending] = lab_with_grants(1, vm=lab_with_grants.tpu6, state="pending")
+    client.force_login(cast.admin)
+    url = f"/api/v1/labs/{cast.lab.slug}/grants"
+
+    def worker_reads(query):
+        with CaptureQueriesContext(connection) as context:
+            _get(client, f"{url}?{query}")
+        return [q for q in context.captured_queries if q["sql"].startswith('SELECT "tpus_worker"')]
+
+    assert worker_reads("state=active") == []
+    assert len(worker_reads("")) == 1  # the pending grant's VM's workers, for its standing
+    [item] = _get(client, f"{url}?state=pending")["items"]
+    assert (item["id"], item["workers_total"], item["workers_applied"]) == (pending.pk, 1, 0)

@@ -25,9 +25,9 @@ def _text(body: str, filename: str) -> HttpResponse:
     return response
 
 
-def _sudo_neighbours(user, vms) -> dict[int, list[str]]:
-    """For each VM: others who have sudo there (agent forwarding would expose the
-    person's agent to them)."""
+def _sudo_warnings(user, vms) -> list[tuple[str, list[str]]]:
+    """In the order of ``vms``: each VM where others have sudo, and who (agent
+    forwarding would expose the person's agent to them)."""
     rows = (
         Grant.objects.filter(vm__in=vms, sudo=True, state__in=WANTED_STATES)
         .exclude(user=user)
@@ -36,13 +36,15 @@ def _sudo_neighbours(user, vms) -> dict[int, list[str]]:
     found: dict[int, list[str]] = {}
     for vm_id, name in rows:
         found.setdefault(vm_id, []).append(name)
-    return found
+    return [(vm.name, found[vm.pk]) for vm in vms if vm.pk in found]
 
 
-def _vm_rows(user, vms, among=None) -> list[dict]:
-    """Per VM: the name the person types for it and the forwards kept in its block."""
+def _vm_rows(user, vms, among=None, kept=None) -> list[dict]:
+    """Per VM: the name the person types for it and the forwards kept in its block
+    (``kept``, from ``forwards_for``; looked up when not given)."""
     names = sshconfig.names_for(sshconfig.merged(vms, among))
-    kept = sshconfig.forwards_for(user, vms)
+    if kept is None:
+        kept = sshconfig.forwards_for(user, vms)
     return [{"vm": vm, "host": names[vm.pk].host, "forwards": kept.get(vm.pk, [])} for vm in vms]
 
 
@@ -52,18 +54,20 @@ def ssh_page(request):
     if not hasattr(user, "unix_account"):
         return render(request, "tpus/ssh.html", {"no_account": True})
     vms = sshconfig.vms_for(user)
-    feed = sshconfig.feed_for(user, create=False)
+    feed = sshconfig.feed_of(user)
+    kept = sshconfig.forwards_for(user, vms)
+    forwarding = any(sshconfig.forward_agent(user, vm) for vm in vms)
     return render(
         request,
         "tpus/ssh.html",
         {
             "vms": vms,
-            "rows": _vm_rows(user, vms),
-            "snippet": sshconfig.snippet_for(user, vms, among=vms),
+            "rows": _vm_rows(user, vms, kept=kept),
+            "snippet": sshconfig.snippet_for(user, vms, among=vms, forwards=kept),
             "feed": feed,
-            "refresh_command": sshconfig.refresh_command(user),
-            "sudo_neighbours": _sudo_neighbours(user, vms),
-            "forwarding": any(sshconfig.forward_agent(user, vm) for vm in vms),
+            "refresh_command": sshconfig.refresh_command(feed),
+            # Who could use the person's agent matters only while it is forwarded.
+            "sudo_warnings": _sudo_warnings(user, vms) if forwarding else [],
             "config_path": sshconfig.CONFIG_PATH,
             "known_hosts_path": sshconfig.KNOWN_HOSTS_PATH,
         },
