@@ -44,8 +44,8 @@ PROGRESS_GRANTS = 20
 
 def vm_progress_context(vm) -> dict:
     """What changes while a VM is being provisioned: the grants in flight (first) and
-    those changed lately, and each worker's last reconcile. Every grant is on the VM
-    page, paged."""
+    those changed lately, and each worker's last reconcile. Every grant is on the VM's
+    access page, paged."""
     moving = Q(state__in=(GrantState.PENDING, GrantState.REVOKING))
     rank = Case(When(moving, then=Value(0)), default=Value(1))  # 0: in flight
     shown = (
