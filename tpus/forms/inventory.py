@@ -7,6 +7,7 @@ import ipaddress
 from django import forms
 from django.core.exceptions import ValidationError
 
+from portal.widgets import PlainSelect
 from tpus.forms.labs import valid_filters
 from tpus.models.inventory import (
     DiskMode,
@@ -100,13 +101,14 @@ class VmFilterForm(forms.Form):
     """The VM list: name, zone, state and accelerator type."""
 
     name = forms.CharField(required=False, max_length=63, label="Name")
-    zone = forms.ChoiceField(required=False, label="Zone")
+    zone = forms.ChoiceField(required=False, label="Zone", widget=PlainSelect)
     state = forms.ChoiceField(
         required=False,
         choices=[("", "Any state"), *NodeState.choices, ("missing", "Gone from the API")],
         label="State",
+        widget=PlainSelect,
     )
-    accelerator = forms.ChoiceField(required=False, label="Type")
+    accelerator = forms.ChoiceField(required=False, label="Type", widget=PlainSelect)
 
     def __init__(self, *args, zones, accelerators, **kwargs):
         super().__init__(*args, **kwargs)

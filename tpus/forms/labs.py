@@ -7,6 +7,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from portal.validators import validate_multiline_text, validate_plain_text
+from portal.widgets import PlainSelect
 from tpus.models import Lab
 from tpus.models.labs import MembershipState, Role, validate_zones
 from tpus.services.labs import PURPOSE_MAX, SITE_ADMIN_FIELDS
@@ -48,7 +49,7 @@ class InviteForm(forms.Form):
     email = forms.EmailField(
         required=False, help_text="Leave empty for a link anyone you send it to can use once."
     )
-    role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER, widget=PlainSelect)
 
 
 class ZonesField(forms.CharField):
@@ -132,11 +133,13 @@ class MemberFilterForm(forms.Form):
         required=False,
         choices=[("", "Any state"), *MembershipState.choices],
         label="State",
+        widget=PlainSelect,
     )
     role = forms.ChoiceField(
         required=False,
         choices=[("", "Any role"), *Role.choices],
         label="Role",
+        widget=PlainSelect,
     )
 
     def filters(self) -> dict:
