@@ -38,12 +38,15 @@ _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct",
 
 
 def _local(value):
+    """An aware time in the current time zone. The filters convert here rather than
+    asking the template to (``expects_localtime``), which would convert each value
+    twice."""
     if isinstance(value, dt.datetime) and timezone.is_aware(value):
         return timezone.localtime(value)
     return value
 
 
-@register.filter(expects_localtime=True)
+@register.filter
 def day(value) -> str:
     """``date:"j M Y"`` (24 Nov 2026) for long tables; "" for no date."""
     if not isinstance(value, dt.date):
@@ -52,7 +55,7 @@ def day(value) -> str:
     return f"{value.day} {_MONTHS[value.month - 1]} {value.year}"
 
 
-@register.filter(expects_localtime=True)
+@register.filter
 def day_time(value) -> str:
     """``date:"j M Y H:i"`` (24 Nov 2026 09:05) for long tables; "" for no time."""
     if not isinstance(value, dt.datetime):
