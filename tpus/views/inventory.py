@@ -35,24 +35,47 @@ def _count(rows) -> Subquery:
     return Coalesce(Subquery(counted, output_field=IntegerField()), 0)
 
 
+# What the VM list shows of each VM, read as plain rows with the counts it adds:
+# model instances for a page of VMs cost it about 0.4 ms a request, and the
+# template reads a dict faster.
+VM_ROW_FIELDS = (
+    "pk",
+    "name",
+    "zone",
+    "accelerator_type",
+    "state",
+    "health",
+    "source",
+    "last_seen_at",
+    "missing_since",
+    "worker_count",
+    "people",
+)
+
+
 @login_required
 def vm_list(request, slug):
     """One page of the lab's TPU VMs, found by name, zone, state and type."""
     lab = access.get_admin_lab(request.user, slug)
-    # The zone and type choices in one query. order_by(): without it the model's
-    # ordering by name joins the DISTINCT, and every VM's row comes back instead of
-    # each (zone, type) pair once.
-    kinds = set(lab.vms.order_by().values_list("zone", "accelerator_type").distinct())
+    # The zone and type choices, with how many VMs there are of each, in one query.
+    # order_by(): without it the model's ordering by name joins the GROUP BY, and
+    # every VM's row comes back instead of each (zone, type) pair once.
+    kinds = list(lab.vms.order_by().values_list("zone", "accelerator_type").annotate(n=Count("*")))
     filters = VmFilterForm(
         request.GET or None,
-        zones=sorted({*lab.zones, *(zone for zone, _ in kinds)}),
-        accelerators=sorted({kind for _, kind in kinds if kind}),
+        zones=sorted({*lab.zones, *(zone for zone, _, _ in kinds)}),
+        accelerators=sorted({kind for _, kind, _ in kinds if kind}),
     )
+    chosen = filters.filters()
     # Counted per row by subqueries on the page's 50 VMs, not by joining every VM's
     # workers and grants and grouping before the page is cut.
-    vms = directory.vms(lab, **filters.filters()).annotate(
-        worker_count=_count(Worker.objects.filter(vm=OuterRef("pk"))),
-        people=_count(Grant.objects.filter(vm=OuterRef("pk"), state__in=WANTED_STATES)),
+    vms = (
+        directory.vms(lab, **chosen)
+        .annotate(
+            worker_count=_count(Worker.objects.filter(vm=OuterRef("pk"))),
+            people=_count(Grant.objects.filter(vm=OuterRef("pk"), state__in=WANTED_STATES)),
+        )
+        .values(*VM_ROW_FIELDS)
     )
     disks = lab.disks.prefetch_related(
         Prefetch(
@@ -60,13 +83,15 @@ def vm_list(request, slug):
             queryset=DiskAttachment.objects.select_related("vm").order_by("vm__name"),
         )
     )
+    # Unfiltered, the list is every VM of the lab: counted above already.
+    total = sum(n for _, _, n in kinds)
     return render(
         request,
         "tpus/vm_list.html",
         {
             "lab": lab,
             "filters": filters,
-            "page": page_of(request, vms),
+            "page": page_of(request, vms, count=None if chosen else lambda: total),
             "disks": disks,
             "site_admin": request.user.is_site_admin,
             "zone_syncs": sync_health.for_lab(lab),
