@@ -28,7 +28,7 @@ from tpus.forms.labs import (
     SiteLabSettingsForm,
 )
 from tpus.models.grants import GrantState
-from tpus.models.labs import MembershipState, Role
+from tpus.models.labs import Membership, MembershipState, Role
 from tpus.services import directory, sync_health
 from tpus.services import labs as lab_services
 from tpus.services.labs import LabError
@@ -162,24 +162,39 @@ def lab_admin(request, slug):
     email or username and by state. An htmx search swaps just the member list."""
     lab = access.get_admin_lab(request.user, slug)
     filters = MemberFilterForm(request.GET or None)
-    members = page_of(
-        request, directory.memberships(lab, **filters.filters()), size=MEMBERS_PAGE_SIZE
-    )
+    chosen = filters.filters()
+    members = directory.memberships(lab, **chosen)
     if is_htmx(request):
-        return render(request, "tpus/_members.html", {"lab": lab, "page": members})
-    requests = lab.memberships.filter(state=MembershipState.REQUESTED).select_related("user")
+        page = page_of(request, members, size=MEMBERS_PAGE_SIZE)
+        return render(request, "tpus/_members.html", {"lab": lab, "page": page})
+    counts = lab.memberships.aggregate(
+        everyone=Count("pk"), waiting=Count("pk", filter=Q(state=MembershipState.REQUESTED))
+    )
+    # The oldest requests are picked from the lab's requests alone and then joined to
+    # their people: sorting the join made PostgreSQL join every request first.
+    oldest = lab.memberships.filter(state=MembershipState.REQUESTED).order_by("requested_at", "pk")
+    pending = (
+        Membership.objects.filter(pk__in=oldest.values("pk")[:REQUESTS_SHOWN])
+        .select_related("user")
+        .order_by("requested_at", "pk")
+    )
     return render(
         request,
         "tpus/lab_admin.html",
         {
             "lab": lab,
-            "pending": requests.order_by("requested_at", "pk")[:REQUESTS_SHOWN],
-            "pending_count": requests.count(),
+            "pending": pending,
+            "pending_count": counts["waiting"],
             "filters": filters,
-            "page": members,
+            # Unfiltered, the list is every membership of the lab: counted above.
+            "page": page_of(
+                request,
+                members,
+                size=MEMBERS_PAGE_SIZE,
+                count=None if chosen else lambda: counts["everyone"],
+            ),
             "invites": lab.invites.filter(used_at=None, revoked_at=None),
             "invite_form": InviteForm(),
-            "reject_form": RejectForm(),
             "zone_syncs": sync_health.for_lab(lab),
         },
     )
@@ -208,7 +223,7 @@ def _membership_row(request, lab, membership, error: str = ""):
         response = render(
             request,
             "tpus/_membership_row.html",
-            {"lab": lab, "m": membership, "error": error, "reject_form": RejectForm()},
+            {"lab": lab, "m": membership, "error": error},
         )
         if not error:  # the member list below reloads itself (with its filters)
             response["HX-Trigger"] = "membersChanged"
