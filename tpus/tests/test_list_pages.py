@@ -99,6 +99,33 @@ def test_the_admin_page_shows_the_oldest_requests_and_says_how_many_wait(client,
     assert "1–25 of 26" in everyone
 
 
+def test_a_member_row_shows_the_person_their_standing_and_since_when(client, cast, people):
+    joined = timezone.now() - dt.timedelta(days=40)
+    Membership.objects.filter(user__email="member07@vision.example").update(
+        role="admin", decided_at=joined, policy_version_accepted=cast.lab.policy_version
+    )
+    asker = Membership.objects.get(user__email="asker1@vision.example")
+    client.force_login(cast.admin)
+    body = _body(client, reverse("lab_admin", args=[cast.lab.slug]) + "?q=member07")
+    row = body.split('id="members"', 1)[1].split("</tr>", 2)[1]
+    member = Membership.objects.get(user__email="member07@vision.example")
+    grant_url = reverse("member_grant", args=[cast.lab.slug, member.pk])
+    assert f'<a href="{grant_url}">member07@vision.example</a>' in row
+    assert '<span class="help">Person 07</span>' in row
+    assert "<code>member07</code>" in row
+    assert "<td>Lab admin</td>" in row
+    assert '<span class="badge approved">Approved</span>' in row
+    assert '<span class="badge ok">accepted</span>' in row
+    assert f"<td>{joined.day} {joined:%b %Y}</td>" in row
+    body = _body(client, reverse("lab_admin", args=[cast.lab.slug]) + "?q=asker1")
+    row = body.split('id="members"', 1)[1].split("</tr>", 2)[1]
+    asked = timezone.localtime(asker.requested_at)
+    assert "<code>" not in row  # no unix username yet
+    assert "<td>Member</td>" in row and '<span class="badge requested">Requested</span>' in row
+    assert "not the current version" in row
+    assert f"<td>{asked.day} {asked:%b %Y}</td>" in row
+
+
 @pytest.fixture
 def fleet_of_vms(cast):
     for i in range(60):
@@ -125,6 +152,46 @@ def test_the_vm_list_pages_and_filters_by_name_zone_state_and_type(client, cast,
     assert names == ["tpu00", "tpu30"]
     assert ">tpu07</a>" not in _body(client, url + "?name=tpu1")
     assert ">tpu17</a>" in _body(client, url + "?name=TPU1")
+
+
+def test_a_vm_list_row_shows_the_vm_its_workers_people_and_state(client, cast, make_user):
+    seen = TpuVm.objects.create(
+        lab=cast.lab,
+        name="tpu1",
+        zone="us-central1-f",
+        accelerator_type="v4-16",
+        state="READY",
+        health="UNHEALTHY_MAINTENANCE",
+        source="imported",
+        last_seen_at=timezone.now() - dt.timedelta(minutes=3),
+    )
+    for index in range(2):
+        Worker.objects.create(vm=seen, index=index, external_ip=f"192.0.2.{index + 1}")
+    for i, state in enumerate(["active", "pending", "revoked"]):
+        Grant.objects.create(user=make_user(f"p{i}@vision.example"), vm=seen, state=state)
+    gone = TpuVm.objects.create(
+        lab=cast.lab,
+        name="tpu2",
+        zone="us-central1-f",
+        source="manual",
+        state="PREEMPTED",
+        missing_since=timezone.now(),
+    )
+    client.force_login(cast.admin)
+    body = _body(client, reverse("vm_list", args=[cast.lab.slug]))
+    rows = {
+        name: body.split(f">{name}</a>", 1)[1].split("</tr>", 1)[0] for name in ("tpu1", "tpu2")
+    }
+    assert f'<a href="{reverse("vm_detail", args=[cast.lab.slug, seen.pk])}">tpu1</a>' in body
+    assert f'<a href="{reverse("vm_detail", args=[cast.lab.slug, gone.pk])}">tpu2</a>' in body
+    assert "<td>v4-16</td><td>2</td><td>2</td>" in rows["tpu1"]  # revoked is not counted
+    assert '<span class="badge ok">Ready</span>' in rows["tpu1"]
+    assert "<td>Under maintenance</td>" in rows["tpu1"]
+    assert "<td>3\xa0minutes ago</td>" in rows["tpu1"]
+    assert '<span class="badge">manual</span>' in rows["tpu2"]
+    assert "<td>?</td><td>0</td><td>0</td>" in rows["tpu2"]
+    assert '<span class="badge failed">gone from the API</span>' in rows["tpu2"]
+    assert "<td>Unknown</td>" in rows["tpu2"] and "<td>never</td>" in rows["tpu2"]
 
 
 def test_a_vm_list_page_link_keeps_the_filters(client, cast, fleet_of_vms):
