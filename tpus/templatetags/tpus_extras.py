@@ -7,6 +7,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from accounts.sshkeys import fingerprint_sha256
+from tpus.models.grants import GrantState
 from tpus.models.inventory import NodeHealth, NodeState
 from tpus.models.labs import MembershipState, Role
 
@@ -62,6 +63,7 @@ _LABELS = {
     "membership_state": dict(MembershipState.choices),
     "node_state": dict(NodeState.choices),
     "node_health": dict(NodeHealth.choices),
+    "grant_state": dict(GrantState.choices),
 }
 
 

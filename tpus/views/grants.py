@@ -23,17 +23,9 @@ from tpus.services import grants as grant_services
 from tpus.services.grants import GrantError
 
 # A grant's row on the access page, as plain values (rows of dicts render faster than
-# models): the grant, its person's unix username and email, and its state's label.
+# models): the grant, and its person's unix username and email.
 GRANT_ROW = ("pk", "sudo", "expires_on", "state", "error", "changed_at")
 GRANT_PERSON = {"username": F("user__unix_account__username"), "email": F("user__email")}
-STATE_LABELS = dict(GrantState.choices)
-
-
-def grant_rows(grants) -> list[dict]:
-    rows = list(grants)
-    for row in rows:
-        row["state_label"] = STATE_LABELS[row["state"]]
-    return rows
 
 
 # The live part shows grants changed this recently (so the admin sees the outcome of
@@ -56,7 +48,7 @@ def vm_progress_context(vm) -> dict:
     )
     # The rows chosen first, then their people joined: joined before the limit, the
     # people of every grant on the VM would be read.
-    grants = grant_rows(
+    grants = list(
         vm.grants.filter(pk__in=shown)
         .annotate(rank=rank)
         .order_by("rank", "-changed_at", "-pk")
@@ -193,7 +185,6 @@ def vm_access(request, slug, vm_id):
         size=ACCESS_PAGE_SIZE,
         count=vm.grants.count,  # without the joins the rows need
     )
-    grants_page.object_list = grant_rows(grants_page.object_list)
     progress = vm_progress_context(vm)
     context = {
         "lab": lab,
