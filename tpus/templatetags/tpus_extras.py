@@ -8,7 +8,8 @@ from django.utils import timezone
 
 from accounts.sshkeys import fingerprint_sha256
 from tpus.models.grants import GrantState
-from tpus.models.inventory import NodeHealth, NodeState
+from tpus.models.inventory import HostKeySource, NodeHealth, NodeState
+from tpus.models.jobs import JobState
 from tpus.models.labs import MembershipState, Role
 
 register = template.Library()
@@ -64,6 +65,8 @@ _LABELS = {
     "node_state": dict(NodeState.choices),
     "node_health": dict(NodeHealth.choices),
     "grant_state": dict(GrantState.choices),
+    "job_state": dict(JobState.choices),
+    "host_keys_source": dict(HostKeySource.choices),
 }
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db.models import Case, Count, F, Q, Value, When
+from django.db.models import Case, Count, F, Max, Q, Value, When
 from django.shortcuts import redirect, render
 from django.template.defaultfilters import pluralize
 from django.utils import timezone
@@ -160,13 +160,15 @@ def _sync_row(vm, worker, *, running: bool, stalled_since) -> SyncRow:
 ACCESS_PAGE_SIZE = 25
 
 
-def grant_summary(vm) -> dict[str, int]:
+def grant_summary(vm, viewer) -> dict:
     """How many people have access to ``vm``, how many changes are on their way and how
-    many failed: the VM overview's pointer to its access page, in one query."""
+    many failed (the VM overview's pointer to its access page), and the state of the
+    viewer's own grant there (``mine``, None without one), in one query."""
     return vm.grants.aggregate(
         active=Count("pk", filter=Q(state=GrantState.ACTIVE)),
         moving=Count("pk", filter=Q(state__in=(GrantState.PENDING, GrantState.REVOKING))),
         failed=Count("pk", filter=Q(state=GrantState.FAILED)),
+        mine=Max("state", filter=Q(user=viewer)),  # one grant a person and VM
     )
 
 

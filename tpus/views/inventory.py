@@ -21,8 +21,10 @@ from tpus import access, queue
 from tpus.cloud import CloudError
 from tpus.forms.inventory import AttachForm, DiskForm, ImportForm, ManualVmForm, VmFilterForm
 from tpus.models import DiskAttachment, Grant, IpChange, Worker
-from tpus.models.grants import WANTED_STATES
+from tpus.models.grants import WANTED_STATES, GrantState
+from tpus.models.inventory import worker_alias
 from tpus.services import directory, disk_operations, inventory, sshconfig, sync_health
+from tpus.services import jobs as job_services
 from tpus.services.inventory import InventoryError
 from tpus.views.connect import connection_context
 from tpus.views.grants import grant_summary
@@ -147,42 +149,55 @@ def vm_detail(request, slug, vm_id):
     lab = access.get_member_lab(request.user, slug)
     is_admin = access.is_lab_admin(request.user, lab)
     vm = access.get_vm_for_viewer(request.user, lab, vm_id, is_admin=is_admin)
-    my_grant = vm.grants.filter(user=request.user).first()  # an admin may have one too
-    context = {
-        "lab": lab,
-        "vm": vm,
-        "is_admin": is_admin,
-        "my_grant": my_grant,
-        "attachments": vm.attachments.select_related("disk"),
-        **vm_jobs_context(request.user, lab, vm, is_admin=is_admin, grant=my_grant),
-    }
+    context = {"lab": lab, "vm": vm, "is_admin": is_admin}
     if is_admin:
+        summary = grant_summary(vm, request.user)  # an admin may have access too
+        may_run = summary["mine"] == GrantState.ACTIVE
+        # Plain rows: a pod's table has a row a worker.
+        workers = list(vm.workers.order_by("index").values(*WORKER_ROW))
+        for worker in workers:
+            worker["alias"] = worker_alias(vm.name, worker["index"])
         context.update(
-            workers=list(vm.workers.order_by("index")),
-            access_summary=grant_summary(vm),
+            workers=workers,
+            access_summary=summary,
             **connection_context(vm),
         )
     else:
+        my_grant = vm.grants.filter(user=request.user).first()
+        may_run = job_services.grant_runs_jobs(my_grant)
         prefetch_related_objects([vm], "workers")  # one query for the table and the snippet
         context.update(
+            my_grant=my_grant,
             workers=sorted(vm.workers.all(), key=lambda w: w.index),
             snippet=sshconfig.snippet_for(request.user, [vm]),
         )
-    context["ip_changes"] = address_history(vm, context["workers"])
+    context.update(
+        attachments=vm.attachments.select_related("disk"),
+        **vm_jobs_context(request.user, lab, vm, is_admin=is_admin, may_run=may_run),
+    )
+    if is_admin:
+        aliases = {w["id"]: w["alias"] for w in context["workers"]}
+    else:
+        aliases = {w.pk: w.alias for w in context["workers"]}
+    context["ip_changes"] = address_history(vm, aliases)
     return render(request, "tpus/vm_detail.html", context)
 
 
 ADDRESS_CHANGES_SHOWN = 20
+# What a row of an admin's "Workers" table shows.
+WORKER_ROW = (
+    "id", "index", "external_ip", "internal_ip", "host_keys", "host_keys_source",
+    "host_keys_pinned_at", "host_key_mismatch_at", "presented_host_key",
+)  # fmt: skip
 
 
-def address_history(vm, workers) -> list[IpChange]:
-    """The VM's latest address changes, each row given its worker from ``workers`` (the
-    page has them already) rather than joined in again."""
+def address_history(vm, aliases: dict[int, str]) -> list[IpChange]:
+    """The VM's latest address changes, each row given its worker's ``alias`` from
+    ``aliases`` (worker id → alias: the page has its workers already) rather than
+    joined in again."""
     changes = list(IpChange.objects.filter(worker__vm=vm)[:ADDRESS_CHANGES_SHOWN])
-    by_id = {w.pk: w for w in workers}
     for change in changes:
-        if change.worker_id in by_id:
-            change.worker = by_id[change.worker_id]
+        change.alias = aliases.get(change.worker_id) or change.worker.alias
     return changes
 
 

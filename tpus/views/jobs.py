@@ -40,12 +40,10 @@ HOST_JOBS_DIR = "/var/lib/tpu-portal/jobs"
 # --- the VM page's Jobs section --------------------------------------------------------
 
 
-def vm_jobs_context(user, lab, vm, *, is_admin: bool, grant) -> dict:
+def vm_jobs_context(user, lab, vm, *, is_admin: bool, may_run: bool) -> dict:
     """What the Jobs section of a VM's page shows: what holds the TPU now, the queue,
-    the form for someone who may run jobs there (``grant``, the viewer's own on the VM
-    or None, is in force), and recent jobs (everyone's for the lab's admins, one's own
-    for others)."""
-    may_run = job_services.grant_runs_jobs(grant)
+    the form for someone who ``may_run`` jobs there (the page knows the viewer's own
+    grant), and recent jobs (everyone's for the lab's admins, one's own for others)."""
     recent = (
         Job.objects.filter(vm=vm)
         .select_related("user__unix_account")
