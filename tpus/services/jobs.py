@@ -215,9 +215,10 @@ def may_run_jobs(user, vm: TpuVm) -> bool:
     return Grant.objects.filter(user=user, vm=vm, state=GrantState.ACTIVE).exists()
 
 
-def grant_runs_jobs(grant: Grant | None) -> bool:
-    """``may_run_jobs`` for a page that has the person's grant on the VM (or None)."""
-    return grant is not None and grant.state == GrantState.ACTIVE
+def state_runs_jobs(grant_state: str | None) -> bool:
+    """``may_run_jobs`` for a page that has the state of the person's grant on the VM
+    (None without one)."""
+    return grant_state == GrantState.ACTIVE
 
 
 def submit_job(user, vm: TpuVm, spec: JobSpec, *, rerun_of: Job | None = None, request=None) -> Job:

@@ -21,7 +21,7 @@ from tpus import access, queue
 from tpus.cloud import CloudError
 from tpus.forms.inventory import AttachForm, DiskForm, ImportForm, ManualVmForm, VmFilterForm
 from tpus.models import DiskAttachment, Grant, IpChange, Worker
-from tpus.models.grants import WANTED_STATES, GrantState
+from tpus.models.grants import WANTED_STATES
 from tpus.models.inventory import worker_alias
 from tpus.services import directory, disk_operations, inventory, sshconfig, sync_health
 from tpus.services import jobs as job_services
@@ -152,11 +152,12 @@ def vm_detail(request, slug, vm_id):
     context = {"lab": lab, "vm": vm, "is_admin": is_admin}
     if is_admin:
         summary = grant_summary(vm, request.user)  # an admin may have access too
-        may_run = summary["mine"] == GrantState.ACTIVE
+        may_run = job_services.state_runs_jobs(summary["mine"])
         # Plain rows: a pod's table has a row a worker.
         workers = list(vm.workers.order_by("index").values(*WORKER_ROW))
         for worker in workers:
             worker["alias"] = worker_alias(vm.name, worker["index"])
+        aliases = {w["id"]: w["alias"] for w in workers}
         context.update(
             workers=workers,
             access_summary=summary,
@@ -164,21 +165,19 @@ def vm_detail(request, slug, vm_id):
         )
     else:
         my_grant = vm.grants.filter(user=request.user).first()
-        may_run = job_services.grant_runs_jobs(my_grant)
+        may_run = job_services.state_runs_jobs(my_grant and my_grant.state)
         prefetch_related_objects([vm], "workers")  # one query for the table and the snippet
+        workers = sorted(vm.workers.all(), key=lambda w: w.index)
+        aliases = {w.pk: w.alias for w in workers}
         context.update(
             my_grant=my_grant,
-            workers=sorted(vm.workers.all(), key=lambda w: w.index),
+            workers=workers,
             snippet=sshconfig.snippet_for(request.user, [vm]),
         )
     context.update(
         attachments=vm.attachments.select_related("disk"),
         **vm_jobs_context(request.user, lab, vm, is_admin=is_admin, may_run=may_run),
     )
-    if is_admin:
-        aliases = {w["id"]: w["alias"] for w in context["workers"]}
-    else:
-        aliases = {w.pk: w.alias for w in context["workers"]}
     context["ip_changes"] = address_history(vm, aliases)
     return render(request, "tpus/vm_detail.html", context)
 
