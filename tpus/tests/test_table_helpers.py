@@ -56,3 +56,20 @@ def test_a_membership_label_is_what_get_display_gives(role, state):
     assert _render('{{ m.state|label:"membership_state" }}', m=row) == (
         membership.get_state_display()
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "field", "choices"),
+    [("Grant", "state", "grant_state"), ("Job", "state", "job_state"),
+     ("Worker", "host_keys_source", "host_keys_source")],
+)  # fmt: skip
+def test_the_access_jobs_and_workers_labels_are_what_get_display_gives(model, field, choices):
+    from tpus import models
+
+    cls = getattr(models, model)
+    values = [value for value, _ in cls._meta.get_field(field).choices]
+    assert values
+    for value in values:
+        row = cls(**{field: value})
+        shown = getattr(row, f"get_{field}_display")()
+        assert _render("{{ v|label:name }}", v=value, name=choices) == shown
