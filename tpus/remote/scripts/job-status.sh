@@ -95,19 +95,24 @@ while read -r job offset mode; do
         read -r pid pid_start <"$dir/pid"
         if [ "$job_boot" = "$boot" ] && alive "$pid" "$pid_start"; then process=alive; fi
     fi
+    # The supervisor first, its exit file second: it writes the file before it ends, so
+    # one seen gone has left the file if it ever will (looked at the other way round, a
+    # part ending between the two looks would read as lost).
+    supervising=0
+    read -r sup sup_start <"$dir/supervisor" 2>/dev/null || sup=""
+    if [ "$job_boot" = "$boot" ] && [ -n "$sup" ] && alive "$sup" "$sup_start"; then
+        supervising=1
+    fi
     ended=- code=- signal=-
     if [ -f "$dir/exit" ]; then
         state=ended
         ended=$(cat "$dir/ended_at" 2>/dev/null || echo -)
         read -r how number _ <"$dir/exit"
         if [ "$how" = signal ]; then signal=$number; else code=$number; fi
+    elif [ "$supervising" = 1 ]; then
+        state=running
     else
-        read -r sup sup_start <"$dir/supervisor" 2>/dev/null || sup=""
-        if [ "$job_boot" = "$boot" ] && [ -n "$sup" ] && alive "$sup" "$sup_start"; then
-            state=running
-        else
-            state=lost
-        fi
+        state=lost
     fi
     cancel=0
     [ ! -f "$dir/cancel" ] || cancel=1
