@@ -301,7 +301,7 @@ class Bench:
         jobs service calls; changes no behaviour). A pre-flight and start in one exec
         count as the pre-flight until every worker answered it, then as the start."""
         from tpus.remote import Held
-        from tpus.services import jobs as service
+        from tpus.services import job_engine as service
 
         fanouts = self.fanouts
 
@@ -336,7 +336,7 @@ class Bench:
     # --- 1. submit → running, beside a serial ssh loop ------------------------------------
 
     def portal_start(self, size: int) -> tuple[float, dict]:
-        from tpus.services import jobs
+        from tpus.services import job_engine, jobs
 
         vm = self.vms[size]
         self.fanouts.clear()
@@ -346,7 +346,7 @@ class Bench:
         job = self.submit(size)
         t1 = time.perf_counter()
         before = self.cpu.snapshot()
-        report = jobs.advance(vm.pk)
+        report = job_engine.advance(vm.pk)
         after = self.cpu.snapshot()
         t2 = time.perf_counter()
         job.refresh_from_db()
@@ -358,7 +358,7 @@ class Bench:
         # Not timed: the last worker really runs the command, then the job is stopped.
         self._check_alive(self.vm_hosts[size][-1], parts[-1].pid)
         jobs.cancel_job(job, self.user)
-        jobs.advance(vm.pk)
+        job_engine.advance(vm.pk)
         job.refresh_from_db()
         if job.state != "cancelled":
             raise RuntimeError(f"the job did not stop: {job.state} {job.reason}")
@@ -388,7 +388,8 @@ class Bench:
         from tpus.remote import run_on_workers
         from tpus.remote.scripts import load
         from tpus.services.hosts import remote_worker
-        from tpus.services.jobs import chip_layout, clean_spec
+        from tpus.services.job_engine import chip_layout
+        from tpus.services.jobs import clean_spec
         from tpus.services.labkeys import login_for
 
         vm = self.vms[size]

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from tpus.models import Job
-from tpus.services import jobs
+from tpus.remote import jobs as wire
+from tpus.remote import run_script
+from tpus.services.hosts import remote_worker
+from tpus.services.labkeys import login_for
 
 
 def whole_log(job: Job, index: int) -> Iterator[bytes]:
@@ -13,7 +16,7 @@ def whole_log(job: Job, index: int) -> Iterator[bytes]:
     time. The first chunk is read here, so a worker that cannot give the log raises
     LookupError before any response begins; one that fails half-way ends the download
     with a line that says so (the status line has gone by then)."""
-    chunks = jobs.read_log(job, index)
+    chunks = read_log(job, index)
     first = next(chunks, b"")
 
     def stream() -> Iterator[bytes]:
@@ -29,3 +32,29 @@ def whole_log(job: Job, index: int) -> Iterator[bytes]:
 
 def filename(job: Job, index: int) -> str:
     return f"job-{job.pk}-{job.vm.name}-worker-{index}.log"
+
+
+def read_log(job: Job, index: int, *, chunk: int = wire.MAX_LOG_BYTES):
+    """The whole log of one worker's part, read from the worker a chunk at a time
+    (bytes). Raises LookupError when the worker cannot give it."""
+    worker = job.vm.workers.get(index=index)
+    remote = remote_worker(worker, login_for(job.vm.lab))
+    offset = 0
+    while True:
+        try:
+            result = run_script(
+                remote, "job-status.sh", wire.encode_status({job.host_id: offset}, chunk)
+            )
+            status = wire.parse_status(result.pairs).jobs.get(job.host_id)
+        except Exception as exc:
+            raise LookupError(
+                f"worker {index} ({worker.alias}) cannot give the log: {exc}"
+            ) from exc
+        if status is None or status.state == "unknown":
+            raise LookupError(f"worker {index} ({worker.alias}) no longer has the job's log")
+        if not status.log:
+            return
+        yield status.log
+        offset = status.log_offset + len(status.log)
+        if offset >= status.log_size:
+            return

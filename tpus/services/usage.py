@@ -29,7 +29,7 @@ from django.utils import timezone
 from tpus import queue
 from tpus.models import Job, Lab, TpuVm
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
-from tpus.services import jobs
+from tpus.services import job_engine
 
 WORKER_HOURS = (
     "Worker-hours: for each job, the time it ran (from when it had started on every "
@@ -120,8 +120,8 @@ def look_again_where_stale(now: list[VmNow]) -> list[int]:
     """Queue a fresh look at who holds the chips of each VM whose last look is older
     than PORTAL_JOB_USAGE_REFRESH_SECONDS and that no job holds (its poll looks
     anyway). The page does not wait for it; no query. Returns the VMs' ids."""
-    stale = [n.vm.pk for n in now if n.running is None and jobs.usage_is_stale(n.vm)]
-    stale = [vm_id for vm_id in stale if jobs.claim_usage_look(vm_id)]
+    stale = [n.vm.pk for n in now if n.running is None and job_engine.usage_is_stale(n.vm)]
+    stale = [vm_id for vm_id in stale if job_engine.claim_usage_look(vm_id)]
     for vm_id in stale:
         queue.check_tpu_usage(vm_id)
     return stale

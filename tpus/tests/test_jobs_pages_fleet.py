@@ -22,7 +22,7 @@ from accounts.unix import choose_username
 from testfleet.fixtures import add_fleet_node, give_lab_key
 from tests.requirements import need
 from tpus.models import Job
-from tpus.services import inventory, jobs, sshconfig
+from tpus.services import inventory, job_engine, sshconfig
 from tpus.services.grants import grant_access
 
 pytestmark = pytest.mark.fleet
@@ -64,7 +64,7 @@ def _wait_until_ended(job: Job, capture, seconds: float = 30) -> Job:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         with capture(execute=True):
-            jobs.advance(job.vm_id)
+            job_engine.advance(job.vm_id)
         job.refresh_from_db()
         if job.has_ended:
             return job

@@ -15,7 +15,7 @@ from django.core.exceptions import PermissionDenied, ValidationError
 
 from tpus.models import Job, JobWorker, TpuVm
 from tpus.models.jobs import JobState
-from tpus.services import jobs
+from tpus.services import job_engine, jobs
 from tpus.services.grants import grant_access, revoke_access
 from tpus.tests.test_jobs_host import JAX_ENV, POD_PY
 from tpus.tests.test_provisioning import pod  # noqa: F401 (the fixture)
@@ -42,7 +42,7 @@ def jobs_pod(pod, django_capture_on_commit_callbacks, jax_env):  # noqa: F811
     yield pod
     # Nothing of a test's jobs may outlive it on the shared hosts.
     for job in Job.objects.filter(vm=pod.vm, state__in=["running", "cancelling", "starting"]):
-        jobs.stop_on_workers(job, grace=0)
+        job_engine.stop_on_workers(job, grace=0)
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def drive(vm: TpuVm, job: Job, until, timeout: float = 90.0) -> Job:
     """Run the VM's pass until ``until(job)`` holds."""
     deadline = time.monotonic() + timeout
     while True:
-        jobs.advance(vm.pk)
+        job_engine.advance(vm.pk)
         job.refresh_from_db()
         if until(job) or time.monotonic() > deadline:
             return job
@@ -109,7 +109,7 @@ def test_a_pod_job_runs_one_collective_on_every_worker_and_succeeds(
     job = submit(jobs_pod, django_capture_on_commit_callbacks, notify=True)
     assert job.state == JobState.QUEUED
     began = time.monotonic()
-    report = jobs.advance(jobs_pod.vm.pk)
+    report = job_engine.advance(jobs_pod.vm.pk)
     print(f"\nsubmit -> running on 4 workers through the portal: {time.monotonic() - began:.2f} s")
     job.refresh_from_db()
     assert report.started == [job.pk] and job.state == JobState.RUNNING, job.reason
@@ -136,7 +136,7 @@ def test_one_job_at_a_time_the_next_starts_in_the_pass_that_ends_the_first(
 ):
     first = submit(jobs_pod, django_capture_on_commit_callbacks, args=["stay"])
     second = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["hostname"])
-    jobs.advance(jobs_pod.vm.pk)
+    job_engine.advance(jobs_pod.vm.pk)
     first = drive(jobs_pod.vm, first, lambda j: "staying" in "".join(logs(j)))
     second.refresh_from_db()
     assert (first.state, second.state) == (JobState.RUNNING, JobState.QUEUED)
@@ -147,7 +147,7 @@ def test_one_job_at_a_time_the_next_starts_in_the_pass_that_ends_the_first(
         jobs.cancel_job(first, jobs_pod.milo)
     before = [logins(jobs_pod, host) for host in jobs_pod.hosts]
     began = time.monotonic()
-    report = jobs.advance(jobs_pod.vm.pk)
+    report = job_engine.advance(jobs_pod.vm.pk)
     took = time.monotonic() - began
     first.refresh_from_db()
     second.refresh_from_db()
@@ -224,7 +224,7 @@ def test_a_script_that_differs_on_one_worker_is_rejected_naming_it(
 ):
     put(jobs_pod, jobs_pod.hosts[3], "pod.py", POD_PY + "# changed\n")
     job = submit(jobs_pod, django_capture_on_commit_callbacks)
-    jobs.advance(jobs_pod.vm.pk)
+    job_engine.advance(jobs_pod.vm.pk)
     job.refresh_from_db()
     assert job.state == JobState.REJECTED
     assert "worker 3 (tpu5-w3): script: differs from worker 0's copy" in job.reason
@@ -243,7 +243,7 @@ def test_a_check_failing_on_one_worker_starts_the_job_on_no_worker(
        "echo $! >/tmp/listener.pid")  # fmt: skip
     try:
         time.sleep(0.5)
-        report = jobs.advance(jobs_pod.vm.pk)
+        report = job_engine.advance(jobs_pod.vm.pk)
     finally:
         sh(jobs_pod, jobs_pod.hosts[0], "kill -KILL $(cat /tmp/listener.pid)")
     job.refresh_from_db()
@@ -267,7 +267,7 @@ def test_a_script_linking_outside_the_home_is_rejected(
     for host in jobs_pod.hosts:
         sh(jobs_pod, host, f"ln -sfn /etc/hostname {jobs_pod.home}/train.py")
     job = submit(jobs_pod, django_capture_on_commit_callbacks, script="train.py")
-    jobs.advance(jobs_pod.vm.pk)
+    job_engine.advance(jobs_pod.vm.pk)
     job.refresh_from_db()
     assert job.state == JobState.REJECTED and "outside" in job.reason, job.reason
 
@@ -281,7 +281,7 @@ def test_a_chip_held_outside_the_portal_blocks_the_job_and_names_the_holder(
        "'exec 3</dev/accel1; exec sleep 300' >/dev/null 2>&1 &")  # fmt: skip
     try:
         job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"])
-        jobs.advance(jobs_pod.vm.pk)
+        job_engine.advance(jobs_pod.vm.pk)
         job.refresh_from_db()
         jobs_pod.vm.refresh_from_db()
         assert job.state == JobState.BLOCKED, job.reason
@@ -290,7 +290,7 @@ def test_a_chip_held_outside_the_portal_blocks_the_job_and_names_the_holder(
         assert (holder["worker"], holder["device"], holder["user"]) == (0, "/dev/accel1", "ann")
         assert holder["command"] == "sleep 300"
         # The usage look (job-status.sh with the chips) names the same process.
-        [again] = jobs.check_usage(jobs_pod.vm.pk)
+        [again] = job_engine.check_usage(jobs_pod.vm.pk)
         assert (again["worker"], again["device"], again["user"]) == (0, "/dev/accel1", "ann")
     finally:
         sh(jobs_pod, host, "pkill -KILL -u ann || true")
@@ -340,7 +340,7 @@ def test_the_portals_own_job_holding_a_chip_is_not_outside_the_portal(
         args=["sh", "-c", "exec 3</dev/accel0; echo holding; exec sleep 300"],
     )  # fmt: skip
     job = drive(jobs_pod.vm, job, lambda j: all("holding" in t for t in logs(j)))
-    assert jobs.check_usage(jobs_pod.vm.pk) == []
+    assert job_engine.check_usage(jobs_pod.vm.pk) == []
     jobs_pod.vm.refresh_from_db()
     assert jobs_pod.vm.outside_holders == [] and jobs_pod.vm.usage_checked_at
     with django_capture_on_commit_callbacks(execute=False):
@@ -378,7 +378,7 @@ def test_a_pass_that_died_mid_way_is_finished_by_the_next(
     job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "300"])
     job = drive(jobs_pod.vm, job, lambda j: j.state == JobState.RUNNING)
     Job.objects.filter(pk=job.pk).update(state=JobState.STARTING)
-    jobs.advance(jobs_pod.vm.pk)
+    job_engine.advance(jobs_pod.vm.pk)
     job.refresh_from_db()
     assert job.state == JobState.RUNNING
     with django_capture_on_commit_callbacks(execute=False):
@@ -393,7 +393,7 @@ def test_a_pass_held_by_another_process_is_not_run_twice(jobs_pod):
     TpuVm.objects.filter(pk=jobs_pod.vm.pk).update(
         jobs_claimed_until=timezone.now() + dt.timedelta(seconds=30)
     )
-    assert jobs.advance(jobs_pod.vm.pk).busy
+    assert job_engine.advance(jobs_pod.vm.pk).busy
 
 
 @pytest.mark.django_db(transaction=True)
@@ -415,7 +415,7 @@ def test_two_submissions_racing_for_one_vm_one_runs_and_one_waits(
     def pass_() -> None:
         gate.wait()
         try:
-            reports.append(jobs.advance(jobs_pod.vm.pk))
+            reports.append(job_engine.advance(jobs_pod.vm.pk))
         finally:
             connection.close()
 

@@ -1,0 +1,761 @@
+"""The pass engine of jobs: validate, start on every worker, follow, stop, end.
+
+The database holds what should run (``Job``, one FIFO queue per VM); one pass at a
+time per VM (``advance``, claimed like a reconcile and renewed by a heartbeat) makes
+the workers follow it through the remote door with the four shipped scripts
+(``job-preflight.sh``, ``job-start.sh``, ``job-status.sh``, ``job-cancel.sh``; see
+docs/jobs-host.md). The portal learns how a job goes only by asking the workers (one
+``job-status.sh`` exec per worker per pass), never from a call by the VM.
+
+A pass: poll the VM's active job (log bytes, exits, reboots); stop what must stop (a
+cancel, a failed or lost worker of a pod, the time limit); once the VM's place is free,
+take the next job in line, run the pre-flight on every worker at once, and start it
+on every worker at once, in the same exec per worker (each waits for the word to
+start once every worker passed). So the next job starts in the same pass that saw the
+last one end, over the connections that pass already made.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from portal import audit
+from portal.audit import AuditAction
+from tpus import queue
+from tpus.models import Job, JobWorker, TpuVm
+from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState
+from tpus.remote import Held, Sessions, WorkerOutcome
+from tpus.remote import jobs as wire
+from tpus.services import leases
+from tpus.services.hosts import remote_worker
+from tpus.services.jobs import may_run_jobs
+from tpus.services.labkeys import login_for
+from tpus.services.leases import Heartbeat
+
+log = logging.getLogger(__name__)
+
+# Node states in which a job cannot be running: its processes went with the VM.
+GONE_STATES = {
+    TpuVm.State.STOPPED,
+    TpuVm.State.STOPPING,
+    TpuVm.State.PREEMPTED,
+    TpuVm.State.TERMINATED,
+    TpuVm.State.REPAIRING,
+    TpuVm.State.RESTARTING,
+    TpuVm.State.REIMAGING,
+    TpuVm.State.DELETING,
+}
+# Checks that fail because something outside the portal holds the TPU: the job waits
+# (``blocked``) instead of being refused.
+HELD_CHECKS = {"chip_holder", "libtpu_lockfile", "portal_lock"}
+
+# --- the VM's pass -------------------------------------------------------------------
+
+
+@dataclass
+class PassReport:
+    vm_id: int
+    busy: bool = False
+    started: list[int] = field(default_factory=list)
+    ended: list[int] = field(default_factory=list)
+    polled: int = 0
+
+
+def vms_with_jobs() -> list[int]:
+    """The VMs the job poll visits: a job holds their place, or one waits in line."""
+    return list(
+        Job.objects.filter(state__in=[*ACTIVE_STATES, *WAITING_STATES])
+        .values_list("vm_id", flat=True)
+        .distinct()
+        .order_by("vm_id")
+    )
+
+
+def poll_all() -> None:
+    """Queue a pass for every VM with a job running or waiting (the periodic poll)."""
+    for vm_id in vms_with_jobs():
+        queue.advance_jobs(vm_id)
+
+
+def _claim(vm_id: int) -> bool:
+    now = timezone.now()
+    return bool(
+        TpuVm.objects.filter(pk=vm_id)
+        .filter(Q(jobs_claimed_until__isnull=True) | Q(jobs_claimed_until__lt=now))
+        .update(jobs_claimed_until=now + leases.length())
+    )
+
+
+def _release(vm_id: int) -> None:
+    TpuVm.objects.filter(pk=vm_id).update(jobs_claimed_until=None)
+
+
+def advance(vm_id: int, *, max_steps: int = 20) -> PassReport:
+    """One pass over a VM's jobs (see the module's text). Another pass holding the VM
+    means this one does nothing: that pass sees the same rows."""
+    report = PassReport(vm_id)
+    if not _claim(vm_id):
+        report.busy = True
+        return report
+    connections = _PassConnections()
+    try:
+        with Heartbeat(TpuVm.objects.filter(pk=vm_id), "jobs_claimed_until", "job pass"):
+            for _ in range(max_steps):
+                if not _step(vm_id, report, connections):
+                    break
+    finally:
+        connections.close()
+        _release(vm_id)
+    return report
+
+
+def _step(vm_id: int, report: PassReport, connections: _PassConnections) -> bool:
+    """Do the next thing; True when another step may have something to do at once."""
+    job = Job.objects.filter(vm_id=vm_id, state__in=ACTIVE_STATES).select_related("vm").first()
+    if job is None:
+        head = (
+            Job.objects.filter(vm_id=vm_id, state__in=WAITING_STATES)
+            .order_by("queued_at", "id")
+            .first()
+        )
+        if head is None:
+            return False
+        return _begin(head, report, connections)
+    if job.state in (JobState.VALIDATING, JobState.STARTING):
+        # A pass that died between its steps (its claim lapsed): finish its work.
+        return _recover(job, report, connections)
+    report.polled += 1
+    return _poll(job, report, connections)
+
+
+def _vm_and_workers(vm_id: int):
+    vm = TpuVm.objects.select_related("lab").get(pk=vm_id)
+    workers = list(vm.workers.order_by("index"))
+    return vm, workers
+
+
+def _unready(vm: TpuVm, workers) -> str:
+    """Why jobs cannot start on the VM now (they wait), or ''."""
+    if vm.is_missing:
+        return f"{vm.name} is no longer listed by Google Cloud."
+    if vm.state in GONE_STATES or vm.state in (TpuVm.State.CREATING, TpuVm.State.STARTING):
+        return f"{vm.name} is {vm.get_state_display().lower()}."
+    if not workers:
+        return f"{vm.name} has no workers yet."
+    for worker in workers:
+        if not worker.is_pinned:
+            return f"Worker {worker.index} ({worker.alias}) has no confirmed host keys."
+        if not worker.external_ip:
+            return f"Worker {worker.index} ({worker.alias}) has no address."
+        if worker.host_key_mismatch_at:
+            return f"Worker {worker.index} ({worker.alias}) presented another host key."
+    return ""
+
+
+def chip_layout(vm: TpuVm, workers: int) -> tuple[int, str]:
+    """(chips per worker, device glob) for the VM's accelerator type. v2, v3, v4 and
+    v5p names count TensorCores (two per chip); v5e (v5litepod) and v6e names count
+    chips. ``PORTAL_JOB_DEVICE_GLOBS`` maps a generation to where its chips appear."""
+    match = re.fullmatch(r"(v[0-9]+[a-z]*?)(litepod)?-([0-9]+)", vm.accelerator_type or "")
+    globs = settings.PORTAL_JOB_DEVICE_GLOBS
+    if not match:
+        return settings.PORTAL_JOB_DEFAULT_CHIPS_PER_WORKER, globs.get("*", "/dev/accel*")
+    generation = match[1] + (match[2] or "")
+    size = int(match[3])
+    counts_chips = generation in ("v5litepod", "v5e", "v6e")
+    chips = size if counts_chips else max(1, size // 2)
+    per_worker = max(1, chips // max(1, workers))
+    return per_worker, globs.get(generation, globs.get("*", "/dev/accel*"))
+
+
+class _Hosts:
+    """A VM's workers through the remote door for one pass: one connection each, kept
+    for every step of the pass (pre-flight then start; status, stop, status)."""
+
+    def __init__(self, vm: TpuVm, workers):
+        login = login_for(vm.lab)
+        self.workers = list(workers)
+        self.remote = [remote_worker(w, login) for w in self.workers]
+        self.model = {id(r): w for r, w in zip(self.remote, self.workers, strict=True)}
+        self.sessions = Sessions(self.remote)
+
+    def __enter__(self) -> _Hosts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sessions.__exit__(*exc)
+
+    def run(self, script: str, data, *, only=None) -> list[WorkerOutcome]:
+        """``data``: bytes, or a function of the (model) worker. Outcomes in the order
+        of ``only`` (default: every worker)."""
+        chosen = self.workers if only is None else list(only)
+        remote = [r for w in chosen for r in self.remote if self.model[id(r)] is w]
+        return self.sessions.run(script, self.payload(data), only=remote)
+
+    def begin(self, first: str, data, then: str) -> Held:
+        """``first`` on every worker, each held until ``go`` runs ``then`` (give it
+        ``payload(data)``) or the ``with`` block is left without it."""
+        return self.sessions.begin(first, self.payload(data), then)
+
+    def payload(self, data):
+        """Data for the door: a function of the model worker, of the remote one."""
+        return (lambda r: data(self.model[id(r)])) if callable(data) else data
+
+
+class _PassConnections:
+    """One pass's connections to its VM's workers: made by the first step that needs
+    them and kept for the pass's next steps, so the pass that sees a job end starts the
+    next one in line without logging in again. Closed when the pass ends (never kept
+    between passes); a step that finds other workers, addresses, host keys or another
+    login connects anew."""
+
+    def __init__(self) -> None:
+        self.hosts: _Hosts | None = None
+
+    def to(self, vm: TpuVm, workers) -> _Hosts:
+        fresh = _Hosts(vm, workers)
+        if self.hosts is not None and self.hosts.remote == fresh.remote:
+            fresh.__exit__(None, None, None)
+            # The same workers as this step's rows, so callers' objects match.
+            self.hosts.workers = fresh.workers
+            self.hosts.model = {
+                id(r): w for r, w in zip(self.hosts.remote, fresh.workers, strict=True)
+            }
+            return self.hosts
+        self.close()
+        self.hosts = fresh
+        return fresh
+
+    def close(self) -> None:
+        if self.hosts is not None:
+            self.hosts.__exit__(None, None, None)
+            self.hosts = None
+
+
+def _begin(job: Job, report: PassReport, connections: _PassConnections) -> bool:
+    vm, workers = _vm_and_workers(job.vm_id)
+    reason = _unready(vm, workers)
+    if reason:
+        _wait(job, f"Waiting: {reason}")
+        return False
+    hosts = connections.to(vm, workers)
+    return _validate_and_start(job, vm, workers, hosts, report)
+
+
+def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport) -> bool:
+    if not may_run_jobs(job.user, vm):
+        _end(job, JobState.CANCELLED, "Your access to the VM ended before the job started.")
+        report.ended.append(job.pk)
+        return True
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(pk=job.pk)
+        if job.state not in WAITING_STATES:
+            return True
+        job.state = JobState.VALIDATING
+        job.worker_count = len(workers)
+        job.begun_at = timezone.now()
+        job.changed_at = job.begun_at
+        job.reason = ""
+        try:
+            with transaction.atomic():
+                job.save()
+        except IntegrityError:  # another job holds the VM's place after all
+            return False
+        job.parts.all().delete()
+        JobWorker.objects.bulk_create(JobWorker(job=job, worker=w, index=w.index) for w in workers)
+    username = job.user.unix_account.username
+    chips, glob = chip_layout(vm, len(workers))
+    pod = len(workers) > 1
+    port = settings.PORTAL_JOB_COORDINATOR_PORT
+    env_names = tuple(name for name, _ in job.env)
+
+    def preflight(worker) -> bytes:
+        return wire.encode_preflight(
+            wire.Preflight(
+                user=username,
+                chips=chips,
+                device_glob=glob,
+                min_disk_mb=settings.PORTAL_JOB_MIN_DISK_MB,
+                min_mem_mb=settings.PORTAL_JOB_MIN_MEM_MB,
+                coordinator_port=port if pod and worker.index == 0 else None,
+                python=job.python,
+                script=job.script,
+                env_names=env_names,
+            )
+        )
+
+    # The pre-flight and the start are one exec per worker: each worker answers its
+    # checks and waits; only when every worker passed does each get the word to start.
+    # Leaving this block otherwise (a failed check, a cancel, an error) stops them all.
+    with hosts.begin("job-preflight.sh", preflight, "job-start.sh") as held:
+        return _judge_and_start(job, vm, workers, hosts, held, report)
+
+
+def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, report) -> bool:
+    outcomes = held.first
+    unreachable = [(w, o) for w, o in zip(workers, outcomes, strict=True) if not o.ok]
+    if unreachable:
+        worker, outcome = unreachable[0]
+        text = f"worker {worker.index} ({worker.alias}): {outcome.error}"
+        if any(o.error.retryable for _, o in unreachable):
+            _back_in_line(job, f"Waiting: cannot reach {text}")
+            return False
+        _end(job, JobState.REJECTED, f"The pre-flight could not run on {text}")
+        report.ended.append(job.pk)
+        return True
+    reports = {
+        w.index: wire.parse_preflight(o.result.all("check"))
+        for w, o in zip(workers, outcomes, strict=True)
+    }
+    failures = _judge(reports, workers)
+    _record_holders(vm, reports)
+    job.preflight = {
+        str(i): [[c.name, c.status, c.detail] for c in r.checks] for i, r in reports.items()
+    }
+    if failures:
+        held = all(name in HELD_CHECKS for _, name, _ in failures)
+        alias = workers_by_index(workers)
+        text = "; ".join(
+            f"worker {i} ({alias[i].alias}): {name}: {detail}" for i, name, detail in failures
+        )
+        if held:
+            _back_in_line(job, f"The TPU is in use outside the portal: {text}", blocked=True)
+            return False
+        _end(job, JobState.REJECTED, f"The pre-flight failed on {text}")
+        report.ended.append(job.pk)
+        return True
+    with transaction.atomic():
+        current = Job.objects.select_for_update().get(pk=job.pk)
+        if current.cancel_requested_at:
+            current.preflight = job.preflight
+            current.save(update_fields=["preflight"])
+            _end(current, JobState.CANCELLED, current.reason or "Cancelled before it started.")
+            report.ended.append(job.pk)
+            return True
+        current.state = JobState.STARTING
+        current.preflight = job.preflight
+        current.changed_at = timezone.now()
+        current.save(update_fields=["state", "preflight", "changed_at"])
+    return _start(current, vm, workers, reports, report, hosts, held)
+
+
+def workers_by_index(workers) -> dict:
+    return {w.index: w for w in workers}
+
+
+def _judge(reports: dict[int, wire.PreflightReport], workers) -> list[tuple[int, str, str]]:
+    """Every failed check as (worker index, check, detail), with what the portal
+    judges itself: versions against jax's pins, the script the same on every worker."""
+    failures = []
+    for index, report in reports.items():
+        failures += [(index, c.name, c.detail) for c in report.failures]
+        if report.detail("python") and not any(c.name == "python" for c in report.failures):
+            problems = wire.judge_versions(
+                report.versions, need_libtpu=settings.PORTAL_JOB_REQUIRE_LIBTPU
+            )
+            failures += [(index, "python", p) for p in problems]
+    if len(reports) > 1 and all(r.script_sha256 for r in reports.values()):
+        by_index = workers_by_index(workers)
+        named = {by_index[i].alias: r for i, r in sorted(reports.items())}
+        index_of = {by_index[i].alias: i for i in reports}
+        for alias in wire.differing_scripts(named):
+            failures.append((index_of[alias], "script", "differs from worker 0's copy"))
+    return failures
+
+
+def _record_holders(vm: TpuVm, reports) -> None:
+    """What the pre-flight found holding a chip is also the VM's "held outside" list."""
+    holders = []
+    for index, report in sorted(reports.items()):
+        for check in report.checks:
+            if check.name == "chip_holder" and check.status == "fail":
+                holders.append({"worker": index, **_holder_fields(check.detail)})
+    _set_holders(vm, holders)
+
+
+def _holder_fields(detail: str) -> dict:
+    """``/dev/accel0 pid=123 user=ann command=python x.py`` as a dict."""
+    device, _, rest = detail.partition(" ")
+    fields = {"device": device, "pid": "", "user": "", "command": ""}
+    match = re.match(r"pid=(\S*) user=(\S*) command=(.*)", rest)
+    if match:
+        fields.update(pid=match[1], user=match[2], command=match[3].strip())
+    return fields
+
+
+def _start(
+    job: Job, vm: TpuVm, workers, reports, report: PassReport, hosts: _Hosts, held: Held
+) -> bool:
+    username = job.user.unix_account.username
+    first = workers[0]
+    coordinator = f"{first.internal_ip or first.external_ip}:{settings.PORTAL_JOB_COORDINATOR_PORT}"
+    env = [(name, value) for name, value in job.env]
+    if job.use_tcmalloc and "LD_PRELOAD" not in {name for name, _ in env}:
+        found = reports[first.index].detail("tcmalloc")
+        if found.startswith("/"):
+            env.append(("LD_PRELOAD", found.split()[0]))
+
+    def start(worker) -> bytes:
+        pod = wire.Pod(coordinator, len(workers), worker.index) if len(workers) > 1 else None
+        return wire.encode_start(
+            wire.StartJob(
+                job_id=job.host_id,
+                user=username,
+                argv=tuple(job.argv),
+                env=tuple(env),
+                python=job.python,
+                cwd=job.cwd,
+                pod=pod,
+            )
+        )
+
+    outcomes = held.go(hosts.payload(start))
+    problems = []
+    with transaction.atomic():
+        parts = {p.index: p for p in JobWorker.objects.select_for_update().filter(job=job)}
+        for worker, outcome in zip(workers, outcomes, strict=True):
+            part = parts[worker.index]
+            answer = _start_answer(outcome)
+            if isinstance(answer, str):
+                problems.append(f"worker {worker.index} ({worker.alias}): {answer}")
+                part.state = JobWorkerState.NOT_STARTED
+                part.error = answer
+            else:
+                part.state = JobWorkerState.RUNNING
+                part.pid = answer.pid
+                part.boot_id = answer.boot_id or part.boot_id
+                if answer.started_at:
+                    part.started_at = dt.datetime.fromtimestamp(answer.started_at, tz=dt.UTC)
+            part.save()
+    if problems:
+        _stop_parts(job, hosts, grace=0)
+        _end(job, JobState.FAILED, "It could not start on " + "; ".join(problems))
+        report.ended.append(job.pk)
+        return True
+    with transaction.atomic():
+        job = Job.objects.select_for_update().select_related("vm__lab").get(pk=job.pk)
+        now = timezone.now()
+        job.started_at = now
+        job.changed_at = now
+        job.state = JobState.CANCELLING if job.cancel_requested_at else JobState.RUNNING
+        job.save()
+        audit.record(
+            AuditAction.JOB_STARTED,
+            lab=job.vm.lab,
+            target_user=job.user,
+            summary=f"job {job.pk} on {job.vm.name}, {len(workers)} worker(s)",
+            data={"job": job.pk, "vm": job.vm_id},
+        )
+    report.started.append(job.pk)
+    return job.state == JobState.CANCELLING
+
+
+def _start_answer(outcome: WorkerOutcome):
+    if not outcome.ok:
+        return str(outcome.error)
+    try:
+        answer = wire.parse_start(outcome.result.values)
+    except (ValueError, KeyError) as exc:
+        return f"unreadable answer ({exc})"
+    if answer.outcome == "refused":
+        if answer.reason.startswith("busy"):
+            return f"the TPU is held by another job ({answer.reason[5:]})"
+        return f"refused ({answer.reason})"
+    return answer
+
+
+def _recover(job: Job, report: PassReport, connections: _PassConnections) -> bool:
+    """A job left in validating or starting by a pass that died."""
+    if job.state == JobState.VALIDATING:
+        _back_in_line(job, "")
+        return True
+    _poll(job, report, connections, recovering=True)
+    return True
+
+
+def _poll(
+    job: Job, report: PassReport, connections: _PassConnections, *, recovering: bool = False
+) -> bool:
+    """Ask every worker how the job goes (one exec each), record it, and decide."""
+    vm, workers = _vm_and_workers(job.vm_id)
+    hosts = connections.to(vm, workers)
+    return _follow(job, vm, workers, hosts, report, recovering)
+
+
+def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, recovering: bool):
+    parts = {p.index: p for p in job.parts.all()}
+    statuses = _status_round(job, vm, hosts, parts)
+    job.refresh_from_db()
+    parts = {p.index: p for p in job.parts.all()}
+    live = [p for p in parts.values() if p.state == JobWorkerState.RUNNING]
+    alias = workers_by_index(workers)
+    now = timezone.now()
+
+    lost = [p for p in parts.values() if p.state == JobWorkerState.LOST]
+    failed = [
+        p for p in parts.values() if p.state == JobWorkerState.ENDED and (p.exit_status or p.signal)
+    ]
+    outcome, reason = None, ""
+    if vm.state in GONE_STATES:
+        outcome = JobState.LOST
+        reason = f"{vm.name} was {vm.get_state_display().lower()} while the job ran."
+    elif vm.is_missing:
+        outcome = JobState.LOST
+        reason = f"{vm.name} is no longer listed by Google Cloud (deleted?) while the job ran."
+    elif lost:
+        p = lost[0]
+        outcome = JobState.LOST
+        reason = f"Worker {p.index} ({alias[p.index].alias}) rebooted or lost the job's process."
+    elif job.cancel_requested_at:
+        outcome = JobState.CANCELLED
+    elif failed:
+        p = sorted(failed, key=lambda x: (x.ended_at or now, x.index))[0]
+        outcome = JobState.FAILED
+        reason = f"Worker {p.index} ({alias[p.index].alias}) {p.outcome}" + (
+            "; the other workers were stopped." if len(parts) > 1 else "."
+        )
+    elif recovering and not all(p.state != JobWorkerState.PENDING for p in parts.values()):
+        outcome = JobState.FAILED
+        reason = "The portal stopped while starting the job; it was stopped on every worker."
+    elif (
+        job.time_limit_minutes
+        and job.started_at
+        and now - job.started_at > dt.timedelta(minutes=job.time_limit_minutes)
+    ):
+        outcome = JobState.FAILED
+        reason = f"It ran past its time limit of {job.time_limit_minutes} minute(s)."
+    elif not live and parts and all(p.state == JobWorkerState.ENDED for p in parts.values()):
+        outcome = JobState.SUCCEEDED
+
+    if outcome is None:
+        if recovering and job.state == JobState.STARTING:
+            Job.objects.filter(pk=job.pk).update(
+                state=JobState.RUNNING, started_at=job.started_at or now, changed_at=now
+            )
+        return False
+    if live and statuses:
+        grace = 0 if outcome == JobState.LOST else settings.PORTAL_JOB_CANCEL_GRACE_SECONDS
+        _stop_parts(job, hosts, grace=grace)
+        _status_round(job, vm, hosts, {p.index: p for p in job.parts.all()})
+    if outcome == JobState.CANCELLED:
+        job.refresh_from_db()
+        reason = job.reason or "Cancelled."
+    _end(job, outcome, reason)
+    report.ended.append(job.pk)
+    return True
+
+
+def _status_round(job: Job, vm: TpuVm, hosts: _Hosts, parts) -> bool:
+    """One job-status.sh exec per worker; records state, exit and new log bytes.
+    False when no worker could be asked."""
+    workers = hosts.workers
+    tail_bytes = settings.PORTAL_JOB_LOG_TAIL_BYTES
+
+    def status(worker) -> bytes:
+        part = parts.get(worker.index)
+        offset = part.log_offset if part is not None else 0
+        # The worker skips ahead when more is new than the page keeps: the end counts.
+        return wire.encode_status(
+            {job.host_id: offset}, max_bytes=tail_bytes, device_glob=glob, tail=True
+        )
+
+    _, glob = chip_layout(vm, len(workers))
+
+    outcomes = hosts.run("job-status.sh", status)
+    answered = False
+    holders: list[dict] | None = []
+    with transaction.atomic():
+        for worker, outcome in zip(workers, outcomes, strict=True):
+            part = JobWorker.objects.select_for_update().filter(job=job, index=worker.index).first()
+            if part is None:
+                continue
+            if not outcome.ok:
+                part.error = str(outcome.error)
+                part.save(update_fields=["error"])
+                holders = None
+                continue
+            try:
+                status = wire.parse_status(outcome.result.pairs)
+            except ValueError as exc:
+                part.error = f"unreadable status: {exc}"
+                part.save(update_fields=["error"])
+                holders = None
+                continue
+            answered = True
+            _apply_status(part, status.jobs.get(job.host_id), status.boot_id)
+            if holders is not None:
+                holders += _outside(worker.index, status.holders, own_group=part.pid)
+        if holders is not None:
+            _set_holders(vm, holders)
+    return answered
+
+
+def _outside(index: int, found, *, own_group: int | None = None) -> list[dict]:
+    """The chip holders that are not the portal's job (whose group is its pid)."""
+    return [
+        {
+            "worker": index,
+            "device": h.device,
+            "pid": str(h.pid),
+            "user": h.user,
+            "command": h.command,
+        }
+        for h in found
+        if own_group is None or h.pgid != own_group
+    ]
+
+
+def _set_holders(vm: TpuVm, holders: list[dict]) -> None:
+    TpuVm.objects.filter(pk=vm.pk).update(outside_holders=holders, usage_checked_at=timezone.now())
+
+
+def usage_is_stale(vm: TpuVm) -> bool:
+    age = settings.PORTAL_JOB_USAGE_REFRESH_SECONDS
+    return vm.usage_checked_at is None or timezone.now() - vm.usage_checked_at > dt.timedelta(
+        seconds=age
+    )
+
+
+def claim_usage_look(vm_id: int) -> bool:
+    """At most one queued look at a VM's chips per PORTAL_JOB_USAGE_REFRESH_SECONDS,
+    however many people open its pages meanwhile (an atomic add in the shared cache)."""
+    from django.core.cache import cache
+
+    return cache.add(
+        f"tpu-portal:usage-look:{vm_id}",
+        True,
+        timeout=max(1, settings.PORTAL_JOB_USAGE_REFRESH_SECONDS),
+    )
+
+
+def check_usage(vm_id: int) -> list[dict] | None:
+    """Who holds the VM's chips now, from one job-status.sh exec per worker; stored on
+    the VM. None when a worker could not be asked (the last answer stays)."""
+    vm, workers = _vm_and_workers(vm_id)
+    if _unready(vm, workers):
+        return None
+    _, glob = chip_layout(vm, len(workers))
+    running = {
+        p.index: p.pid
+        for p in JobWorker.objects.filter(
+            job__vm=vm, job__state__in=ACTIVE_STATES, state=JobWorkerState.RUNNING
+        )
+    }
+    with _Hosts(vm, workers) as hosts:
+        outcomes = hosts.run("job-status.sh", wire.encode_status({}, max_bytes=0, device_glob=glob))
+    holders = []
+    for worker, outcome in zip(workers, outcomes, strict=True):
+        if not outcome.ok:
+            return None
+        found = wire.parse_status(outcome.result.pairs).holders
+        holders += _outside(worker.index, found, own_group=running.get(worker.index))
+    _set_holders(vm, holders)
+    return holders
+
+
+def _apply_status(part: JobWorker, state: wire.JobState | None, boot_id: str) -> None:
+    part.error = ""
+    if state is None or state.state == "unknown":
+        if part.state == JobWorkerState.RUNNING:
+            part.state = JobWorkerState.LOST
+            part.error = "the worker has no record of the job"
+    else:
+        if state.log:
+            text = state.log.decode("utf-8", "replace")
+            if state.log_offset > part.log_offset and part.log_tail:
+                part.log_tail += "\n[… skipped …]\n"
+            keep = settings.PORTAL_JOB_LOG_TAIL_BYTES
+            part.log_tail = (part.log_tail + text)[-keep:]
+            part.log_offset = state.log_offset + len(state.log)
+        part.log_size = state.log_size
+        if state.pid:
+            part.pid = state.pid
+        if state.state == "running":
+            part.state = JobWorkerState.RUNNING
+        elif state.state == "ended":
+            part.state = JobWorkerState.ENDED
+            part.exit_status = state.exit_status
+            part.signal = state.signal
+            if state.ended_at:
+                part.ended_at = dt.datetime.fromtimestamp(state.ended_at, tz=dt.UTC)
+        elif state.state == "lost":
+            part.state = JobWorkerState.LOST
+            part.error = (
+                "the worker rebooted"
+                if state.boot_id and boot_id and state.boot_id != boot_id
+                else "the job's supervisor is gone"
+            )
+    part.save()
+
+
+def stop_on_workers(job: Job, *, grace: int = 0) -> None:
+    """Stop the job's processes on every worker now (TERM, ``grace``, KILL), whatever
+    the database says; the next pass records the end."""
+    vm, workers = _vm_and_workers(job.vm_id)
+    with _Hosts(vm, workers) as hosts:
+        _stop_parts(job, hosts, grace=grace)
+
+
+def _stop_parts(job: Job, hosts: _Hosts, *, grace: int) -> None:
+    """TERM, the grace period, KILL on every worker still running the job."""
+    running = set(
+        job.parts.filter(state__in=[JobWorkerState.RUNNING, JobWorkerState.PENDING]).values_list(
+            "index", flat=True
+        )
+    )
+    chosen = [w for w in hosts.workers if w.index in running]
+    if not chosen:
+        return
+    outcomes = hosts.run("job-cancel.sh", wire.encode_cancel(job.host_id, grace), only=chosen)
+    for worker, outcome in zip(chosen, outcomes, strict=True):
+        if not outcome.ok:
+            log.warning("job %s: cannot stop it on %s: %s", job.pk, worker.alias, outcome.error)
+
+
+def _wait(job: Job, reason: str) -> None:
+    if job.reason != reason:
+        Job.objects.filter(pk=job.pk, state__in=WAITING_STATES).update(
+            reason=reason, changed_at=timezone.now()
+        )
+
+
+def _back_in_line(job: Job, reason: str, *, blocked: bool = False) -> None:
+    """The job waits at the head of the queue again (the next pass tries again)."""
+    Job.objects.filter(pk=job.pk).update(
+        state=JobState.BLOCKED if blocked else JobState.QUEUED,
+        reason=reason,
+        preflight=job.preflight,
+        changed_at=timezone.now(),
+    )
+
+
+def _end(job: Job, state: JobState, reason: str) -> None:
+    with transaction.atomic():
+        job = Job.objects.select_for_update().select_related("vm__lab").get(pk=job.pk)
+        if job.has_ended:
+            return
+        now = timezone.now()
+        job.state = state
+        job.reason = reason
+        job.ended_at = now
+        job.changed_at = now
+        job.save()
+        job.parts.filter(state=JobWorkerState.PENDING).update(state=JobWorkerState.NOT_STARTED)
+        audit.record(
+            AuditAction.JOB_ENDED,
+            lab=job.vm.lab,
+            target_user=job.user,
+            summary=f"job {job.pk} on {job.vm.name}: {state.label.lower()}"
+            + (f" ({reason[:200]})" if reason else ""),
+            data={"job": job.pk, "vm": job.vm_id, "state": state.value},
+        )
+        if job.notify or state == JobState.LOST:
+            queue.job_ended(job.pk)
