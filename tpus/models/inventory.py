@@ -101,7 +101,12 @@ class TpuVm(models.Model):
     # record the version they applied (WorkerSync.applied_version).
     desired_version = models.PositiveIntegerField(default=0)
     # One reconcile at a time: claimed with a conditional UPDATE, expires by itself.
+    # Each run's claim has its own token (renewed and released only by that run) and
+    # says which desired version the run is applying, so a revoke that run does not
+    # carry can take the VM over at once (``services.reconcile``).
     reconcile_claimed_until = models.DateTimeField(null=True, blank=True)
+    reconcile_claim = models.CharField(max_length=32, blank=True, default="")
+    reconcile_claim_version = models.PositiveIntegerField(default=0)
     # The node's create_time as the API reports it: another one means the VM was
     # deleted and created again under the same name, with new hosts.
     node_created_at = models.DateTimeField(null=True, blank=True)
