@@ -89,6 +89,12 @@ class WorkerSync(models.Model):
     failures = models.PositiveIntegerField(default=0, help_text="Failed attempts in a row.")
     # What the host answered last time (its key=value report), for the VM page.
     last_report = models.JSONField(default=dict, blank=True)
+    # Disks whose device this worker has been waiting for, since when, in this boot:
+    # {"boot": boot_id, "devices": {device: ISO time}} (``services.disk_mounts``); and
+    # when the worker is to be looked at again, while a device is still on its way or
+    # a disk being detached is still busy (the wait is bounded).
+    disk_waits = models.JSONField(default=dict, blank=True)
+    disk_recheck_at = models.DateTimeField(null=True, blank=True, db_index=True)
 
     def __str__(self) -> str:
         return f"{self.worker}: v{self.applied_version}"

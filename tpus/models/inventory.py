@@ -249,13 +249,25 @@ class DataDisk(models.Model):
         return f"projects/{self.lab.gcp_project_id}/zones/{self.zone}/disks/{self.name}"
 
 
+class AttachmentState(models.TextChoices):
+    ATTACHED = "attached", "Attached"
+    # Being detached: no longer mounted on the workers; the Cloud TPU API detaches it
+    # once every worker has unmounted it (``services.disk_operations``).
+    DETACHING = "detaching", "Detaching"
+
+
 class DiskAttachment(models.Model):
     """A data disk attached to a TPU VM, read-only (to many VMs) or read-write (to one)."""
+
+    State = AttachmentState
 
     disk = models.ForeignKey(DataDisk, on_delete=models.CASCADE, related_name="attachments")
     vm = models.ForeignKey(TpuVm, on_delete=models.CASCADE, related_name="attachments")
     mode = models.CharField(max_length=10, choices=DiskMode.choices, default=DiskMode.READ_ONLY)
     attached_at = models.DateTimeField(default=timezone.now)
+    state = models.CharField(
+        max_length=10, choices=AttachmentState.choices, default=AttachmentState.ATTACHED
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["disk", "vm"], name="one_attachment_per_vm")]
@@ -267,8 +279,17 @@ class DiskAttachment(models.Model):
 class DiskOperationState(models.TextChoices):
     PENDING = "pending", "Waiting"
     RUNNING = "running", "In progress"
+    # A detach waits here until every worker has unmounted the disk.
+    UNMOUNTING = "unmounting", "Unmounting on the workers"
     DONE = "done", "Done"
     FAILED = "failed", "Failed"
+
+
+IN_FLIGHT_OPERATIONS = (
+    DiskOperationState.PENDING,
+    DiskOperationState.RUNNING,
+    DiskOperationState.UNMOUNTING,
+)
 
 
 class DiskOperation(models.Model):
@@ -286,9 +307,13 @@ class DiskOperation(models.Model):
     action = models.CharField(max_length=6, choices=Action.choices)
     mode = models.CharField(max_length=10, choices=DiskMode.choices, default=DiskMode.READ_ONLY)
     state = models.CharField(
-        max_length=8, choices=DiskOperationState.choices, default=DiskOperationState.PENDING
+        max_length=12, choices=DiskOperationState.choices, default=DiskOperationState.PENDING
     )
     error = models.TextField(blank=True)
+    # A detach: the VM's desired version that no longer mounts the disk, and since when
+    # the workers have been asked to unmount it (the wait is bounded).
+    hosts_version = models.PositiveIntegerField(null=True, blank=True)
+    unmount_started_at = models.DateTimeField(null=True, blank=True)
     requested_by = models.ForeignKey(
         "accounts.User", null=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -306,7 +331,7 @@ class DiskOperation(models.Model):
 
     @property
     def in_flight(self) -> bool:
-        return self.state in (DiskOperationState.PENDING, DiskOperationState.RUNNING)
+        return self.state in IN_FLIGHT_OPERATIONS
 
 
 class ScanState(models.TextChoices):
