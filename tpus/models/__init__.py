@@ -6,6 +6,7 @@ from tpus.models.jobs import Job, JobState, JobWorker
 from tpus.models.labs import Invite, Lab, LabKey, Membership
 from tpus.models.network import ConfigFeed, IpChange, IpChangeNotice, PortForward
 from tpus.models.sync import ZoneSync
+from tpus.models.usage import UsageDay
 
 __all__ = [
     "AuditAction",
@@ -27,6 +28,7 @@ __all__ = [
     "Membership",
     "PortForward",
     "TpuVm",
+    "UsageDay",
     "VmConnection",
     "Worker",
     "WorkerSync",

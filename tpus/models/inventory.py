@@ -116,6 +116,10 @@ class TpuVm(models.Model):
     jobs_claimed_until = models.DateTimeField(null=True, blank=True)
     outside_holders = models.JSONField(default=list, blank=True)
     usage_checked_at = models.DateTimeField(null=True, blank=True)
+    # When the scheduled pass last asked for such a look (answered or not), so a VM
+    # whose workers cannot answer does not keep its place at the head of the line
+    # (``services.holders``).
+    holders_looked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [

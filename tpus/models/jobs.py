@@ -98,6 +98,9 @@ class Job(models.Model):
     notified_at = models.DateTimeField(null=True, blank=True)
     # Any change an API client can see (``updated_since``).
     changed_at = models.DateTimeField(default=timezone.now)
+    # Its time is in the per-day usage rows (``UsageDay``), once it has ended; until
+    # then usage reads it from here (``services.usage``).
+    usage_counted = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["-queued_at", "-id"]
@@ -105,6 +108,13 @@ class Job(models.Model):
             models.Index(fields=["vm", "state", "queued_at"]),
             models.Index(fields=["user", "queued_at"]),
             models.Index(fields=["vm", "ended_at"]),
+            # The few jobs usage reads one by one: running, or ended and not yet in
+            # the per-day rows.
+            models.Index(
+                fields=["vm"],
+                condition=models.Q(started_at__isnull=False, usage_counted=False),
+                name="job_not_in_usage_days",
+            ),
         ]
         constraints = [
             # The database half of "one job at a time per TPU" (the hosts' lock is
