@@ -12,12 +12,24 @@ BASE_DIR = Path(__file__).resolve().parent.parent.parent
 # Runtime state of a local install: the SQLite database, the embedded broker's file,
 # the file cache, sent mail. Never committed.
 VAR_DIR = Path(env.string("PORTAL_VAR_DIR", str(BASE_DIR / "var")))
+# Every process may write here (beat's schedule, the first admin's generated password),
+# and a fresh clone has no var/: make it now, or say at start-up why it cannot be made.
+try:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+except OSError as exc:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        f"PORTAL_VAR_DIR ({VAR_DIR}) does not exist and cannot be made: {exc.strerror}."
+    ) from None
 
 DEBUG = False
 SECRET_KEY = env.secret("SECRET_KEY", "")  # each environment insists on its own
 ALLOWED_HOSTS = env.listing("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
 SITE_URL = env.string("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
 CSRF_TRUSTED_ORIGINS = env.listing("CSRF_TRUSTED_ORIGINS", [SITE_URL])
+# A refused form (a stale tab, a proxy that drops Origin) lands on the portal's own page.
+CSRF_FAILURE_VIEW = "portal.errors.csrf_failure"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -234,6 +246,14 @@ PORTAL_RECONCILE_SWEEP_SECONDS = env.integer("PORTAL_RECONCILE_SWEEP_SECONDS", 3
 PORTAL_CONNECT_WAIT_SECONDS = env.integer("PORTAL_CONNECT_WAIT_SECONDS", 180, minimum=1)
 PORTAL_CONNECT_POLL_SECONDS = env.integer("PORTAL_CONNECT_POLL_SECONDS", 3, minimum=1)
 PORTAL_DRIFT_CHECK_SECONDS = env.integer("PORTAL_DRIFT_CHECK_SECONDS", 3600, minimum=60)
+# Data disks: a device that a worker does not show yet (hot-plug is not instant, and a
+# reboot brings it back late) is looked for again every PORTAL_DISK_RECHECK_SECONDS
+# for up to PORTAL_DISK_DEVICE_WAIT_SECONDS, then shown as an error; a disk being
+# detached that is still busy on a worker is tried as often for up to
+# PORTAL_DISK_UNMOUNT_WAIT_SECONDS, then the detach fails and the disk stays attached.
+PORTAL_DISK_RECHECK_SECONDS = env.integer("PORTAL_DISK_RECHECK_SECONDS", 5, minimum=1)
+PORTAL_DISK_DEVICE_WAIT_SECONDS = env.integer("PORTAL_DISK_DEVICE_WAIT_SECONDS", 120, minimum=0)
+PORTAL_DISK_UNMOUNT_WAIT_SECONDS = env.integer("PORTAL_DISK_UNMOUNT_WAIT_SECONDS", 120, minimum=0)
 PORTAL_EXPIRY_CHECK_SECONDS = env.integer("PORTAL_EXPIRY_CHECK_SECONDS", 600, minimum=10)
 # One reconcile per VM at a time (and one worker per disk operation). Its claim is a
 # lease the running work renews
