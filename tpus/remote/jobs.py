@@ -14,6 +14,7 @@ environment values) travels as base64, so no byte of it is ever read by a shell:
     python <b64 venv>   (optional)        env <NAME> <b64 value>
     script <b64 path>   (optional)        arg <b64>             (one at least)
     env <NAME>                            end
+    probe_seconds <n>   (optional)
     end
 
     tpu-portal-job-status 1               tpu-portal-job-cancel 1
@@ -58,6 +59,7 @@ MAX_ARGS = 256
 MAX_ENV = 128
 MAX_LOG_BYTES = 1024 * 1024
 MAX_GRACE = 600
+MAX_PROBE_SECONDS = 600
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,9 @@ class Preflight:
     python: str = ""  # a venv; empty: the system's python3
     script: str = ""  # the job's script, which must lie in the home
     env_names: tuple[str, ...] = ()
+    # The longest one probe run as the user (the environment's python, realpath,
+    # sha256sum) may take before it is killed and its check fails.
+    probe_seconds: int = 20
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,7 @@ def encode_preflight(spec: Preflight) -> bytes:
     if len(names) > MAX_ENV or len(set(names)) != len(names):
         raise ValueError(f"at most {MAX_ENV} distinct environment names")
     lines += [f"env {check_env_name(name)}" for name in names]
+    lines.append(f"probe_seconds {_int(spec.probe_seconds, 'probe_seconds', 1, MAX_PROBE_SECONDS)}")
     return _finish(lines)
 
 

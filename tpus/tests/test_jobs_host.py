@@ -287,6 +287,98 @@ def test_preflight_refuses_a_script_that_links_outside_the_home(
     assert check.status == "fail" and "outside" in check.detail and "/etc/hostname" in check.detail
 
 
+# A venv "python" that starts a child in a session of its own holding the output it
+# was given, then answers (or never answers): the pre-flight used to wait on that pipe
+# until the child ended, as root, on every worker.
+ESCAPING_PYTHON = """#!/bin/sh
+setsid sleep 300 2>/dev/null &
+echo "python=3.11.0 jax=0.4.30 jaxlib=0.4.30 libtpu=none requests=none libtpu_pin=none"
+"""
+SILENT_PYTHON = """#!/bin/sh
+setsid sleep 300 &
+exec sleep 300
+"""
+
+
+def processes(workers: Workers, index: int) -> list[str]:
+    """Every live process on a worker as ``user args``, without the look itself."""
+    out = workers.sh(index, "ps -e -o stat=,user=,args=")
+    return sorted(
+        " ".join(line.split()[1:])
+        for line in out.splitlines()
+        if not line.split()[0].startswith("Z") and "ps -e -o stat=" not in line
+    )
+
+
+def settled(workers: Workers, index: int, before: list[str], timeout: float = 10.0) -> list[str]:
+    """The worker's processes once they are ``before`` again (or the timeout passed):
+    an SSH session's processes take a moment to go after the connection closes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = processes(workers, index)
+        if now == before or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
+
+
+def fake_env(workers: Workers, name: str, text: str) -> str:
+    venv = f"{workers.home}/{name}"
+    for index in range(len(workers.hosts)):
+        workers.sh(index, f"mkdir -p {venv}/bin && cat > {venv}/bin/python && "
+                   f"chmod 755 {venv}/bin/python && chown -R {workers.user}: {venv}",
+                   input=text.encode())  # fmt: skip
+    return venv
+
+
+def test_a_python_whose_child_keeps_its_output_cannot_hold_the_preflight(
+    fleet, fleet_settings, fleet_hosts, fleet_username
+):
+    workers = Workers(fleet, fleet_hosts(2), fleet_username)
+    venv = fake_env(workers, "escaping", ESCAPING_PYTHON)
+    before = [processes(workers, i) for i in range(2)]
+    began = time.monotonic()
+    reports = workers.preflight_with(python=venv)
+    took = time.monotonic() - began
+    assert took < 10, took
+    for report in reports.values():
+        assert report.detail("python").startswith("python=3.11.0 jax=0.4.30"), report.checks
+    # Nothing is left: no root shell waiting on a pipe, no child of the person's code.
+    for index in range(2):
+        assert settled(workers, index, before[index]) == before[index]
+
+
+def test_a_python_that_never_answers_fails_its_check_in_time_and_leaves_nothing(
+    fleet, fleet_settings, fleet_hosts, fleet_username
+):
+    workers = Workers(fleet, fleet_hosts(2), fleet_username)
+    venv = fake_env(workers, "silent", SILENT_PYTHON)
+    before = [processes(workers, i) for i in range(2)]
+    data = encode_preflight(
+        Preflight(user=workers.user, chips=4, device_glob="/dev/accel*", min_disk_mb=1,
+                  min_mem_mb=1, python=venv, probe_seconds=2)
+    )  # fmt: skip
+    began = time.monotonic()
+    outcomes = run_on_workers(workers.workers, "job-preflight.sh", data)
+    took = time.monotonic() - began
+    assert all(o.ok for o in outcomes), [str(o.error) for o in outcomes]
+    assert took < 2 + 2 + 3, took  # the probe's time, KILL's delay, the rest
+    for outcome in outcomes:
+        report = parse_preflight(outcome.result.all("check"))
+        check = next(c for c in report.checks if c.name == "python")
+        assert (check.status, check.detail) == (
+            "fail", f"{venv}/bin/python did not answer within 2 s"
+        )  # fmt: skip
+    for index in range(2):
+        assert settled(workers, index, before[index]) == before[index]
+
+
+def test_check_details_keep_their_apostrophes(fleet, fleet_settings, fleet_host, fleet_username):
+    workers = Workers(fleet, [fleet_host], fleet_username)
+    workers.sh(0, f"ln -s /etc/hostname {workers.home}/train.py")
+    report = workers.preflight(script=f"{workers.home}/train.py")[fleet_host.name]
+    assert f"outside {workers.user}'s home" in report.detail("script")
+
+
 def test_the_host_refuses_forbidden_environment_names_the_encoder_would_never_send(
     fleet, fleet_settings, fleet_host, fleet_username, jax_env
 ):

@@ -13,7 +13,12 @@
 #   python <base64 venv dir>       (optional; else the system's python3)
 #   script <base64 path>           (optional: the job's script, must be in the home)
 #   env <NAME>                     (repeated: the names the job sets)
+#   probe_seconds <n>              (optional, default 20: the longest one probe may take)
 #   end
+# What runs as the user (the environment's python, realpath, sha256sum: the probes)
+# writes into files, never into a pipe the checks wait on, within probe_seconds (then
+# TERM, and KILL 2 s later); afterwards whatever a probe left running is killed, so the
+# pre-flight always ends and leaves nothing behind, whatever the person's code does.
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 LC_ALL=C
@@ -21,6 +26,7 @@ export PATH LC_ALL
 
 LIBTPU_LOCK=/tmp/libtpu_lockfile
 PORTAL_LOCK=/run/tpu-portal/tpu.lock
+KILL_AFTER=2
 HOLDER=/run/tpu-portal/holder
 MAX_INPUT=65536
 FORBIDDEN='^(TPU_VISIBLE_CHIPS|TPU_VISIBLE_DEVICES|TPU_CHIPS_PER_PROCESS_BOUNDS|TPU_CHIPS_PER_HOST_BOUNDS|TPU_PROCESS_BOUNDS|TPU_PROCESS_ADDRESSES|TPU_PROCESS_PORT|TPU_HOST_BOUNDS|TPU_WORKER_ID|TPU_WORKER_HOSTNAMES|TPU_ACCELERATOR_TYPE|TPU_SKIP_MDS_QUERY|TPU_MESH_CONTROLLER_ADDRESS|TPU_MESH_CONTROLLER_PORT|CLOUD_TPU_TASK_ID|ALLOW_MULTIPLE_LIBTPU_LOAD|JAX_COORDINATOR_ADDRESS|JAX_COORDINATOR_PORT|JAX_NUM_PROCESSES|JAX_PROCESS_ID|JAX_LOCAL_DEVICE_IDS|LD_LIBRARY_PATH|TPU_PORTAL_[A-Z0-9_]*|HOME|USER|LOGNAME|PATH|VIRTUAL_ENV)$'
@@ -51,7 +57,7 @@ check() {
     printf 'check=%s %s %s\0' "$1" "$2" "$3" >>"$work/checks"
 }
 answer() {
-    tr -c 'A-Za-z0-9 ._:,/()=@+~#%*\000-' ' ' <"$work/checks" | tr '\0' '\n' | cut -c 1-440
+    tr -c "A-Za-z0-9 ._:,/()=@+~#%*!?;'\"\\000-" ' ' <"$work/checks" | tr '\0' '\n' | cut -c 1-440
 }
 lock_key() {
     dev=$(stat -c %d "$1")
@@ -64,17 +70,26 @@ describe_pid() {
 }
 
 work=$(mktemp -d)
-trap 'rm -rf -- "$work"' EXIT
+# Every probe carries this in its environment, and so does whatever it starts (a
+# process that left the probe's group with setsid as well): the sweep finds them by it.
+marker=$$-$(od -An -N8 -tx8 /dev/urandom | tr -d ' ')
+sweep() {
+    # shellcheck disable=SC2046 # one pid a word
+    set -- $(grep -l -s -z -x -F "TPU_PORTAL_PROBE=$marker" /proc/[0-9]*/environ | cut -d/ -f3)
+    [ "$#" -eq 0 ] || kill -KILL "$@" 2>/dev/null || true
+}
+trap 'sweep; rm -rf -- "$work"' EXIT
+trap 'exit 1' HUP INT TERM
 input=$work/input
 head -c $((MAX_INPUT + 1)) >"$input"
 [ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
 B64='[A-Za-z0-9+/]+={0,2}'
-if grep -n -v -E "^(tpu-portal-job-preflight 1|end|user [a-z][a-z0-9-]{0,30}|chips [0-9]{1,3} /dev/[A-Za-z0-9/_.*?-]{1,100}|min_disk_mb [0-9]{1,9}|min_mem_mb [0-9]{1,9}|port [0-9]{1,5}|python $B64|script $B64|env [A-Za-z_][A-Za-z0-9_]{0,127})$" "$input" >"$work/bad"; then
+if grep -n -v -E "^(tpu-portal-job-preflight 1|end|user [a-z][a-z0-9-]{0,30}|chips [0-9]{1,3} /dev/[A-Za-z0-9/_.*?-]{1,100}|min_disk_mb [0-9]{1,9}|min_mem_mb [0-9]{1,9}|port [0-9]{1,5}|python $B64|script $B64|env [A-Za-z_][A-Za-z0-9_]{0,127}|probe_seconds [0-9]{1,3})$" "$input" >"$work/bad"; then
     die "line $(head -n 1 "$work/bad" | cut -d: -f1) of the input is not allowed"
 fi
 # Every line passed the pattern above: read them with the shell's own read (a last
 # line without its newline is not read, so "end" must be the last line read).
-user="" expected="" glob="" min_disk="" min_mem="" port="" python_b64="" script_b64=""
+user="" expected="" glob="" min_disk="" min_mem="" port="" python_b64="" script_b64="" probe_seconds=20
 n_line=0 n_user=0 n_chips=0 n_disk=0 n_mem=0 n_env=0 last="" sets_preload=""
 : >"$work/env"
 while read -r key value rest; do
@@ -90,6 +105,7 @@ while read -r key value rest; do
         port) [ -n "$port" ] || port=$value ;;
         python) [ -n "$python_b64" ] || python_b64=$value ;;
         script) [ -n "$script_b64" ] || script_b64=$value ;;
+        probe_seconds) probe_seconds=$value ;;
         env)
             echo "$value" >>"$work/env"
             n_env=$((n_env + 1))
@@ -103,6 +119,9 @@ done <"$input"
 [ "$n_chips" = 1 ] || die "the input needs exactly one chips line"
 [ "$n_disk" = 1 ] || die "the input needs exactly one min_disk_mb line"
 [ "$n_mem" = 1 ] || die "the input needs exactly one min_mem_mb line"
+if [ "$probe_seconds" -lt 1 ] || [ "$probe_seconds" -gt 600 ]; then
+    die "probe_seconds is 1 to 600"
+fi
 case $glob in
     *..*) die "the device glob must not contain '..'" ;;
 esac
@@ -114,14 +133,32 @@ IFS=: read -r _ _ uid gid _ home _ <<EOF
 $entry
 EOF
 [ "$uid" -ge 1000 ] || die "jobs never run as a system account ($user has uid $uid)"
-as_user() {
-    setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- \
-        env -i "HOME=$home" PATH=/usr/local/bin:/usr/bin:/bin LC_ALL=C "$@"
+# probe <name> <command...>: runs the command as the user with a clean environment,
+# stdin from /dev/null, stdout in $work/<name>.out and stderr in $work/<name>.err;
+# its status, or 124 when it did not end within probe_seconds. timeout makes its own
+# process group: what is left in it is killed too, and the sweep gets the rest.
+probe() {
+    name=$1
+    shift
+    timeout -k "$KILL_AFTER" "$probe_seconds" \
+        setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- \
+        env -i "HOME=$home" PATH=/usr/local/bin:/usr/bin:/bin LC_ALL=C \
+        "TPU_PORTAL_PROBE=$marker" "$@" \
+        </dev/null >"$work/$name.out" 2>"$work/$name.err" &
+    group=$!
+    status=0
+    wait "$group" || status=$?
+    kill -KILL -- "-$group" 2>/dev/null || true
+    case $status in
+        124 | 137) return 124 ;;
+    esac
+    return "$status"
 }
-# A system tool as the user, whose environment does not change what it answers:
-# without env -i, one program fewer.
-user_tool() {
-    setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- "$@"
+# The probe's first line of output.
+first_line() {
+    line=""
+    IFS= read -r line <"$work/$1.out" || true
+    printf '%s' "$line"
 }
 
 # --- the chips: there, and nobody holding one -------------------------------------
@@ -197,16 +234,15 @@ python_versions() {
     done
     key=$({ echo "$uid $python"; stat -L -c '%n %d %i %y %z %s' -- "$@"; } 2>/dev/null | sha256sum)
     key=${key%% *}
-    if [ -f "$PYCACHE/$key" ] && IFS= read -r found <"$PYCACHE/$key"; then
-        printf '%s\n' "$found"
+    if [ -f "$PYCACHE/$key" ] && IFS= read -r versions <"$PYCACHE/$key"; then
         return 0
     fi
-    found=$(as_user timeout 20 "$python" -E -c "$PYCODE") || return 1
+    probe python "$python" -E -c "$PYCODE" || return
+    versions=$(first_line python)
     # shellcheck disable=SC2174 # /run is there: -m is for /run/tpu-portal, as job-start.sh makes it
     if [ -d "$PYCACHE" ] || { mkdir -p -m 0755 "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
-        printf '%s\n' "$found" >"$PYCACHE/$key"
+        printf '%s\n' "$versions" >"$PYCACHE/$key"
     fi
-    printf '%s\n' "$found"
 }
 if [ -n "$python_b64" ]; then
     venv=$(decode "$python_b64")
@@ -214,18 +250,29 @@ if [ -n "$python_b64" ]; then
 else
     venv="" python=/usr/bin/python3
 fi
+late="did not answer within $probe_seconds s"
 case $python in
     /*[![:print:]]* | [!/]*) check python fail "the environment path must be absolute and printable" ;;
     *)
-        if ! user_tool test -x "$python"; then
+        status=0
+        probe can_run test -x "$python" || status=$?
+        if [ "$status" = 124 ]; then
+            check python fail "$python $late (looking for it)"
+        elif [ "$status" != 0 ]; then
             check python fail "$python is not there or $user cannot run it"
-        elif ! versions=$(python_versions 2>"$work/err"); then
-            check python fail "$python did not run: $(tail -n 1 "$work/err")"
         else
-            case $versions in
-                *"jax=none"* | *"jaxlib=none"*) check python fail "$python has no jax or jaxlib: $versions" ;;
-                *) check python ok "$versions" ;;
-            esac
+            versions="" status=0
+            python_versions || status=$?
+            if [ "$status" = 124 ]; then
+                check python fail "$python $late"
+            elif [ "$status" != 0 ]; then
+                check python fail "$python did not run: $(tail -n 1 "$work/python.err")"
+            else
+                case $versions in
+                    *"jax=none"* | *"jaxlib=none"*) check python fail "$python has no jax or jaxlib: $versions" ;;
+                    *) check python ok "$versions" ;;
+                esac
+            fi
         fi
         ;;
 esac
@@ -234,14 +281,28 @@ esac
 if [ -n "$script_b64" ]; then
     script=$(decode "$script_b64")
     real_home=$(realpath -e -- "$home" 2>/dev/null || echo "$home")
-    if ! resolved=$(user_tool realpath -e -- "$script" 2>/dev/null); then
+    status=0
+    probe resolve realpath -e -- "$script" || status=$?
+    resolved=$(first_line resolve)
+    if [ "$status" = 124 ]; then
+        check script fail "$script $late (resolving it)"
+    elif [ "$status" != 0 ] || [ -z "$resolved" ]; then
         check script fail "$script does not exist or $user cannot reach it"
     else
         case $resolved in
             "$real_home"/*)
-                if ! user_tool test -f "$resolved"; then
+                status=0 step=regular sum=""
+                probe regular test -f "$resolved" || status=$?
+                if [ "$status" = 0 ]; then
+                    step=sum
+                    probe sum sha256sum -- "$resolved" || status=$?
+                    sum=$(first_line sum)
+                fi
+                if [ "$status" = 124 ]; then
+                    check script fail "$script $late (reading it)"
+                elif [ "$step" = regular ]; then
                     check script fail "$script is not a regular file"
-                elif ! sum=$(user_tool sha256sum -- "$resolved" 2>/dev/null); then
+                elif [ "$status" != 0 ] || [ -z "$sum" ]; then
                     check script fail "$user cannot read $script"
                 else
                     check script ok "sha256=${sum%% *} $resolved"
