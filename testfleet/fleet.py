@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from ipaddress import IPv4Address, IPv4Network, ip_address
 from pathlib import Path
 
-from testfleet import hostfs, slots
+from testfleet import cgroups, hostfs, slots
 from testfleet.network import FleetNetwork
 from testfleet.system import (
     FleetError,
@@ -36,6 +36,8 @@ _GUEST_AGENT_SCRIPT = (Path(__file__).with_name("guest-agent.sh")).read_text()
 _REPO = Path(__file__).resolve().parent.parent
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 START_TIMEOUT = 20.0
+# Writes its own pid into each cgroup.procs file given before "--", then runs the rest.
+_JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo $$ >"$1" || exit 1; shift; done; shift; exec "$@"'
 
 
 @dataclass
@@ -50,6 +52,8 @@ class Host:
     hostname: str
     boot_id: str = ""
     down: bool = False
+    # The host's own cgroups while it runs (testfleet/cgroups.py): HostCgroups.to_json().
+    cgroups: dict | None = field(default=None, repr=False)
     launcher: Pid | None = field(default=None, repr=False)
     init: Pid | None = field(default=None, repr=False)
 
@@ -229,7 +233,9 @@ class Fleet:
         for h in hosts:
             host_dir = self.host_dir(h.name)
             h.boot_id = hostfs.new_boot_id(host_dir)
+            join = self._host_cgroups(h)
             args = [
+                *join,
                 "ip",
                 "netns",
                 "exec",
@@ -286,6 +292,28 @@ class Fleet:
                 raise FleetError(f"hosts did not start in {START_TIMEOUT:.0f} s: {names}")
             time.sleep(0.01)
         self._save()
+
+    def _host_cgroups(self, host: Host) -> list[str]:
+        """Make the host's cgroups and tell host-init.sh where they are; the command
+        prefix that puts the host's first process (so all of them) into them."""
+        self._remove_cgroups(host)  # a boot starts with no cgroups of the last one
+        made = cgroups.create(self.name, host.name)
+        layout = self.host_dir(host.name) / "cgroups"
+        if made is None:
+            layout.unlink(missing_ok=True)
+            host.cgroups = None
+            return []
+        host.cgroups = made.to_json()
+        self._save()  # recorded before anything runs in them, so teardown finds them
+        layout.write_text(made.layout())
+        return ["/bin/sh", "-c", _JOIN_CGROUPS, "testfleet-join", *made.procs_files, "--"]
+
+    def _remove_cgroups(self, host: Host) -> None:
+        """A host's cgroups go with its processes, as a worker's go at a reboot."""
+        recorded = cgroups.HostCgroups.from_json(host.cgroups)
+        if recorded is not None:
+            cgroups.remove(recorded.dirs.values())
+        host.cgroups = None
 
     def _reap(self) -> None:
         for pid, proc in list(self._popen.items()):
@@ -346,7 +374,16 @@ class Fleet:
         wait_gone([host.launcher])
         host.init = host.launcher = None
         self._reap()
+        self._remove_cgroups(host)
         self._save()
+
+    def stop(self) -> None:
+        """Stop every host (all its processes) but keep the fleet: addresses, network,
+        host keys, /etc and homes stay, and the next ``up`` boots the same hosts again,
+        as a TPU VM that was stopped and started keeps its disk and keys."""
+        for host in self.hosts.values():
+            if host.init or host.launcher:
+                self._stop(host)
 
     def down(self, name: str, *, hang: bool = True) -> None:
         """Take a host off the network. With ``hang`` (a dead cloud VM) the bridge keeps
@@ -459,6 +496,9 @@ class Fleet:
             kill(h.launcher)
         wait_gone([h.launcher for h in hosts])
         self._reap()
+        for h in hosts:
+            self._remove_cgroups(h)
+        cgroups.remove(cgroups.leftovers(self.name))  # from a run whose state is gone
 
         self.net.remove()
 

@@ -23,6 +23,39 @@ mount --bind "$dir/root" /root
 mount -t proc proc /proc
 mount --bind "$dir/boot_id" /proc/sys/kernel/random/boot_id
 
+# The host's own cgroups (testfleet/cgroups.py; every process of the host already runs
+# in them), where a worker has its hierarchies. `ip netns exec` mounted a fresh /sys, so
+# each hierarchy is mounted once more (the same hierarchy, not a new one) to reach the
+# host's directory. Hybrid: a tmpfs at /sys/fs/cgroup with unified (cgroup2), pids and
+# memory (v1), as on this kind of machine; unified: the v2 directory at /sys/fs/cgroup.
+if [ -f "$dir/cgroups" ]; then
+    stage=$dir/cgroup.stage
+    mkdir -p "$stage"
+    layout=unified
+    while read -r kind path; do
+        case $kind in
+            layout)
+                layout=$path
+                [ "$layout" = unified ] ||
+                    mount -t tmpfs -o mode=0755,nosuid,nodev,noexec,size=64k cgroup /sys/fs/cgroup
+                continue
+                ;;
+            unified) mount -t cgroup2 cgroup2 "$stage" ;;
+            pids | memory) mount -t cgroup -o "$kind" cgroup "$stage" ;;
+            *) continue ;;
+        esac
+        target=/sys/fs/cgroup
+        if [ "$layout" != unified ]; then
+            target=/sys/fs/cgroup/$kind
+            mkdir "$target"
+        fi
+        mount --bind "$stage$path" "$target"
+        umount "$stage"
+    done <"$dir/cgroups"
+    rmdir "$stage"
+    [ "$layout" = unified ] || mount -o remount,ro /sys/fs/cgroup
+fi
+
 # Hide the portal's work trees, the admin private key and the fleet's state. The host
 # folder's mounts above are already in place, so covering the state dir is safe.
 for path in "$@"; do
