@@ -95,6 +95,9 @@ class Job(models.Model):
     reason = models.TextField(blank=True)
     # The pre-flight's lines per worker index: {"0": [[check, status, detail], ...]}.
     preflight = models.JSONField(default=dict, blank=True)
+    # How many passes died while validating it: bounded, so a job whose pre-flight
+    # keeps a pass from finishing is refused instead of being tried forever.
+    interrupted_validations = models.PositiveSmallIntegerField(default=0)
     notified_at = models.DateTimeField(null=True, blank=True)
     # Any change an API client can see (``updated_since``).
     changed_at = models.DateTimeField(default=timezone.now)
