@@ -36,7 +36,7 @@ from tpus.remote import Held, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
 from tpus.services import leases
 from tpus.services.hosts import remote_worker
-from tpus.services.jobs import may_run_jobs
+from tpus.services.jobs import coordinator_of, may_run_jobs
 from tpus.services.labkeys import login_for
 from tpus.services.leases import Heartbeat
 
@@ -396,7 +396,7 @@ def _start(
 ) -> bool:
     username = job.user.unix_account.username
     first = workers[0]
-    coordinator = f"{first.internal_ip or first.external_ip}:{settings.PORTAL_JOB_COORDINATOR_PORT}"
+    coordinator = coordinator_of(first)
     env = [(name, value) for name, value in job.env]
     if job.use_tcmalloc and "LD_PRELOAD" not in {name for name, _ in env}:
         found = reports[first.index].detail("tcmalloc")

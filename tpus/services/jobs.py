@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.utils import timezone
@@ -61,6 +62,13 @@ class JobSpec:
 
 def home_of(username: str) -> str:
     return f"/home/{username}"
+
+
+def coordinator_of(first_worker) -> str:
+    """Where a pod job's processes meet: jax.distributed's coordinator on worker 0, at
+    its internal address (the one the other workers reach), as ``host:port``."""
+    address = first_worker.internal_ip or first_worker.external_ip
+    return f"{address}:{settings.PORTAL_JOB_COORDINATOR_PORT}"
 
 
 def parse_command(text: str) -> list[str]:
