@@ -838,6 +838,8 @@ def test_an_attached_disk_is_mounted_remounted_and_unmounted(target, google_disk
     busy_pid = target.sh(f"cd {point} && sleep 60 </dev/null >/dev/null 2>&1 & echo $!").strip()
     busy = target.reconcile(state())
     assert busy.all("mount_error")[0].startswith(f"{google_disk}:cannot unmount {point}")
+    # What holds it is named, so an admin knows whom to ask.
+    assert f"(held by pid {busy_pid} sleep of root)" in busy.all("mount_error")[0]
     assert len(target.fstab_lines()) == 1
     target.sh(f"kill -KILL {busy_pid}; sleep 0.2")
     freed = target.reconcile(state())
@@ -856,3 +858,64 @@ def test_a_disk_is_never_mounted_over_files(target, google_disk):
         f"{google_disk}:{point} is not empty, not mounting over it"
     ]
     assert target.sh(f"cat {point}/notes") == "keep\n"
+
+
+def test_a_disk_that_went_away_while_mounted_is_unmounted_not_left_stale(target, google_disk):
+    point = f"/mnt/disks/{new_name()}"
+    target.reconcile(state(mounts=(DesiredMount(google_disk, point, True),)))
+    loop = target.sh(f"readlink -f /dev/disk/by-id/google-{google_disk}").strip()
+    # Detached outside the portal: the device and its link are gone, the mount stays.
+    target.sh(f"rm /dev/disk/by-id/google-{google_disk} {loop}")
+
+    result = target.reconcile(state())
+
+    assert result.values["unmounted"] == "1"
+    assert result.all("mount_error") == []
+    assert target.sh(f"findmnt -n {point}; true") == ""
+    assert target.fstab_lines() == []
+
+
+def test_a_symlinked_fstab_stops_the_disks_only_and_access_still_changes(target):
+    name, uid = new_name(), next(_uids)
+    key, public = target.new_key("ana")
+    target.sh("mv /etc/fstab /etc/fstab.real && ln -s /etc/fstab.real /etc/fstab")
+    try:
+        mount = DesiredMount("scratch-3", f"/mnt/disks/{new_name()}", read_only=False)
+
+        granted = target.reconcile(state(user(name, uid, public), mounts=(mount,)))
+        assert target.ssh(name, key).returncode == 0
+        revoked = target.reconcile(state(user(name, uid, active=False), mounts=(mount,)))
+
+        for result in (granted, revoked):
+            assert result.all("disk_error") == ["/etc/fstab is a symlink  not replacing it"]
+        assert revoked.values["revoked"] == "1"
+        assert target.ssh(name, key).returncode != 0
+        assert target.sh("readlink /etc/fstab").strip() == "/etc/fstab.real"
+    finally:
+        target.sh("rm /etc/fstab && mv /etc/fstab.real /etc/fstab")
+
+
+def test_a_disks_part_that_stops_is_an_answer_not_a_failed_run(target):
+    name, uid = new_name(), next(_uids)
+    key, public = target.new_key("lea")
+    folder = f"/mnt/{new_name()}"
+    # The mount point's folder cannot be made (a read-only filesystem above it):
+    # mkdir fails, and set -e stops the disks' part there.
+    target.sh(f"mkdir -p {folder} && mount -t tmpfs -o ro,mode=0755 tmpfs {folder}")
+    try:
+        result = target.reconcile(
+            state(
+                user(name, uid, public),
+                mounts=(DesiredMount("scratch-4", f"{folder}/data", False),),
+            )
+        )
+
+        [error] = result.all("disk_error")
+        assert error.startswith("the disks part stopped: mkdir"), error
+        assert "Read-only file system" in error
+        assert result.values["keys_written"] == "1"
+        assert "noop" not in result.values
+        assert target.ssh(name, key).returncode == 0
+    finally:
+        target.reconcile(state(user(name, uid, active=False)))
+        target.sh(f"umount {folder}")

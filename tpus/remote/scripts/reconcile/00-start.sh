@@ -78,6 +78,11 @@ mount_error() {
     echo "mount_error=$1:$(oneline "$2")"
 }
 
+# The disks' part as a whole could not run (or stopped): accounts and keys still count.
+disk_error() {
+    echo "disk_error=$(oneline "$1")"
+}
+
 
 # Does path $1 hold exactly the content of $2, as a plain file owned by root with mode $3?
 same_file() {

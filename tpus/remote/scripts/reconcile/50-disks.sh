@@ -32,6 +32,28 @@ safe_path() {
     done
 }
 
+# Who keeps $1 busy: up to three processes with a file, their folder or their root
+# there, as " (held by pid 812 python3 of milo, ...)"; nothing when none is found.
+holders_of() {
+    local link pid seen found what owner comm
+    seen=" " found=""
+    # Mount points of ours hold no space or pattern character (checked on input).
+    for link in $(find /proc/[0-9]*/cwd /proc/[0-9]*/root /proc/[0-9]*/fd -maxdepth 1 \
+        \( -lname "$1" -o -lname "$1/*" \) 2>/dev/null | head -n 50); do
+        pid=${link#/proc/}
+        pid=${pid%%/*}
+        case $seen in *" $pid "*) continue ;; esac
+        seen="$seen$pid "
+        what=$(ps -o user=,comm= -p "$pid" 2>/dev/null) || continue
+        read -r owner comm <<END
+$what
+END
+        found="$found, pid $pid $comm of $owner"
+        case $seen in *" "*" "*" "*" "*) break ;; esac
+    done
+    if [ -n "$found" ]; then echo " (held by ${found#, })"; fi
+}
+
 # The disks' part of fstab and their mounts; run only when there is something to do:
 # a disk is wanted here, or fstab still has a line of ours.
 converge_disks() {
@@ -54,8 +76,10 @@ converge_disks() {
     done 3<"$work/mounts"
 
     # Mount points of ours that are no longer wanted: unmount them first (the portal
-    # detaches the disk after this run), then drop their lines from fstab. A line whose
-    # disk is still busy stays, so the next run tries again (and reports it again).
+    # detaches the disk only once every worker has), then drop their lines from fstab.
+    # A line whose disk is still busy stays, so the next run tries again (and reports
+    # it again, with what holds it). A disk that went away while mounted (detached
+    # outside the portal) leaves a stale mount whose device is gone: unmounted too.
     wanted=" "
     while read -r source point rest <&3; do
         wanted="$wanted$point "
@@ -69,13 +93,14 @@ END
         case $point in /*) ;; *) continue ;; esac
         # Points of ours hold no space or pattern character; "$point" matches literally.
         case $wanted in *" $point "*) continue ;; esac
-        if mountpoint -q -- "$point" &&
-            [ "$(findmnt -n -o SOURCE --mountpoint "$point")" = "$(readlink -f -- "$source")" ]; then
+        mountpoint -q -- "$point" || continue
+        now=$(findmnt -n -o SOURCE --mountpoint "$point")
+        if [ "$now" = "$(readlink -f -- "$source")" ] || { [ ! -e "$source" ] && [ ! -b "$now" ]; }; then
             if out=$(umount -- "$point" 2>&1); then
                 unmounted=$((unmounted + 1))
                 changed=$((changed + 1))
             else
-                mount_error "${source#/dev/disk/by-id/google-}" "cannot unmount $point: $out"
+                mount_error "${source#/dev/disk/by-id/google-}" "cannot unmount $point: $out$(holders_of "$point")"
                 echo "$line" >>"$work/still-mounted"
             fi
         fi
@@ -167,7 +192,26 @@ END
     done 3<"$work/fstab-managed"
 }
 
-if [ -s "$work/mounts" ] || grep -q -s -e " $FSTAB_MARK\$" "$FSTAB"; then
-    converge_disks
+# The disks' part runs on its own, after the accounts, keys and revokes are done:
+# whatever stops it (a symlinked fstab, a full /etc, a tool that fails) is answered as
+# disk_error and the run still exits 0, so what the run did for access counts. It runs
+# as a job of its own (not in an `if` or `||`, where `set -e` would not stop it) and
+# hands its counters back through a file.
+if [ -L "$FSTAB" ]; then
+    disk_error "$FSTAB is a symlink; not replacing it"
+elif [ -s "$work/mounts" ] || grep -q -s -e " $FSTAB_MARK\$" "$FSTAB"; then
+    (
+        converge_disks
+        echo "$mounted $unmounted $formatted $fstab_written $changed" >"$work/disk-counters"
+    ) 2>"$work/disk-stderr" &
+    disk_status=0
+    wait "$!" || disk_status=$?
+    if [ -s "$work/disk-counters" ]; then
+        read -r mounted unmounted formatted fstab_written changed <"$work/disk-counters"
+    fi
+    if [ "$disk_status" != 0 ]; then
+        disk_error "the disks part stopped: $(tail -n 1 "$work/disk-stderr")"
+        changed=$((changed + 1))
+    fi
 fi
 
