@@ -35,6 +35,10 @@ RECENT_JOB_ROW = (
 LOG_LINES_SHOWN = 300
 # Where a job's folder is on a worker (docs/jobs-host.md).
 HOST_JOBS_DIR = "/var/lib/tpu-portal/jobs"
+# A running worker that has printed nothing for this long gets a word on its part of
+# the page: most programs print within seconds, and a pod whose workers cannot reach
+# worker 0's coordinator waits in jax.distributed.initialize without a line.
+QUIET_AFTER_SECONDS = 60
 
 
 # --- the VM page's Jobs section --------------------------------------------------------
@@ -54,6 +58,7 @@ def vm_jobs_context(user, lab, vm, *, is_admin: bool, may_run: bool) -> dict:
     return {
         **_now_context(vm),
         "may_run_jobs": may_run,
+        "libtpu_required": settings.PORTAL_JOB_REQUIRE_LIBTPU,
         "job_form": blank_job_form() if may_run else "",
         "recent_jobs": recent.order_by("-queued_at", "-id")[:RECENT_JOBS],
     }
@@ -110,6 +115,7 @@ def job_submit(request, slug, vm_id):
         "vm": vm,
         "form": form,
         "may_run_jobs": job_services.may_run_jobs(request.user, vm),
+        "libtpu_required": settings.PORTAL_JOB_REQUIRE_LIBTPU,
     }
     return render(request, "tpus/job_submit.html", context, status=status)
 
@@ -129,11 +135,14 @@ def _live_context(request, lab, job) -> dict:
     parts = list(job.parts.select_related("worker__vm"))
     hosts = _ssh_hosts(request.user, job.vm, [p.index for p in parts])
     now = timezone.now()
+    coordinator = job_services.coordinator_of(parts[0].worker) if len(parts) > 1 else ""
     for part in parts:
         part.host = hosts[part.index]
         part.elapsed = (part.ended_at or now) - part.started_at if part.started_at else None
         part.tail_shown = "\n".join(part.log_tail.splitlines()[-LOG_LINES_SHOWN:])
         part.is_running = part.state == JobWorkerState.RUNNING
+        part.quiet_for = _quiet_for(part)
+    quiet = [p for p in parts if p.quiet_for]
     aliases = {w.index: w.alias for w in job.vm.workers.all()}
     preflight = [
         {
@@ -148,6 +157,8 @@ def _live_context(request, lab, job) -> dict:
         "vm": job.vm,
         "job": job,
         "parts": parts,
+        "quiet": quiet,
+        "coordinator": coordinator,
         "log_dir": f"{HOST_JOBS_DIR}/{job.host_id}",
         "position": usage.position(job),
         "preflight": preflight,
@@ -155,6 +166,15 @@ def _live_context(request, lab, job) -> dict:
         "is_owner": job.user_id == request.user.pk,
         "may_cancel": access.may_cancel_job(request.user, job),
     }
+
+
+def _quiet_for(part) -> int:
+    """Whole seconds a running worker has gone without printing anything, once that is
+    QUIET_AFTER_SECONDS or more; else 0."""
+    if not part.is_running or part.log_size or part.log_tail or not part.elapsed:
+        return 0
+    seconds = int(part.elapsed.total_seconds())
+    return seconds if seconds >= QUIET_AFTER_SECONDS else 0
 
 
 @login_required
