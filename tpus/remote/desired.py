@@ -11,6 +11,7 @@ The format (one record per line, fields separated by one space, see docs/reconci
 
     tpu-portal-desired 1
     range <uid_min> <uid_max>
+    version <series> <number>          (optional)
     user <name> <uid> <active 0|1> <sudo 0|1>
     key <name> <type> <base64> [<comment>]
     mount <device> <mount_point> <ro|rw>
@@ -18,6 +19,12 @@ The format (one record per line, fields separated by one space, see docs/reconci
 
 A stream without its header or its final ``end`` is refused whole, so a cut-off
 transfer changes nothing. No Django here: this module is plain data.
+
+``version`` orders the states sent to a host: the host keeps the highest number it
+has applied for the series (one series per TPU VM) and refuses, changing nothing, a
+state with a lower one. Two runs for one VM may meet on a host (a revoke that took
+the VM over from a run that was still going, or that only seemed dead); whichever
+order their scripts get the host's lock in, the newer state is the one that stays.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ MAX_UID = 2_000_000_000
 # nobody / nogroup and the 16-bit "-1" mean something special to many tools.
 RESERVED_UIDS = frozenset({65534, 65535})
 
+_SERIES = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+MAX_VERSION = 10**18 - 1
 _BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
 _COMMENT = re.compile(r"[A-Za-z0-9._@:+=/-]{1,100}")
 # Key lines and mounts follow tpus/remote/rules.py, the portal's one home of these facts.
@@ -83,6 +92,10 @@ class DesiredState:
     mounts: tuple[DesiredMount, ...]
     uid_min: int
     uid_max: int
+    # Which state of which VM this is (see the module's docstring); no ordering
+    # when ``series`` is empty.
+    series: str = ""
+    version: int = 0
 
 
 def encode(state: DesiredState) -> bytes:
@@ -92,6 +105,13 @@ def encode(state: DesiredState) -> bytes:
     if not MIN_UID <= uid_min <= uid_max <= MAX_UID:
         raise ValueError(f"the UID range must lie within {MIN_UID}..{MAX_UID}")
     lines = [HEADER, f"range {uid_min} {uid_max}"]
+    if state.series:
+        if not isinstance(state.series, str) or not _SERIES.fullmatch(state.series):
+            raise ValueError("a series is 1-64 of a-z, 0-9 and '-', not starting with '-'")
+        version = _int(state.version, "version")
+        if not 0 <= version <= MAX_VERSION:
+            raise ValueError(f"the version must lie within 0..{MAX_VERSION}")
+        lines.append(f"version {state.series} {version}")
     names: set[str] = set()
     uids: set[int] = set()
     for user in _sequence(state.users, "users"):

@@ -13,6 +13,7 @@ import datetime as dt
 import logging
 import random
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,6 @@ from portal import audit
 from tpus import queue
 from tpus.models import (
     AuditAction,
-    DiskAttachment,
     Grant,
     Membership,
     TpuVm,
@@ -34,11 +34,10 @@ from tpus.models import (
     WorkerSync,
 )
 from tpus.models.grants import WANTED_STATES, GrantState
-from tpus.models.inventory import DiskMode
 from tpus.models.labs import MembershipState
 from tpus.remote import HostKeyMismatch, run_on_workers
-from tpus.remote.desired import DesiredMount, DesiredState, DesiredUser, encode
-from tpus.services import leases
+from tpus.remote.desired import DesiredState, DesiredUser, encode
+from tpus.services import disk_mounts, leases
 from tpus.services.hostkey_alarms import raise_alarm
 from tpus.services.hosts import remote_worker
 from tpus.services.labkeys import login_for
@@ -112,45 +111,99 @@ def desired_state(vm: TpuVm) -> DesiredState:
         )
     # Every worker of a pod sees the same disk: one attached read-write there (outside
     # the portal, say) is still mounted read-only on each, never written from several
-    # hosts at once.
+    # hosts at once. A disk that cannot be mounted (its mount point taken by another
+    # disk of the VM) is left out and shown on the VM's page: it never stops the
+    # accounts, keys and revokes.
     shared = vm.workers.count() > 1
-    mounts = tuple(
-        DesiredMount(
-            device=a.disk.name,
-            mount_point=a.disk.mount_point,
-            read_only=shared or a.mode == DiskMode.READ_ONLY,
-        )
-        for a in DiskAttachment.objects.filter(vm=vm).select_related("disk").order_by("disk__name")
-    )
+    mounts = disk_mounts.wanted(disk_mounts.attachments_of(vm), shared=shared).mounts
     return DesiredState(
         users=tuple(users),
         mounts=mounts,
         uid_min=settings.PORTAL_UID_MIN,
         uid_max=settings.PORTAL_UID_MAX,
+        series=series(vm),
+        version=vm.desired_version,
     )
+
+
+def series(vm: TpuVm) -> str:
+    """The name under which the VM's workers keep the highest version they applied:
+    the row and the moment it was made, so a VM registered again (or a test fleet
+    host reused by another VM) starts a series of its own."""
+    return f"vm{vm.pk}-{int(vm.created_at.timestamp() * 1_000_000)}"
 
 
 def _lease() -> dt.timedelta:
     return leases.length()
 
 
-def _claim(vm_id: int) -> bool:
-    """Take the VM's reconcile claim (a short lease); False when another run holds it."""
+def _claim(vm_id: int, token: str) -> bool:
+    """Take the VM's reconcile claim (a short lease) under ``token``; False when
+    another run holds it."""
     now = timezone.now()
     return bool(
         TpuVm.objects.filter(pk=vm_id)
         .filter(Q(reconcile_claimed_until__isnull=True) | Q(reconcile_claimed_until__lt=now))
-        .update(reconcile_claimed_until=now + _lease())
+        .update(
+            reconcile_claimed_until=now + _lease(),
+            reconcile_claim=token,
+            reconcile_claim_version=0,
+        )
     )
 
 
-def _release(vm_id: int) -> None:
-    """Give the claim back. Tried a few times: a run that failed because the database
-    went away should not hold the VM once it is back. If it still cannot, the lease
-    lapses by itself and ``release_stalled_claims`` hands the VM on."""
+def _take_over(vm_id: int, token: str) -> bool:
+    """Take the claim from the run holding it when that run does not carry a revoke
+    that is waiting (it read the VM's state before the revoke, or has not read it yet).
+
+    A revoke never waits for another run: not for one that is slow (a worker that
+    hangs until the connect timeout) nor for one whose process died (killed worker,
+    lost database) and whose lease has not lapsed yet. Nothing checks whether the
+    holder is alive, because nothing needs to: the workers refuse an older state
+    than one they have applied (``DesiredState.version``), so whichever of the two
+    runs reaches a worker last, the revoke stays; the holder's heartbeat and release
+    touch only its own token, and it stops before contacting any worker when it sees
+    its claim gone."""
+    held = (
+        TpuVm.objects.filter(pk=vm_id, reconcile_claimed_until__isnull=False)
+        .values("reconcile_claim", "reconcile_claim_version")
+        .first()
+    )
+    if held is None:
+        return False
+    waiting = Grant.objects.filter(
+        vm_id=vm_id, state=GrantState.REVOKING, version__gt=held["reconcile_claim_version"]
+    ).exists()
+    if not waiting:
+        return False
+    taken = TpuVm.objects.filter(
+        pk=vm_id,
+        reconcile_claim=held["reconcile_claim"],
+        reconcile_claim_version=held["reconcile_claim_version"],
+    ).update(
+        reconcile_claimed_until=timezone.now() + _lease(),
+        reconcile_claim=token,
+        reconcile_claim_version=0,
+    )
+    if taken:
+        log.warning(
+            "VM %s: a revoke takes the reconcile over from a run at version %s",
+            vm_id,
+            held["reconcile_claim_version"],
+        )
+    return bool(taken)
+
+
+def _release(vm_id: int, token: str) -> None:
+    """Give the claim back, if it is still this run's (a revoke may have taken it
+    over). Tried a few times: a run that failed because the database went away
+    should not hold the VM once it is back. If it still cannot, the lease lapses by
+    itself and ``release_stalled_claims`` hands the VM on."""
     for attempt in range(3):
         try:
-            TpuVm.objects.filter(pk=vm_id).update(reconcile_claimed_until=None)
+            TpuVm.objects.filter(pk=vm_id, reconcile_claim=token).update(
+                reconcile_claimed_until=None, reconcile_claim=""
+            )
             return
         except DatabaseError:
             log.warning("cannot release the reconcile claim of VM %s yet", vm_id)
@@ -168,7 +221,7 @@ def release_stalled_claims() -> list[int]:
     released = []
     for vm_id in stalled:
         if TpuVm.objects.filter(pk=vm_id, reconcile_claimed_until__lt=now).update(
-            reconcile_claimed_until=None
+            reconcile_claimed_until=None, reconcile_claim=""
         ):
             released.append(vm_id)
             log.warning("VM %s: a reconcile stopped renewing its claim; running it again", vm_id)
@@ -184,28 +237,41 @@ def unreachable_retry_delay(retries: int) -> float:
 
 def reconcile_vm(vm_id: int) -> ReconcileReport:
     """Apply the VM's desired state to every worker, then settle its grants. Runs
-    again if the desired state changed while it ran."""
+    again if the desired state changed while it ran. A run that finds the VM claimed
+    leaves it to the holder (which runs again for the change), unless a revoke is
+    waiting that the holder does not carry: then it takes the VM over."""
     report = ReconcileReport(vm_id)
-    if not _claim(vm_id):
+    token = secrets.token_hex(16)
+    if not (_claim(vm_id, token) or _take_over(vm_id, token)):
         report.busy = True
         return report
     try:
         while True:
-            with Heartbeat(TpuVm.objects.filter(pk=vm_id), "reconcile_claimed_until"):
-                _run_once(vm_id, report)
-            _release(vm_id)
+            mine = TpuVm.objects.filter(pk=vm_id, reconcile_claim=token)
+            with Heartbeat(mine, "reconcile_claimed_until"):
+                _run_once(vm_id, report, token)
+            if report.busy:  # taken over by a revoke: the run that took it goes on
+                break
+            _release(vm_id, token)
             vm = TpuVm.objects.get(pk=vm_id)
-            if vm.desired_version <= report.version or not _claim(vm_id):
+            if vm.desired_version <= report.version or not _claim(vm_id, token):
                 break
     finally:
-        _release(vm_id)
+        _release(vm_id, token)
     return report
 
 
-def _run_once(vm_id: int, report: ReconcileReport) -> None:
+def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
     with transaction.atomic():
-        vm = TpuVm.objects.select_related("lab").get(pk=vm_id)
+        # Locked while the state is read: a change (which bumps the version on this
+        # row) commits wholly before or wholly after, so the version names the state.
+        vm = TpuVm.objects.select_for_update(of=("self",)).select_related("lab").get(pk=vm_id)
         version = vm.desired_version
+        if not TpuVm.objects.filter(pk=vm_id, reconcile_claim=token).update(
+            reconcile_claim_version=version
+        ):
+            report.busy = True
+            return
         # From now on these names exist on hosts: fixed, and reserved for good. A name
         # changed between reading the state and fixing it means reading it again.
         for _ in range(3):
@@ -247,6 +313,8 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
                 "user_error": result.all("user_error"),
                 "drift_user": result.all("drift_user"),
                 "waiting_device": result.all("waiting_device"),
+                "mount_error": result.all("mount_error"),
+                "disk_error": result.all("disk_error"),
             }
             report.ok.append(worker.index)
             report.changed += int(result.values.get("changed", "0") or 0)
@@ -261,6 +329,7 @@ def _run_once(vm_id: int, report: ReconcileReport) -> None:
         bucket[worker.index] = str(error)
         _record(worker, version, error=str(error), retryable=error.retryable)
     settle_grants(vm_id)
+    disk_mounts.after_run(vm_id, report.ok)
     audit.record(
         AuditAction.VM_RECONCILED,
         lab=vm.lab,
@@ -301,12 +370,20 @@ def _why_skipped(worker: Worker) -> tuple[str, bool] | None:
 
 
 def _record(worker: Worker, version: int, *, answer=None, error="", retryable=False, boot_id=""):
-    """Store what one worker did in this run."""
+    """Store what one worker did in this run. Read afresh: another run (a revoke that
+    took the VM over) may have recorded a newer version meanwhile, and what an older
+    run saw then neither replaces its answer nor counts as this worker's error."""
     now = timezone.now()
-    try:
-        sync = worker.sync  # loaded with the worker
-    except WorkerSync.DoesNotExist:
-        sync, _ = WorkerSync.objects.get_or_create(worker=worker)
+    sync, _ = WorkerSync.objects.get_or_create(worker=worker)
+    newer = sync.applied_version > version or (
+        answer is not None and bool(answer["values"].get("stale"))
+    )
+    if newer:
+        if answer is not None:  # the worker holds this version or a newer one
+            WorkerSync.objects.filter(pk=sync.pk, applied_version__lt=version).update(
+                applied_version=version
+            )
+        return
     sync.last_attempt_at = now
     if answer is not None:
         before = set((sync.last_report or {}).get("drift_user", []))

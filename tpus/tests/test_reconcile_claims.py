@@ -37,7 +37,7 @@ def test_a_live_claim_is_left_to_its_holder(vm):
 
 
 def test_a_reconcile_that_fails_gives_its_claim_back(vm, monkeypatch):
-    def broken(vm_id, report):
+    def broken(vm_id, report, token):
         raise DatabaseError("server closed the connection unexpectedly")
 
     monkeypatch.setattr(reconcile, "_run_once", broken)
@@ -46,7 +46,7 @@ def test_a_reconcile_that_fails_gives_its_claim_back(vm, monkeypatch):
     vm.refresh_from_db()
     assert vm.reconcile_claimed_until is None
     # ... so the next one is not turned away as busy.
-    monkeypatch.setattr(reconcile, "_run_once", lambda vm_id, report: None)
+    monkeypatch.setattr(reconcile, "_run_once", lambda vm_id, report, token: None)
     assert not reconcile.reconcile_vm(vm.pk).busy
 
 
@@ -56,7 +56,7 @@ def test_a_long_run_renews_its_lease_and_a_second_run_stays_out(make_lab, settin
     vm = TpuVm.objects.create(lab=make_lab(), name="tpu6", zone="us-central1-f", source="manual")
     seen = {}
 
-    def slow(vm_id, report):
+    def slow(vm_id, report, token):
         seen["first"] = TpuVm.objects.get(pk=vm_id).reconcile_claimed_until
         time.sleep(2.5)  # longer than two leases
         seen["later"] = TpuVm.objects.get(pk=vm_id).reconcile_claimed_until
@@ -71,3 +71,85 @@ def test_a_long_run_renews_its_lease_and_a_second_run_stays_out(make_lab, settin
     assert seen["stalled"] == []
     vm.refresh_from_db()
     assert vm.reconcile_claimed_until is None
+
+
+# --- claim tokens and revokes that take a VM over ------------------------------------
+
+
+def _held(vm, *, version: int, token: str = "a" * 32, seconds: int = 30) -> None:
+    """Another run holds the VM: a live lease, its token, the version it applies."""
+    TpuVm.objects.filter(pk=vm.pk).update(
+        reconcile_claimed_until=timezone.now() + dt.timedelta(seconds=seconds),
+        reconcile_claim=token,
+        reconcile_claim_version=version,
+    )
+
+
+def _grant(vm, make_user, *, state: str, version: int):
+    from tpus.models import Grant
+
+    return Grant.objects.create(user=make_user(), vm=vm, state=state, version=version)
+
+
+def test_a_revoke_the_holder_does_not_carry_takes_the_vm_over(vm, make_user, monkeypatch):
+    _held(vm, version=3)
+    _grant(vm, make_user, state="revoking", version=4)
+    ran = []
+    monkeypatch.setattr(reconcile, "_run_once", lambda vm_id, report, token: ran.append(token))
+
+    report = reconcile.reconcile_vm(vm.pk)
+
+    assert not report.busy and len(ran) == 1 and ran[0] != "a" * 32
+    vm.refresh_from_db()
+    assert vm.reconcile_claimed_until is None and vm.reconcile_claim == ""
+
+
+def test_a_holder_applying_the_revoke_already_is_left_to_finish(vm, make_user, monkeypatch):
+    _held(vm, version=4)
+    _grant(vm, make_user, state="revoking", version=4)
+    monkeypatch.setattr(reconcile, "_run_once", lambda *a: pytest.fail("ran beside the holder"))
+
+    assert reconcile.reconcile_vm(vm.pk).busy
+    vm.refresh_from_db()
+    assert vm.reconcile_claim == "a" * 32
+
+
+def test_without_a_waiting_revoke_a_claimed_vm_is_left_to_its_holder(vm, make_user, monkeypatch):
+    _held(vm, version=3)
+    _grant(vm, make_user, state="pending", version=4)  # the holder runs again for it
+    monkeypatch.setattr(reconcile, "_run_once", lambda *a: pytest.fail("ran beside the holder"))
+
+    assert reconcile.reconcile_vm(vm.pk).busy
+
+
+def test_a_run_releases_and_renews_only_its_own_claim(vm, monkeypatch):
+    def taken_over_midway(vm_id, report, token):
+        # A revoke takes the VM over while this run is still going.
+        TpuVm.objects.filter(pk=vm_id).update(reconcile_claim="b" * 32)
+
+    monkeypatch.setattr(reconcile, "_run_once", taken_over_midway)
+    reconcile.reconcile_vm(vm.pk)
+
+    vm.refresh_from_db()
+    assert vm.reconcile_claim == "b" * 32
+    assert vm.reconcile_claimed_until is not None  # the other run's claim is left alone
+
+
+def test_a_run_whose_claim_was_taken_stops_before_contacting_any_worker(vm, monkeypatch):
+    _held(vm, version=0, token="b" * 32)
+    monkeypatch.setattr(reconcile, "run_on_workers", lambda *a: pytest.fail("contacted"))
+    report = reconcile.ReconcileReport(vm.pk)
+
+    reconcile._run_once(vm.pk, report, "a" * 32)
+
+    assert report.busy
+    vm.refresh_from_db()
+    assert (vm.reconcile_claim, vm.reconcile_claim_version) == ("b" * 32, 0)
+
+
+def test_the_desired_state_carries_the_vms_series_and_version(vm):
+    TpuVm.objects.filter(pk=vm.pk).update(desired_version=7)
+    vm.refresh_from_db()
+    state = reconcile.desired_state(vm)
+    assert state.version == 7
+    assert state.series == f"vm{vm.pk}-{int(vm.created_at.timestamp() * 1_000_000)}"

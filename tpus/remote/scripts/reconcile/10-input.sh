@@ -32,6 +32,7 @@ NUMBER='[1-9][0-9]{0,9}'
 bad=$(grep -a -n -v -x -E -m 1 \
     -e 'tpu-portal-desired 1' \
     -e "range $NUMBER $NUMBER" \
+    -e 'version [a-z0-9][a-z0-9-]{0,63} (0|[1-9][0-9]{0,17})' \
     -e "user $NAME $NUMBER [01] [01]" \
     -e "key $NAME $KEY_TYPES [A-Za-z0-9+/]+={0,2}( [A-Za-z0-9._@:+=/-]{1,100})?" \
     -e 'mount [a-z]([a-z0-9-]{0,61}[a-z0-9])? (/[A-Za-z0-9._-]+)+ (ro|rw)' \
@@ -45,7 +46,7 @@ bad=$(grep -a -n -v -x -E -m 1 \
 # character, and "$x" in a case pattern matches literally.
 : >"$work/users"
 : >"$work/mounts"
-uid_min="" uid_max="" line_no=0 ended=0 uids=" " devices=" " points=" "
+series="" version="" uid_min="" uid_max="" line_no=0 ended=0 uids=" " devices=" " points=" "
 while IFS=' ' read -r kind f1 f2 f3 f4 rest <&3; do
     line_no=$((line_no + 1))
     [ "$ended" = 0 ] || die "'end' appears before the end"
@@ -61,6 +62,14 @@ while IFS=' ' read -r kind f1 f2 f3 f4 rest <&3; do
             [ "$uid_max" -le 2000000000 ]; }; then
             die "the UID range must lie within 1000..2000000000"
         fi
+        ;;
+    version)
+        [ "$line_no" = 3 ] || die "the version must be line 3"
+        case $f1 in [a-z0-9]*) ;; *) die "bad series" ;; esac
+        case $f1 in *[!a-z0-9-]*) die "bad series" ;; esac
+        case $f2 in '' | *[!0-9]*) die "bad version" ;; esac
+        [ -z "$f3" ] || die "the version line has extra fields"
+        series=$f1 version=$f2
         ;;
     user)
         case $f1 in [a-z]*) ;; *) die "bad username" ;; esac

@@ -3,6 +3,38 @@
 exec 9>>"$LOCK"
 flock -w 120 9 || die "another reconcile has been running for two minutes"
 
+# Newer state wins. Two runs for one VM can meet here (a revoke that took the VM over
+# from a run that is still going); the lock orders them, and the host keeps the
+# highest version it has applied for the VM's series and refuses an older state,
+# changing nothing, whatever order the two got the lock in. Kept under /var/lib (a
+# reboot does not forget it), in a folder of root's own.
+VERSION_DIR=/var/lib/tpu-portal
+if [ -n "$series" ]; then
+    if [ -L "$VERSION_DIR" ] || { [ -e "$VERSION_DIR" ] && [ ! -d "$VERSION_DIR" ]; }; then
+        die "$VERSION_DIR exists and is not a folder"
+    fi
+    [ -d "$VERSION_DIR" ] || mkdir -m 0700 "$VERSION_DIR"
+    [ "$(stat -c '%u' "$VERSION_DIR")" = 0 ] || die "$VERSION_DIR does not belong to root"
+    chmod 0700 "$VERSION_DIR"
+    seen_series="" seen_version=""
+    if [ -f "$VERSION_DIR/version" ] && [ ! -L "$VERSION_DIR/version" ]; then
+        read -r seen_series seen_version _ <"$VERSION_DIR/version" || true
+    fi
+    case $seen_version in '' | *[!0-9]*) seen_series="" ;; esac
+    if [ "$seen_series" = "$series" ] && [ "$seen_version" -gt "$version" ]; then
+        read -r boot_id </proc/sys/kernel/random/boot_id
+        echo "boot_id=$boot_id"
+        echo "stale=$seen_version"
+        echo "changed=0"
+        echo "noop=1"
+        exit 0
+    fi
+    if [ "$seen_series $seen_version" != "$series $version" ]; then
+        echo "$series $version" >"$work/version"
+        replace_file "$VERSION_DIR/version" "$work/version" 600 || true
+    fi
+fi
+
 # ---------------------------------------------------------------------------------
 # 2. Host preparation (once per host; afterwards only checked): where keys live.
 # ---------------------------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""Two runs for one VM that meet on a worker: the worker keeps the highest version of
+the VM's desired state it has applied and refuses an older one, whatever order the
+two runs' scripts get the host's lock in. Real sshd hosts of the test fleet."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tpus.remote.desired import DesiredState, encode
+from tpus.tests.test_reconcile_script import _uids, new_name, state, target, user  # noqa: F401
+
+pytestmark = pytest.mark.fleet
+
+
+def versioned(desired: DesiredState, series: str, version: int) -> DesiredState:
+    return dataclasses.replace(desired, series=series, version=version)
+
+
+def test_an_older_state_reaching_a_worker_after_a_revoke_changes_nothing(target):  # noqa: F811
+    name, uid = new_name(), next(_uids)
+    key, public = target.new_key("milo")
+    series = f"vm1-{uid}"
+    target.reconcile(versioned(state(user(name, uid, public)), series, 4))
+    revoked = target.reconcile(versioned(state(user(name, uid, public, active=False)), series, 5))
+    assert revoked.values["revoked"] == "1"
+    before = target.snapshot()
+
+    # The run that read the state before the revoke gets the host's lock last.
+    late = target.reconcile(versioned(state(user(name, uid, public)), series, 4))
+
+    assert late.values["stale"] == "5"
+    assert late.values["noop"] == "1" and late.values["changed"] == "0"
+    assert late.values["boot_id"] == target.host.boot_id
+    assert target.snapshot() == before
+    assert target.ssh(name, key).returncode == 255
+    assert target.sh("stat -c '%a %U' /var/lib/tpu-portal /var/lib/tpu-portal/version") == (
+        "700 root\n600 root\n"
+    )
+
+
+def test_the_same_version_again_is_applied_and_a_new_series_starts_afresh(target):  # noqa: F811
+    name, uid = new_name(), next(_uids)
+    key, public = target.new_key("ana")
+    desired = state(user(name, uid, public))
+    target.reconcile(versioned(desired, f"vm2-{uid}", 9))
+    again = target.reconcile(versioned(desired, f"vm2-{uid}", 9))
+    assert "stale" not in again.values and again.values["noop"] == "1"
+    # The VM registered again (or the host given to another VM): its own series.
+    fresh = target.reconcile(versioned(state(user(name, uid, public, active=False)), "vm3-1", 1))
+    assert "stale" not in fresh.values and fresh.values["revoked"] == "1"
+    assert target.ssh(name, key).returncode == 255
+
+
+def test_a_state_without_a_version_is_never_refused(target):  # noqa: F811
+    name, uid = new_name(), next(_uids)
+    _, public = target.new_key("sam")
+    target.reconcile(versioned(state(user(name, uid, public)), f"vm4-{uid}", 50))
+    plain = target.reconcile(state(user(name, uid, public, active=False)))
+    assert "stale" not in plain.values and plain.values["revoked"] == "1"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "version vm1 -1",
+        "version vm1 01",
+        "version -vm1 1",
+        "version VM1 1",
+        "version vm1 1 2",
+        "version vm1 1234567890123456789",
+    ],
+)
+def test_a_bad_version_line_is_refused_and_nothing_changes(target, line):  # noqa: F811
+    name, uid = new_name(), next(_uids)
+    _, public = target.new_key("bad")
+    text = encode(state(user(name, uid, public))).decode().split("\n")
+    text.insert(2, line)
+    target.reconcile(state())  # the first run through sudo leaves its own marks
+    before = target.snapshot()
+    with pytest.raises(Exception, match="reconcile: "):
+        target.reconcile("\n".join(text).encode())
+    assert target.snapshot() == before
+
+
+def test_the_version_line_must_be_the_third(target):  # noqa: F811
+    name, uid = new_name(), next(_uids)
+    _, public = target.new_key("late")
+    text = encode(state(user(name, uid, public))).decode().split("\n")
+    text.insert(3, "version vm1 1")
+    with pytest.raises(Exception, match="line 3"):
+        target.reconcile("\n".join(text).encode())
+
+
+@pytest.mark.parametrize(
+    "series, version",
+    [("", 1), ("-a", 1), ("A", 1), ("a" * 65, 1), ("vm1", -1), ("vm1", True), ("vm1", 10**18)],
+)
+def test_the_encoder_refuses_a_bad_series_or_version(series, version):
+    desired = versioned(state(), series, version)
+    if not series:
+        assert b"version" not in encode(desired)  # no ordering asked for
+        return
+    with pytest.raises(ValueError):
+        encode(desired)
+
+
+def test_the_encoder_puts_the_version_on_the_third_line():
+    text = encode(versioned(state(), "vm7-123", 42)).decode()
+    assert text.split("\n")[:3] == [
+        "tpu-portal-desired 1",
+        "range 30000 59999",
+        "version vm7-123 42",
+    ]
