@@ -10,6 +10,7 @@ Examples::
     python -m testfleet exec h3 -- getent passwd milo
     python -m testfleet host-keys h3
     python -m testfleet ssh-keys h3 tpu-portal "ssh-ed25519 AAAA… tpu-portal@demo"
+    python -m testfleet stop          # every host stopped; the next `up` boots the same ones
     python -m testfleet teardown
     python -m testfleet agent --emulator-state var/tpu-emulator.json   # guest agent
 """
@@ -65,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("user")
     keys.add_argument("keys", nargs="*", help="public key lines (none: the account loses its keys)")
     sub.add_parser("admin-key", help="path of the admin private key the hosts trust")
+    sub.add_parser(
+        "stop", help="stop every host but keep addresses, keys and homes for the next up"
+    )
     sub.add_parser("teardown", help="remove every process, namespace, link and file")
     agent = sub.add_parser(
         "agent", help="apply emulated nodes' ssh-keys metadata to their hosts, as the guest agent"
@@ -139,6 +143,8 @@ def _dispatch(fleet: Fleet, args) -> int:
         fleet.set_ssh_keys(args.host, {args.user: args.keys} if args.keys else {})
     elif command == "admin-key":
         print(fleet.admin_key_path)
+    elif command == "stop":
+        fleet.stop()
     elif command == "teardown":
         started = time.monotonic()
         fleet.destroy()

@@ -167,3 +167,25 @@ def test_the_next_run_removes_what_a_crashed_run_left(fleet):
     assert f"tf{slot}br" not in list_links()
     for host in hosts:
         assert not os.path.exists(f"/proc/{host.init.pid}") or _is_zombie(str(host.init.pid))
+
+
+def test_a_stopped_fleet_comes_back_with_its_addresses_host_keys_and_homes(fleet):
+    other = Fleet.open_free(first=fleet.slot + 1)
+    try:
+        [host] = other.up(1)
+        keys, ip, boot = other.host_keys(host.name), host.ip, host.boot_id
+        other.exec(host.name, ["useradd", "-m", "-u", "41999", "kept"])
+        other.exec(host.name, ["sh", "-c", "echo mine > /home/kept/notes"])
+        old_init = host.init
+
+        other.stop()
+        assert not host.running and not os.path.exists(f"/proc/{old_init.pid}/exe")
+        assert not connects(ip)
+        [again] = other.up(1)
+
+        assert again.ip == ip and again.boot_id != boot
+        assert other.host_keys(again.name) == keys
+        found = ssh(other, again, "cat /home/kept/notes; getent passwd kept | cut -d: -f3")
+        assert found.stdout == "mine\n41999\n", found
+    finally:
+        other.destroy()
