@@ -278,6 +278,19 @@ PORTAL_JOB_CANCEL_GRACE_SECONDS = env.integer("PORTAL_JOB_CANCEL_GRACE_SECONDS",
 # The pre-flight's floor for free space in the home and available memory (MB).
 PORTAL_JOB_MIN_DISK_MB = env.integer("PORTAL_JOB_MIN_DISK_MB", 1024, minimum=0)
 PORTAL_JOB_MIN_MEM_MB = env.integer("PORTAL_JOB_MIN_MEM_MB", 1024, minimum=0)
+# The longest one pre-flight probe run as the person may take (their environment's
+# python reading its versions; realpath and sha256sum of their script) before it is
+# killed and its check fails ("… did not answer within N s"). 1 to 600.
+PORTAL_JOB_PREFLIGHT_PROBE_SECONDS = env.integer(
+    "PORTAL_JOB_PREFLIGHT_PROBE_SECONDS", 20, minimum=1
+)
+if PORTAL_JOB_PREFLIGHT_PROBE_SECONDS > 600:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        f"PORTAL_JOB_PREFLIGHT_PROBE_SECONDS must be at most 600, not "
+        f"{PORTAL_JOB_PREFLIGHT_PROBE_SECONDS}."
+    )
 # The port of jax.distributed's coordinator on worker 0 of a pod (TPU_PORTAL_COORDINATOR).
 PORTAL_JOB_COORDINATOR_PORT = env.integer("PORTAL_JOB_COORDINATOR_PORT", 8476, minimum=1024)
 # A TPU VM's Python environment must have libtpu (within jax's own pin) and requests.
@@ -295,12 +308,22 @@ PORTAL_JOB_DEVICE_GLOBS = {
 PORTAL_JOB_DEFAULT_CHIPS_PER_WORKER = env.integer(
     "PORTAL_JOB_DEFAULT_CHIPS_PER_WORKER", 4, minimum=0
 )
-# Opening a VM's page or the usage page looks at who holds its chips again when the
-# last look is older than this.
+# Opening a VM's page looks at who holds its chips again when the last look is older
+# than this (at most one look per VM per this long, however many have it open).
 PORTAL_JOB_USAGE_REFRESH_SECONDS = env.integer("PORTAL_JOB_USAGE_REFRESH_SECONDS", 30, minimum=0)
+# The scheduled look at who holds the chips of VMs no job holds (services/holders.py):
+# every PORTAL_HOLDER_PASS_SECONDS, at most PORTAL_HOLDER_PASS_VMS VMs, those looked
+# at least recently first, each at most once per PORTAL_HOLDER_MAX_AGE_SECONDS. Reading
+# usage (its page, its API) never looks.
+PORTAL_HOLDER_PASS_SECONDS = env.integer("PORTAL_HOLDER_PASS_SECONDS", 60, minimum=1)
+PORTAL_HOLDER_PASS_VMS = env.integer("PORTAL_HOLDER_PASS_VMS", 10, minimum=0)
+PORTAL_HOLDER_MAX_AGE_SECONDS = env.integer("PORTAL_HOLDER_MAX_AGE_SECONDS", 1800, minimum=0)
 # How much of each worker's log the portal keeps for the page (bytes); the whole log
 # stays on the worker and is downloaded from there.
 PORTAL_JOB_LOG_TAIL_BYTES = env.integer("PORTAL_JOB_LOG_TAIL_BYTES", 32768, minimum=1024)
+# A job's folder on a worker (its log among it) is removed this many days after the job
+# ended (by the next job's start there); 0 keeps them forever.
+PORTAL_JOB_FOLDER_RETENTION_DAYS = env.integer("PORTAL_JOB_FOLDER_RETENTION_DAYS", 30, minimum=0)
 
 # --- Remote hosts (TPU VM workers over SSH, tpus/remote) -------------------------------
 # The portal logs in to every worker as PORTAL_ADMIN_SSH_USER (passwordless sudo) with

@@ -7,7 +7,7 @@ import secrets
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.validators import RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
 
@@ -42,6 +42,11 @@ def validate_zones(value: object) -> None:
         raise ValidationError("Each zone may be listed once.")
     for zone in value:
         ZONE_PATTERN(zone)
+
+
+def validate_job_memory_mb(value: int) -> None:
+    if value and value < 32:
+        raise ValidationError("Give 0 (90% of the worker's memory) or at least 32 MB.")
 
 
 class Lab(models.Model):
@@ -88,6 +93,28 @@ class Lab(models.Model):
         "queued jobs per person and VM",
         default=3,
         help_text="How many jobs one person may have waiting on one TPU VM; 0: no limit.",
+    )
+    # Each job's cgroup on each worker (docs/jobs-host.md): what one job may take there.
+    job_tasks_max = models.PositiveIntegerField(
+        "tasks per job and worker",
+        default=4096,
+        validators=[MinValueValidator(16), MaxValueValidator(4194304)],
+        help_text="Processes and threads one job may have on each worker; past it, "
+        "forking fails.",
+    )
+    job_memory_max_mb = models.PositiveIntegerField(
+        "memory per job and worker (MB)",
+        default=0,
+        validators=[validate_job_memory_mb, MaxValueValidator(999_999_999)],
+        help_text="Past it the job's processes are killed (out of memory); 0: 90% of the "
+        "worker's memory.",
+    )
+    job_log_max_mb = models.PositiveIntegerField(
+        "log per job and worker (MB)",
+        default=100,
+        validators=[MinValueValidator(1), MaxValueValidator(1_000_000)],
+        help_text="Past it the log ends with a line saying where it was cut; the job keeps "
+        "running.",
     )
     created_at = models.DateTimeField(default=timezone.now)
 
