@@ -8,4 +8,7 @@ class PortalConfig(AppConfig):
     verbose_name = "TPU Portal"
 
     def ready(self) -> None:
-        from portal import checks  # noqa: F401  (registers the checks)
+        from portal import (
+            checks,  # noqa: F401  (registers the checks)
+            tasks,  # noqa: F401  (registers the outbox sweep; see tpus.apps)
+        )

@@ -6,4 +6,11 @@ class TpusConfig(AppConfig):
     verbose_name = "Labs and TPU VMs"
 
     def ready(self):
-        from tpus import checks  # noqa: F401  (registers the system checks)
+        # Register the Celery tasks once, at start-up, in every process: tpus.queue
+        # finds them by name from its first call on, in any thread, without asking
+        # Celery to import them (which would run django.setup() again and reset
+        # logging).
+        from tpus import (
+            checks,  # noqa: F401  (registers the system checks)
+            tasks,  # noqa: F401
+        )

@@ -5,30 +5,46 @@ so no worker acts on a change that rolled back, or reads a row before it exists.
 Tasks are named, not imported (as Zulip names its queues): the tasks call the
 services, and the services call this module, so importing the tasks here would tie
 the two into one knot. Tasks carry ids; they reload and re-check what they are given.
+The task modules are imported once, at start-up, by their apps' ``ready()``, so every
+name below resolves in any process (web, worker, shell) from the first call on,
+whichever threads make it.
+
+Queuing happens after the change committed, so it must not undo or hide that change:
+when the broker cannot take the task, the failure is logged and the caller carries on
+(a web request still answers as if it had worked). The periodic sweeps
+(``tpus.services.maintenance``) find the work the lost task stood for and queue it
+again. ``check_tpu_usage`` is the one kind no sweep stands behind: it changes
+nothing, it only looks, and whatever wants the answer asks again.
 """
 
 from __future__ import annotations
 
-import functools
+import logging
 
 from django.db import transaction
 
 from portal.celery import app
 
+logger = logging.getLogger(__name__)
 
-@functools.cache
-def _registered() -> None:
-    """Import every app's task module, as a worker does when it starts, so the names
-    below resolve in a web process too (and run in-process where tasks are eager)."""
-    app.loader.import_default_modules()
+
+def send_now(name: str, *args) -> None:
+    """Hand one task to the broker. Where tasks run in-process (eager), the task runs
+    here and its own errors are raised; otherwise nothing is raised: a broker that
+    cannot take the task is logged, and the sweep queues the work again."""
+    if app.conf.task_always_eager:
+        app.tasks[name].apply_async(args)
+        return
+    try:
+        app.tasks[name].apply_async(args)
+    except Exception:
+        logger.exception(
+            "could not queue %s%r; the periodic sweep will queue the work again", name, args
+        )
 
 
 def _on_commit(name: str, *args) -> None:
-    def send() -> None:
-        _registered()
-        app.tasks[name].apply_async(args)
-
-    transaction.on_commit(send)
+    transaction.on_commit(lambda: send_now(name, *args))
 
 
 # Hosts
