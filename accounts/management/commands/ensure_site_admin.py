@@ -3,7 +3,8 @@
 The email and password come from PORTAL_ADMIN_EMAIL and PORTAL_ADMIN_PASSWORD (or
 PORTAL_ADMIN_PASSWORD_FILE). Without a password, one is generated, kept in
 ``var/site-admin-password`` (mode 600) and printed, so the login stays the same
-across restarts. An existing admin is left as it is.
+across restarts; a password given in the environment is never printed. An existing
+admin is left as it is.
 """
 
 import secrets
@@ -22,7 +23,8 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         email = env.string("PORTAL_ADMIN_EMAIL", "admin@localhost.localdomain").lower()
-        password = env.secret("PORTAL_ADMIN_PASSWORD", "")
+        chosen = env.secret("PORTAL_ADMIN_PASSWORD", "")
+        password = chosen
         stored = settings.VAR_DIR / "site-admin-password"
         with transaction.atomic():
             user = User.objects.filter(email__iexact=email).first()
@@ -37,7 +39,11 @@ class Command(BaseCommand):
                     user=user, email=email, defaults={"verified": True, "primary": True}
                 )
                 self.stdout.write(f"Created site admin {email}.")
-        if not password and stored.exists():
-            password = stored.read_text().strip()
-        shown = password or "(the password you set earlier)"
+        if chosen:
+            # The operator chose it: never echo a chosen password into a service's log.
+            shown = "(the password in PORTAL_ADMIN_PASSWORD)"
+        elif stored.exists():
+            shown = stored.read_text().strip()
+        else:
+            shown = "(the password you set earlier)"
         self.stdout.write(f"Site admin login: {email} / {shown}")
