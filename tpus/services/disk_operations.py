@@ -1,6 +1,15 @@
 """Attaching and detaching disks without making the admin's request wait for the
 Cloud TPU API's long-running operation: the request checks what it can and queues
-the operation; a task runs it and records how it ended."""
+the operation; a task runs it and records how it ended.
+
+A detach goes in two steps, so that no worker is left with a mount whose disk went
+away: first the attachment is marked detaching and the workers reconcile (each one
+unmounts the disk and drops its fstab line); the operation waits, *unmounting*, until
+every worker that may have mounted it has done so, and only then asks the API to
+detach. A worker that cannot unmount it (a process holds it) is shown on the
+operation with what holds it; it is tried again every PORTAL_DISK_RECHECK_SECONDS,
+and after PORTAL_DISK_UNMOUNT_WAIT_SECONDS the detach fails and the disk stays
+attached and mounted."""
 
 from __future__ import annotations
 
@@ -14,8 +23,18 @@ from django.utils import timezone
 from portal import audit
 from tpus import queue
 from tpus.models import AuditAction
-from tpus.models.inventory import DataDisk, DiskOperation, DiskOperationState, TpuVm
+from tpus.models.inventory import (
+    IN_FLIGHT_OPERATIONS,
+    AttachmentState,
+    DataDisk,
+    DiskAttachment,
+    DiskOperation,
+    DiskOperationState,
+    NodeState,
+    TpuVm,
+)
 from tpus.services import inventory, leases
+from tpus.services.hosts import hosts_must_change
 from tpus.services.inventory import InventoryError
 from tpus.services.leases import Heartbeat
 
@@ -37,16 +56,38 @@ def request_operation(
     else:
         raise InventoryError("Unknown disk operation.")
     with transaction.atomic():
+        # One request at a time per VM decides, so two disks asked for one mount
+        # point at once cannot both pass.
+        TpuVm.objects.select_for_update().filter(pk=vm.pk).first()
         waiting = DiskOperation.objects.filter(
-            disk=disk, vm=vm, action=action, state=DiskOperationState.PENDING
+            disk=disk, vm=vm, action=action, state__in=IN_FLIGHT_OPERATIONS
         ).first()
         if waiting is not None:
             return waiting
+        if action == DiskOperation.Action.ATTACH:
+            _refuse_point_asked_for(disk, vm)
         operation = DiskOperation.objects.create(
             disk=disk, vm=vm, action=action, mode=mode, requested_by=admin
         )
         queue.run_disk_operation(operation.pk)
     return operation
+
+
+def _refuse_point_asked_for(disk: DataDisk, vm: TpuVm) -> None:
+    """Another disk with the same mount point is on its way to this VM."""
+    other = (
+        DiskOperation.objects.filter(
+            vm=vm,
+            action=DiskOperation.Action.ATTACH,
+            state__in=IN_FLIGHT_OPERATIONS,
+            disk__mount_point=disk.mount_point,
+        )
+        .exclude(disk=disk)
+        .select_related("disk")
+        .first()
+    )
+    if other is not None:
+        raise InventoryError(inventory.mount_point_taken(disk, vm, other.disk.name))
 
 
 def lease_seconds() -> int:
@@ -57,10 +98,12 @@ def lease_seconds() -> int:
 
 
 def _claimable(now) -> Q:
-    """Waiting, or running under a lease that ran out (or that an older version of the
-    portal never set) because the worker running it died."""
+    """Waiting (for a worker, or for the VM's workers to unmount the disk), or running
+    under a lease that ran out (or that an older version of the portal never set)
+    because the worker running it died."""
     expired = Q(claimed_until__isnull=True) | Q(claimed_until__lt=now)
-    return Q(state=DiskOperationState.PENDING) | (Q(state=DiskOperationState.RUNNING) & expired)
+    waiting = Q(state__in=(DiskOperationState.PENDING, DiskOperationState.UNMOUNTING))
+    return waiting | (Q(state=DiskOperationState.RUNNING) & expired)
 
 
 def _claim(operation_id: int) -> bool:
@@ -88,12 +131,13 @@ def release_stalled_operations() -> list[int]:
 
 def operations_to_resume() -> list[int]:
     """Operations the periodic sweep hands to a worker again: running ones whose
-    worker's lease ran out, and waiting ones whose task never arrived."""
+    worker's lease ran out, waiting ones whose task never arrived, and detaches
+    waiting for the workers (whose wait may be over)."""
     now = timezone.now()
     lost_task = Q(
         state=DiskOperationState.PENDING,
         created_at__lt=now - dt.timedelta(seconds=settings.PORTAL_RECONCILE_SWEEP_SECONDS),
-    )
+    ) | Q(state=DiskOperationState.UNMOUNTING)
     dead_worker = Q(state=DiskOperationState.RUNNING) & (
         Q(claimed_until__isnull=True) | Q(claimed_until__lt=now)
     )
@@ -123,23 +167,111 @@ def _carry_out(operation_id: int) -> None:
             inventory.attach_disk(
                 operation.requested_by, operation.disk, operation.vm, operation.mode
             )
-        else:
-            inventory.detach_disk(operation.requested_by, operation.disk, operation.vm)
+        elif not _detached(operation):
+            return  # waiting for the workers to unmount it
     except InventoryError as exc:
-        DiskOperation.objects.filter(pk=operation_id).update(
-            state=DiskOperationState.FAILED,
-            error=str(exc)[:2000],
-            finished_at=timezone.now(),
-            claimed_until=None,
-        )
-        audit.record(
-            AuditAction.DISK_OPERATION_FAILED,
-            actor=operation.requested_by,
-            lab=operation.vm.lab,
-            summary=f"{operation.action} {operation.disk.name} on {operation.vm.name}: {exc}"[:300],
-            data={"operation": operation_id},
-        )
+        _failed(operation, str(exc))
         return
     DiskOperation.objects.filter(pk=operation_id).update(
-        state=DiskOperationState.DONE, finished_at=timezone.now(), claimed_until=None
+        state=DiskOperationState.DONE, error="", finished_at=timezone.now(), claimed_until=None
     )
+
+
+def _failed(operation: DiskOperation, reason: str) -> None:
+    DiskOperation.objects.filter(pk=operation.pk).update(
+        state=DiskOperationState.FAILED,
+        error=reason[:2000],
+        finished_at=timezone.now(),
+        claimed_until=None,
+    )
+    audit.record(
+        AuditAction.DISK_OPERATION_FAILED,
+        actor=operation.requested_by,
+        lab=operation.vm.lab,
+        summary=f"{operation.action} {operation.disk.name} on {operation.vm.name}: {reason}"[:300],
+        data={"operation": operation.pk},
+    )
+
+
+# Node states in which no host of the VM runs, so nothing can hold the disk mounted.
+HOSTS_OFF = (NodeState.STOPPED, NodeState.PREEMPTED, NodeState.TERMINATED)
+
+
+def _detached(operation: DiskOperation) -> bool:
+    """One step of a detach: ask the workers to unmount the disk, or look whether they
+    all have, or detach it through the API. True once it is detached; False while it
+    waits for the workers. Raises InventoryError when it cannot be detached."""
+    disk, vm = operation.disk, operation.vm
+    attachment = DiskAttachment.objects.filter(disk=disk, vm=vm).first()
+    if attachment is not None and vm.state not in HOSTS_OFF:
+        if operation.hosts_version is None:
+            with transaction.atomic():
+                DiskAttachment.objects.filter(pk=attachment.pk).update(
+                    state=AttachmentState.DETACHING
+                )
+                version = hosts_must_change(vm, f"disk {disk.name} to be detached: unmount it")
+                DiskOperation.objects.filter(pk=operation.pk).update(
+                    state=DiskOperationState.UNMOUNTING,
+                    hosts_version=version,
+                    unmount_started_at=timezone.now(),
+                    error="",
+                    claimed_until=None,
+                )
+            return False
+        holding = still_held(operation, attachment)
+        if holding:
+            message = "; ".join(holding)
+            started = operation.unmount_started_at or operation.created_at
+            waited = timezone.now() - started
+            if waited < dt.timedelta(seconds=settings.PORTAL_DISK_UNMOUNT_WAIT_SECONDS):
+                DiskOperation.objects.filter(pk=operation.pk).update(
+                    state=DiskOperationState.UNMOUNTING, error=message[:2000], claimed_until=None
+                )
+                return False
+            _keep_attached(attachment, vm, disk)
+            raise InventoryError(
+                f"Not detached: {message}. The disk stays attached and mounted; stop what "
+                "uses it and detach it again."
+            )
+    try:
+        inventory.detach_disk(operation.requested_by, disk, vm)
+    except InventoryError:
+        if attachment is not None:
+            _keep_attached(attachment, vm, disk)
+        raise
+    return True
+
+
+def _keep_attached(attachment: DiskAttachment, vm: TpuVm, disk: DataDisk) -> None:
+    """The detach did not happen: the disk is wanted on the workers again."""
+    if DiskAttachment.objects.filter(pk=attachment.pk, state=AttachmentState.DETACHING).update(
+        state=AttachmentState.ATTACHED
+    ):
+        hosts_must_change(vm, f"disk {disk.name} stays attached")
+
+
+def still_held(operation: DiskOperation, attachment: DiskAttachment) -> list[str]:
+    """What keeps the disk of a detach on the VM's workers: one line per worker that
+    has not unmounted it yet (not reconciled since, unreachable, or busy with what
+    holds it). A worker the portal never reached after the disk was attached never
+    mounted it and is not waited for."""
+    device = operation.disk.name
+    held = []
+    for worker in operation.vm.workers.select_related("sync").order_by("index"):
+        sync = getattr(worker, "sync", None)
+        if sync is None or sync.last_success_at is None:
+            continue
+        if sync.applied_version < operation.hosts_version:
+            if sync.last_success_at < attachment.attached_at:
+                continue
+            why = f" ({sync.last_error})" if sync.last_error else ""
+            held.append(f"{worker.alias} has not unmounted it yet{why}")
+            continue
+        report = sync.last_report or {}
+        reasons = [
+            reason
+            for name, _, reason in (e.partition(":") for e in report.get("mount_error", []))
+            if name == device
+        ] + list(report.get("disk_error", []))
+        held += [f"{worker.alias}: {reason}" for reason in reasons]
+    return held

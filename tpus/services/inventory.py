@@ -20,6 +20,7 @@ from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, Lab
 from tpus.models.inventory import (
+    AttachmentState,
     DataDisk,
     DiskAttachment,
     DiskMode,
@@ -402,6 +403,19 @@ def check_attach(disk: DataDisk, vm: TpuVm, mode: str) -> None:
             "each of them: attach it read-only (one filesystem written from several hosts "
             "at once would be corrupted)."
         )
+    here = vm.attachments.filter(disk=disk).first()
+    if here is not None and here.state == AttachmentState.DETACHING:
+        raise InventoryError(
+            f"{disk.name} is being detached from {vm.name}; attach it again once that is done."
+        )
+    clash = (
+        vm.attachments.filter(disk__mount_point=disk.mount_point)
+        .exclude(disk=disk)
+        .select_related("disk")
+        .first()
+    )
+    if clash is not None:
+        raise InventoryError(mount_point_taken(disk, vm, clash.disk.name))
     others = disk.attachments.exclude(vm=vm)
     if mode == DiskMode.READ_WRITE and others.exists():
         raise InventoryError(
@@ -412,8 +426,18 @@ def check_attach(disk: DataDisk, vm: TpuVm, mode: str) -> None:
         raise InventoryError(f"{disk.name} is attached read-write elsewhere; detach it first.")
 
 
+def mount_point_taken(disk: DataDisk, vm: TpuVm, other: str) -> str:
+    return (
+        f"{other} is already mounted at {disk.mount_point} on {vm.name}, and two disks "
+        f"cannot share a mount point on one VM. Detach {other} first, or attach a disk "
+        "registered with another mount point."
+    )
+
+
 def detach_disk(admin, disk: DataDisk, vm: TpuVm, *, request=None) -> None:
-    """Detach through the API, then forget the attachment. Not attached is success."""
+    """Detach through the API, then forget the attachment. Not attached is success.
+    The workers must have unmounted the disk before: ``disk_operations`` runs this
+    only once every worker has (a request to detach is a ``DiskOperation``)."""
     if disk.lab_id != vm.lab_id:
         raise InventoryError("That disk and VM belong to different labs.")
     try:

@@ -34,7 +34,7 @@ from tpus.models import Job, JobWorker, TpuVm
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState
 from tpus.remote import Held, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
-from tpus.services import leases
+from tpus.services import disk_mounts, leases
 from tpus.services.hosts import remote_worker
 from tpus.services.jobs import coordinator_of, may_run_jobs
 from tpus.services.labkeys import login_for
@@ -591,6 +591,7 @@ def _status_round(job: Job, vm: TpuVm, hosts: _Hosts, parts) -> bool:
                 continue
             answered = True
             _apply_status(part, status.jobs.get(job.host_id), status.boot_id)
+            disk_mounts.boot_seen(worker, status.boot_id)  # a reboot: mounts checked again
             if holders is not None:
                 holders += _outside(worker.index, status.holders, own_group=part.pid)
         if holders is not None:

@@ -7,7 +7,7 @@ from django.conf import settings
 from portal import heartbeat
 from portal.celery import every
 from tpus.models import Lab
-from tpus.services import grants, maintenance, sync
+from tpus.services import disk_mounts, grants, maintenance, sync
 from tpus.tasks.naming import task
 
 
@@ -45,6 +45,14 @@ def reconcile_sweep() -> None:
 def release_stalled_claims() -> None:
     """Run again now the reconciles and disk operations whose holder died."""
     maintenance.rerun_stalled_claims()
+
+
+@every(settings.PORTAL_DISK_RECHECK_SECONDS, name="disk-recheck")
+@task(ignore_result=True)
+def recheck_disks() -> None:
+    """Reconcile again, within their bounded wait, the VMs whose workers wait for a
+    disk's device or still hold a disk being detached."""
+    disk_mounts.recheck_due()
 
 
 @every(settings.PORTAL_EXPIRY_CHECK_SECONDS, name="expire-grants")

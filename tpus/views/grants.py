@@ -18,7 +18,7 @@ from portal.paging import page_of
 from tpus import access
 from tpus.forms.grants import GrantForm, MemberGrantForm
 from tpus.models.grants import GrantState
-from tpus.services import directory, leases
+from tpus.services import directory, disk_mounts, leases
 from tpus.services import grants as grant_services
 from tpus.services.grants import GrantError
 
@@ -64,6 +64,8 @@ def vm_progress_context(vm) -> dict:
         "changes": grants,
         "workers": workers,
         "sync_rows": sync_rows(vm, workers, running=running, stalled_since=stalled_since),
+        # Disks no worker mounts (two at one mount point): the rest still goes through.
+        "disk_problems": disk_mounts.problems(vm, shared=len(workers) > 1),
         "in_flight": in_flight,
         "running": running,
         "stalled_since": stalled_since,
@@ -90,6 +92,7 @@ class SyncRow:
     error: str = ""
     drift: tuple = ()
     waiting: tuple = ()
+    disk_errors: tuple = ()
     mismatch_at: dt.datetime | None = None
     successes: list = field(default_factory=list)
 
@@ -110,7 +113,8 @@ class SyncRow:
 
     def key(self) -> tuple:
         return (self.badge, self.state, self.title, self.answer, self.error, self.drift,
-                self.waiting, self.mismatch_at, None in self.successes)  # fmt: skip
+                self.waiting, self.disk_errors, self.mismatch_at,
+                None in self.successes)  # fmt: skip
 
 
 def sync_rows(vm, workers, *, running: bool, stalled_since) -> list[SyncRow]:
@@ -152,6 +156,10 @@ def _sync_row(vm, worker, *, running: bool, stalled_since) -> SyncRow:
         row.answer = "in step" if changed == "0" else f"{changed} change{pluralize(changed)} made"
         row.drift = tuple(report.get("drift_user") or ())
         row.waiting = tuple(report.get("waiting_device") or ())
+        row.disk_errors = tuple(f"disks: {e}" for e in report.get("disk_error") or ()) + tuple(
+            f"disk {device}: {reason}"
+            for device, _, reason in (e.partition(":") for e in report.get("mount_error") or ())
+        )
     return row
 
 

@@ -23,7 +23,14 @@ from tpus.forms.inventory import AttachForm, DiskForm, ImportForm, ManualVmForm,
 from tpus.models import DiskAttachment, Grant, IpChange, Worker
 from tpus.models.grants import WANTED_STATES
 from tpus.models.inventory import worker_alias
-from tpus.services import directory, disk_operations, inventory, sshconfig, sync_health
+from tpus.services import (
+    directory,
+    disk_mounts,
+    disk_operations,
+    inventory,
+    sshconfig,
+    sync_health,
+)
 from tpus.services import jobs as job_services
 from tpus.services.inventory import InventoryError
 from tpus.views.connect import connection_context
@@ -175,7 +182,7 @@ def vm_detail(request, slug, vm_id):
             snippet=sshconfig.snippet_for(request.user, [vm]),
         )
     context.update(
-        attachments=vm.attachments.select_related("disk"),
+        disk_rows=disk_mounts.disk_rows(vm),
         **vm_jobs_context(request.user, lab, vm, is_admin=is_admin, may_run=may_run),
     )
     context["ip_changes"] = address_history(vm, aliases)
