@@ -40,3 +40,43 @@ class QuietPermissionDenied(logging.Filter):
         if record.exc_info and isinstance(record.exc_info[1], PermissionDenied):
             record.exc_info, record.exc_text = None, None
         return True
+
+
+class QuietPeriodicTasks(logging.Filter):
+    """Drops Celery's routine lines about periodic tasks: beat's "Sending due task
+    poll-jobs (…)" and the worker's "Task …poll_jobs[…] received" and "… succeeded",
+    which come every few seconds and bury what a person trying the portal looks for
+    (the sign-up email on the same console). Warnings and errors always pass. Used
+    where PORTAL_LOG_PERIODIC_TASKS is off (local mode): ``quiet_periodic_tasks``."""
+
+    LOGGERS = ("celery.beat", "celery.worker.strategy", "celery.app.trace")
+
+    def __init__(self, names: frozenset[str] | None = None):
+        super().__init__()
+        self._names = names
+
+    def names(self) -> frozenset[str]:
+        if self._names is None:
+            from portal.celery import app
+
+            schedule = app.conf.beat_schedule or {}
+            self._names = frozenset(entry["task"] for entry in schedule.values())
+        return self._names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO or record.name not in self.LOGGERS:
+            return True
+        message = record.getMessage()
+        return not any(f"{name}[" in message or f"({name})" in message for name in self.names())
+
+
+def quiet_periodic_tasks(config: dict) -> dict:
+    """A copy of the ``LOGGING`` dict with ``QuietPeriodicTasks`` on Celery's loggers
+    that narrate periodic tasks."""
+    loggers = dict(config.get("loggers", {}))
+    for name in QuietPeriodicTasks.LOGGERS:
+        entry = dict(loggers.get(name, {}))
+        entry["filters"] = [*entry.get("filters", []), "quiet_periodic_tasks"]
+        loggers[name] = entry
+    filters = {**config.get("filters", {}), "quiet_periodic_tasks": {"()": QuietPeriodicTasks}}
+    return {**config, "filters": filters, "loggers": loggers}

@@ -4,6 +4,7 @@ the console. Everything can still be overridden by the environment."""
 import secrets
 
 from portal import env
+from portal.logs import quiet_periodic_tasks
 from portal.settings.base import *  # noqa: F403
 from portal.settings.base import VAR_DIR
 
@@ -36,3 +37,14 @@ def _local_secrets_key() -> str:
 SECRET_KEY = env.secret("SECRET_KEY", "") or _local_secret_key()
 PORTAL_SECRETS_KEY = env.secret("PORTAL_SECRETS_KEY", "") or _local_secrets_key()
 PORTAL_REQUIRE_ADMIN_MFA = env.boolean("PORTAL_REQUIRE_ADMIN_MFA", False)
+# No SMTP server unless EMAIL_URL names one: each message is printed on the console
+# (framed, its text decoded) and kept as a file of its own in var/mail/, and the pages
+# that say "we sent you an email" say where it went (portal.localmail).
+if EMAIL_BACKEND == "django.core.mail.backends.console.EmailBackend":  # noqa: F405
+    EMAIL_BACKEND = "portal.localmail.ConsoleAndFileBackend"
+    EMAIL_FILE_PATH = str(VAR_DIR / "mail")
+# Celery's routine lines about periodic tasks (beat's "Sending due task poll-jobs" and
+# the worker's "received" and "succeeded", every few seconds) would bury that email.
+PORTAL_LOG_PERIODIC_TASKS = env.boolean("PORTAL_LOG_PERIODIC_TASKS", False)
+if not PORTAL_LOG_PERIODIC_TASKS:
+    LOGGING = quiet_periodic_tasks(LOGGING)  # noqa: F405
