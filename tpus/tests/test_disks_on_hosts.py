@@ -1,0 +1,289 @@
+"""Data disks on real fleet hosts, the emulator as the Cloud TPU API: a revoke that goes
+through on a VM whose disk rows clash, a detach that unmounts before the API detaches
+(and waits while the disk is busy), and a device that appears after the reconcile ran,
+again after a reboot. A disk is a loop device whose node and /dev/disk/by-id link are
+made in the host's own /dev when the test "plugs" it."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.urls import reverse
+
+from accounts.keys import add_key
+from accounts.models import User
+from accounts.unix import choose_username
+from testfleet.fixtures import add_fleet_node, give_lab_key
+from tpus.cloud import CloudTPU
+from tpus.models import DataDisk, DiskAttachment, Grant, TpuVm
+from tpus.models.inventory import DiskOperation, DiskOperationState
+from tpus.services import disk_mounts, disk_operations, inventory
+from tpus.services.grants import grant_access, revoke_access
+
+pytestmark = pytest.mark.fleet
+
+PROJECT, ZONE = "vision-lab-1", "us-central1-f"
+
+
+@dataclass
+class Scene:
+    fleet: object
+    host: object
+    lab: object
+    admin: object
+    milo: object
+    vm: TpuVm
+    key: Path
+    emulator: object
+
+    def sh(self, script: str) -> str:
+        return self.fleet.exec(self.host.name, ["sh", "-c", script]).stdout.decode()
+
+    def ssh(self, user: str) -> int:
+        known = self.key.with_name("known_hosts")
+        known.write_text(
+            "".join(f"{self.host.ip} {k}\n" for k in self.fleet.host_keys(self.host.name))
+        )
+        return subprocess.run(
+            ["ssh", "-F", "/dev/null", "-i", str(self.key), "-o", "IdentitiesOnly=yes",
+             "-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes",
+             "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR",
+             f"{user}@{self.host.ip}", "true"],
+            capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
+        ).returncode  # fmt: skip
+
+    def mounted_at(self, point: str) -> str:
+        return self.sh(f"findmnt -n -o SOURCE {point}; true").strip()
+
+    def cloud_disks(self) -> list[str]:
+        return [d.name for d in self.emulator.client.get_node(PROJECT, ZONE, "tpu9").data_disks]
+
+
+@pytest.fixture
+def scene(
+    tpu_emulator, fleet, fleet_host, fleet_settings, fleet_username, fleet_uids, settings,
+    tmp_path, make_lab, make_user, add_member,
+) -> Scene:  # fmt: skip
+    lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
+    admin = make_user("boss@vision.example")
+    add_member(lab, admin, role="admin")
+    add_fleet_node(tpu_emulator.controls, fleet, [fleet_host], PROJECT, ZONE, "tpu9")
+    give_lab_key(fleet, [fleet_host], lab)
+    [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu9"])
+    milo = make_user("milo@uni.example")
+    add_member(lab, milo)
+    choose_username(milo, fleet_username)
+    key = tmp_path / "id_milo"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    add_key(milo, key.with_suffix(".pub").read_text().strip())
+    milo = User.objects.select_related("unix_account").get(pk=milo.pk)
+    # Looked for again every second in these tests, not every five.
+    settings.PORTAL_DISK_RECHECK_SECONDS = 1
+    return Scene(fleet, fleet_host, lab, admin, milo, vm, key, tpu_emulator)
+
+
+class LoopDisk:
+    """An ext4 disk for one fleet host: a loop device of this machine whose node and
+    ``/dev/disk/by-id/google-<name>`` link appear in the host's /dev on ``plug()``."""
+
+    def __init__(self, scene: Scene, tmp_path: Path):
+        self.scene = scene
+        self.name = f"data-{secrets.token_hex(3)}"
+        image = tmp_path / f"{self.name}.img"
+        subprocess.run(["truncate", "-s", "16M", str(image)], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        self.loop = subprocess.run(
+            ["losetup", "--find", "--show", str(image)], check=True, capture_output=True, text=True
+        ).stdout.strip()
+        scene.emulator.controls.add_disk(PROJECT, ZONE, self.name)
+
+    def plug(self) -> None:
+        rdev = os.stat(self.loop).st_rdev
+        self.scene.sh(
+            f"[ -e {self.loop} ] || mknod -m 660 {self.loop} b {os.major(rdev)} {os.minor(rdev)}; "
+            f"mkdir -p /dev/disk/by-id && ln -sf {self.loop} /dev/disk/by-id/google-{self.name}"
+        )
+
+    def plug_later(self, seconds: float) -> threading.Timer:
+        timer = threading.Timer(seconds, self.plug)
+        timer.start()
+        return timer
+
+
+@pytest.fixture
+def loop_disk(scene, tmp_path):
+    disk = LoopDisk(scene, tmp_path)
+    try:
+        yield disk
+    finally:
+        # A fresh /dev and no mounts; then the loop device can go.
+        scene.fleet.reboot(scene.host.name)
+        subprocess.run(["losetup", "-d", disk.loop], check=False)
+
+
+def _register(scene: Scene, name: str, point: str) -> DataDisk:
+    return inventory.register_disk(
+        scene.admin, scene.lab, name=name, zone=ZONE, size_gb=1, mount_point=point
+    )
+
+
+def _until(condition, seconds: float, what: str, *, beat=None):
+    """Wait until ``condition()`` holds, running ``beat()`` (what Celery beat would
+    run) between looks; fail with ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {seconds} s")
+        if beat is not None:
+            beat()
+        time.sleep(0.2)
+
+
+def _vm_page(client, scene) -> str:
+    client.force_login(scene.admin)
+    return client.get(reverse("vm_detail", args=["vision", scene.vm.pk])).content.decode()
+
+
+# --- a clash in the disk rows never holds a revoke ------------------------------------
+
+
+def test_a_revoke_goes_through_on_a_vm_whose_disks_share_a_mount_point(
+    scene, client, django_capture_on_commit_callbacks
+):
+    # Rows from before the portal refused this (or disks attached outside it, which
+    # all get the default mount point).
+    for name in ("imagenet", "laion"):
+        disk = DataDisk.objects.create(
+            lab=scene.lab, name=name, zone=ZONE, mount_point="/mnt/disks/shared"
+        )
+        DiskAttachment.objects.create(disk=disk, vm=scene.vm)
+    username = scene.milo.unix_account.username
+    with django_capture_on_commit_callbacks(execute=True):
+        [grant] = grant_access(scene.admin, scene.lab, scene.milo, [scene.vm], sudo=True)
+    grant.refresh_from_db()
+    assert grant.state == "active", grant.error
+    assert scene.ssh(username) == 0
+
+    with django_capture_on_commit_callbacks(execute=True):
+        revoke_access(scene.admin, grant)
+
+    grant.refresh_from_db()
+    assert grant.state == "revoked"
+    assert scene.ssh(username) != 0
+    gone = (
+        f"[ ! -e /etc/ssh/tpu-portal-keys/{username} ] && "
+        f"[ ! -e /etc/sudoers.d/tpu-portal-{username} ] && echo gone"
+    )
+    assert scene.sh(gone).strip() == "gone"
+    assert scene.sh(f"getent shadow {username}").split(":")[1] == "!*"
+    # The disk part is reported on its own: the first disk waits for its device, the
+    # second is not mounted, and the page says why.
+    fstab = scene.sh("grep tpu-portal /etc/fstab; true")
+    assert "google-imagenet /mnt/disks/shared" in fstab and "laion" not in fstab
+    page = _vm_page(client, scene)
+    assert "Not mounted: /mnt/disks/shared is already where imagenet is mounted" in page
+    assert not Grant.objects.filter(state="revoking").exists()
+
+
+# --- detach: every worker unmounts first ----------------------------------------------
+
+
+def test_a_detach_unmounts_first_and_waits_while_the_disk_is_busy(
+    scene, loop_disk, client, django_capture_on_commit_callbacks, monkeypatch
+):
+    point = f"/mnt/disks/{loop_disk.name}"
+    disk = _register(scene, loop_disk.name, point)
+    loop_disk.plug()
+    with django_capture_on_commit_callbacks(execute=True):
+        disk_operations.request_operation(scene.admin, disk, scene.vm, "attach")
+    assert scene.mounted_at(point) == loop_disk.loop
+    # What the workers had mounted when the API was asked to detach.
+    seen_at_detach = []
+    real_detach = CloudTPU.detach_disk
+
+    def detach_disk(self, *args, **kwargs):
+        seen_at_detach.append(scene.mounted_at(point))
+        return real_detach(self, *args, **kwargs)
+
+    monkeypatch.setattr(CloudTPU, "detach_disk", detach_disk)
+    busy = scene.sh(f"cd {point} && sleep 300 </dev/null >/dev/null 2>&1 & echo $!").strip()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        operation = disk_operations.request_operation(scene.admin, disk, scene.vm, "detach")
+
+    operation.refresh_from_db()
+    alias = scene.vm.workers.get().alias
+    assert operation.state == DiskOperationState.UNMOUNTING
+    assert operation.error.startswith(f"{alias}: cannot unmount {point}")
+    assert f"(held by pid {busy} sleep of root)" in operation.error
+    assert seen_at_detach == [] and scene.cloud_disks() == [loop_disk.name]
+    assert scene.mounted_at(point) == loop_disk.loop
+    page = _vm_page(client, scene)
+    assert "being detached: unmounting on the workers" in page
+    assert f"held by pid {busy} sleep of root" in page
+
+    scene.sh(f"kill -KILL {busy}")
+
+    def beat():
+        with django_capture_on_commit_callbacks(execute=True):
+            disk_mounts.recheck_due()
+
+    _until(
+        lambda: DiskOperation.objects.get(pk=operation.pk).state == DiskOperationState.DONE,
+        30,
+        "the detach did not finish once the disk was free",
+        beat=beat,
+    )
+    assert seen_at_detach == [""]  # unmounted on the worker before the API detached it
+    assert scene.cloud_disks() == []
+    assert scene.sh("grep tpu-portal /etc/fstab; true") == ""
+    assert not DiskAttachment.objects.filter(disk=disk).exists()
+
+
+# --- a device that comes late ------------------------------------------------------------
+
+
+def test_a_device_that_appears_after_the_attach_is_mounted_and_again_after_a_reboot(
+    scene, loop_disk, client, django_capture_on_commit_callbacks
+):
+    point = f"/mnt/disks/{loop_disk.name}"
+    disk = _register(scene, loop_disk.name, point)
+
+    def beat():
+        with django_capture_on_commit_callbacks(execute=True):
+            disk_mounts.recheck_due()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        disk_operations.request_operation(scene.admin, disk, scene.vm, "attach")
+    # Hot-plug is not instant: the worker shows the device a few seconds later.
+    timer = loop_disk.plug_later(3)
+
+    assert scene.mounted_at(point) == ""
+    assert "waiting for the device" in _vm_page(client, scene)
+    _until(lambda: scene.mounted_at(point), 30, "the disk was not mounted", beat=beat)
+    timer.join()
+    assert "mounted on every worker" in _vm_page(client, scene)
+
+    # A reboot: no mount, a fresh /dev, and the device comes back late again. The
+    # portal sees the new boot id (here in a job's status) and looks again.
+    scene.fleet.reboot(scene.host.name)
+    assert scene.mounted_at(point) == ""
+    timer = loop_disk.plug_later(3)
+    worker = scene.vm.workers.get()
+    with django_capture_on_commit_callbacks(execute=True):
+        disk_mounts.boot_seen(worker, scene.sh("cat /proc/sys/kernel/random/boot_id").strip())
+
+    assert "waiting for the device" in _vm_page(client, scene)
+    _until(lambda: scene.mounted_at(point), 30, "the disk was not mounted again", beat=beat)
+    timer.join()
+    assert "mounted on every worker" in _vm_page(client, scene)
