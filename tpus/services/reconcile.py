@@ -24,7 +24,6 @@ from django.utils import timezone
 
 from accounts.unix import mark_names_provisioned
 from portal import audit
-from tpus import queue
 from tpus.models import (
     AuditAction,
     Grant,
@@ -37,7 +36,7 @@ from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.labs import MembershipState
 from tpus.remote import HostKeyMismatch, run_on_workers
 from tpus.remote.desired import DesiredState, DesiredUser, encode
-from tpus.services import disk_mounts, leases
+from tpus.services import disk_mounts, emails, leases
 from tpus.services.hostkey_alarms import raise_alarm
 from tpus.services.hosts import remote_worker
 from tpus.services.labkeys import login_for
@@ -202,7 +201,7 @@ def _release(vm_id: int, token: str) -> None:
     for attempt in range(3):
         try:
             TpuVm.objects.filter(pk=vm_id, reconcile_claim=token).update(
-                reconcile_claimed_until=None, reconcile_claim=""
+                reconcile_claimed_until=None, reconcile_claim="", reconcile_claim_version=0
             )
             return
         except DatabaseError:
@@ -221,7 +220,7 @@ def release_stalled_claims() -> list[int]:
     released = []
     for vm_id in stalled:
         if TpuVm.objects.filter(pk=vm_id, reconcile_claimed_until__lt=now).update(
-            reconcile_claimed_until=None, reconcile_claim=""
+            reconcile_claimed_until=None, reconcile_claim="", reconcile_claim_version=0
         ):
             released.append(vm_id)
             log.warning("VM %s: a reconcile stopped renewing its claim; running it again", vm_id)
@@ -415,13 +414,14 @@ def _record(worker: Worker, version: int, *, answer=None, error="", retryable=Fa
 def _drift_found(worker: Worker, usernames: list[str]) -> None:
     """Accounts in the portal's UID range that the portal did not make: reported to
     the lab's admins (never deleted: they may hold someone's files)."""
-    audit.record(
-        AuditAction.DRIFT_FOUND,
-        lab=worker.vm.lab,
-        summary=f"{worker.alias}: {', '.join(usernames)}"[:300],
-        data={"worker": worker.pk, "users": usernames},
-    )
-    queue.drift_found(worker.pk, usernames)
+    with transaction.atomic():
+        audit.record(
+            AuditAction.DRIFT_FOUND,
+            lab=worker.vm.lab,
+            summary=f"{worker.alias}: {', '.join(usernames)}"[:300],
+            data={"worker": worker.pk, "users": usernames},
+        )
+        emails.send_drift_alert(worker.pk, usernames)
 
 
 def _host_key_matches_again(worker: Worker) -> None:
@@ -468,28 +468,37 @@ def settle_grants(vm_id: int) -> None:
         elif hard_errors:
             _fail(grant, "; ".join(f"{alias}: {err}" for alias, err in sorted(hard_errors.items())))
         elif grant.version <= applied:
-            if Grant.objects.filter(pk=grant.pk, state=grant.state, version=grant.version).update(
-                state=GrantState.ACTIVE,
-                activated_at=now,
-                error="",
-                changed_at=now,
-                retry_at=None,
-                failures=0,
-            ):
-                audit.record(
-                    AuditAction.GRANT_ACTIVE,
-                    lab=grant.vm.lab,
-                    target_user=grant.user,
-                    summary=grant.vm.name,
-                    data={"grant": grant.pk},
-                )
-                queue.access_active(grant.pk)
+            _activate(grant, now)
     revoking = Grant.objects.filter(vm_id=vm_id, state=GrantState.REVOKING, version__lte=applied)
     for grant in revoking.select_related("user", "vm__lab"):
-        if Grant.objects.filter(pk=grant.pk, state=GrantState.REVOKING).update(
-            state=GrantState.REVOKED, revoked_at=now, changed_at=now
+        # The email is in the outbox in the same transaction as the change it tells of.
+        with transaction.atomic():
+            if Grant.objects.filter(pk=grant.pk, state=GrantState.REVOKING).update(
+                state=GrantState.REVOKED, revoked_at=now, changed_at=now
+            ):
+                emails.send_grant_email(grant.pk, "revoked")
+
+
+def _activate(grant: Grant, now) -> None:
+    """The grant is in force: recorded, audited and its "You can now use …" email put
+    in the outbox in one transaction, so no worker's death can lose the email."""
+    with transaction.atomic():
+        if Grant.objects.filter(pk=grant.pk, state=grant.state, version=grant.version).update(
+            state=GrantState.ACTIVE,
+            activated_at=now,
+            error="",
+            changed_at=now,
+            retry_at=None,
+            failures=0,
         ):
-            queue.access_revoked(grant.pk)
+            audit.record(
+                AuditAction.GRANT_ACTIVE,
+                lab=grant.vm.lab,
+                target_user=grant.user,
+                summary=grant.vm.name,
+                data={"grant": grant.pk},
+            )
+            emails.send_grant_email(grant.pk, "active")
 
 
 _OWNER = re.compile(r"^(?:uid|gid) \d+ belongs to (?:the group )?(\S+)$")
@@ -532,21 +541,22 @@ def _fail(grant: Grant, reason: str, *, retry: bool = False) -> None:
             error=reason[:2000], retry_at=retry_at, failures=failures, changed_at=timezone.now()
         )
         return
-    if Grant.objects.filter(pk=grant.pk, state=GrantState.PENDING).update(
-        state=GrantState.FAILED,
-        error=reason[:2000],
-        retry_at=retry_at,
-        failures=failures,
-        changed_at=timezone.now(),
-    ):
-        audit.record(
-            AuditAction.GRANT_FAILED,
-            lab=grant.vm.lab,
-            target_user=grant.user,
-            summary=f"{grant.vm.name}: {reason}"[:300],
-            data={"grant": grant.pk, "reason": reason[:2000]},
-        )
-        queue.grant_failed(grant.pk)
+    with transaction.atomic():
+        if Grant.objects.filter(pk=grant.pk, state=GrantState.PENDING).update(
+            state=GrantState.FAILED,
+            error=reason[:2000],
+            retry_at=retry_at,
+            failures=failures,
+            changed_at=timezone.now(),
+        ):
+            audit.record(
+                AuditAction.GRANT_FAILED,
+                lab=grant.vm.lab,
+                target_user=grant.user,
+                summary=f"{grant.vm.name}: {reason}"[:300],
+                data={"grant": grant.pk, "reason": reason[:2000]},
+            )
+            emails.send_grant_email(grant.pk, "failed")
 
 
 def give_up(vm_id: int) -> None:

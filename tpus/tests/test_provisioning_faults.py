@@ -165,3 +165,110 @@ def test_a_revoke_interrupted_by_a_database_outage_completes_soon_after(
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(timeout=20)
+
+
+def _ready(log: Path, seconds: float = 60) -> None:
+    """Wait until the Celery worker writing ``log`` takes tasks."""
+    _wait(lambda: log.exists() and " ready." in log.read_text(errors="replace"), seconds,
+          "the worker to start")  # fmt: skip
+
+
+def _seconds_until_refused(login, aliases: list[str], limit: float) -> float:
+    """Try ``ssh`` as the person on every worker once a second (all at once) from now
+    until each refuses them; how long until the round that saw it ended. Each worker
+    must answer: a refusal is sshd's, not a connection that failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(len(aliases)) as pool:
+        while True:
+            tried = time.monotonic()
+            results = list(pool.map(login, aliases))
+            if all(r.returncode != 0 for r in results):
+                for r in results:
+                    assert r.returncode == 255 and "in" not in r.stdout.split(), r
+                    assert "timed out" not in r.stderr and "No route" not in r.stderr, r.stderr
+                    assert "resolve" not in r.stderr, r.stderr
+                return time.monotonic() - start
+            if time.monotonic() - start > limit:
+                raise AssertionError(f"still logging in {limit} s after the revoke")
+            time.sleep(max(0.0, 1 - (time.monotonic() - tried)))
+
+
+def _login_with_config_of_now(pod_):
+    """Plain ssh as the person with the config and known_hosts they hold now (written
+    once: after the revoke the portal leaves the VM out of a fresh one)."""
+    config, known = pod_.write_config(pod_.milo)
+
+    def login(alias: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["ssh", "-F", str(config), "-i", str(pod_.key), "-o", "IdentitiesOnly=yes",
+             "-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes",
+             "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR",
+             alias, "echo in"],
+            capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    return login
+
+
+@pytest.mark.parametrize("death", ["kill -9 of the Celery worker", "PostgreSQL restart"])
+def test_a_revoke_refuses_the_person_on_every_worker_within_5_s_whatever_died_before(
+    pod,  # noqa: F811
+    celery_worker_process,
+    settings,
+    tmp_path,
+    death,
+):
+    """Production lease and stalled-claim settings: the revoke does not wait for them."""
+    from django.db import connection
+
+    if death == "PostgreSQL restart" and connection.vendor != "postgresql":
+        pytest.skip("a database outage needs PostgreSQL (PORTAL_TEST_BACKEND=services)")
+    assert settings.PORTAL_RECONCILE_CLAIM_SECONDS == 30
+    env = {
+        **celery_worker_process.env_for_children,
+        "PORTAL_TEST_QUEUE": settings.CELERY_TASK_DEFAULT_QUEUE,
+        "PORTAL_REMOTE_CONNECT_TIMEOUT": "20",  # the holder stays mid-run long enough
+        "PORTAL_UID_MIN": str(settings.PORTAL_UID_MIN),
+        "PORTAL_UID_MAX": str(settings.PORTAL_UID_MAX),
+    }
+    os.killpg(celery_worker_process.pid, signal.SIGKILL)
+    first = _worker(env, tmp_path / "first.log")
+    second = None
+    aliases = [f"tpu5-w{i}" for i in range(4)]
+    try:
+        [grant] = grant_access(pod.admin, pod.lab, pod.milo, [pod.vm], sudo=False)
+        _wait(lambda: Grant.objects.get(pk=grant.pk).state == "active", 60, "the grant")
+        # A reconcile of the VM is under way (one worker hangs like a dead VM) when
+        # its holder dies: the worker process is killed, or PostgreSQL restarts under it.
+        slow = pod.hosts[3]
+        pod.fleet.down(slow.name, hang=True)
+        [changed] = grant_access(pod.admin, pod.lab, pod.milo, [pod.vm], sudo=True)
+        _wait(lambda: TpuVm.objects.get(pk=pod.vm.pk).reconcile_claim_version == changed.version,
+              30, "a reconcile to be under way")  # fmt: skip
+        if death.startswith("kill"):
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+            second = _worker(env, tmp_path / "second.log")
+            _ready(tmp_path / "second.log")
+        else:
+            _database_outage(3)
+        pod.fleet.start(slow.name)
+        vm = TpuVm.objects.get(pk=pod.vm.pk)
+        assert vm.reconcile_claimed_until is not None  # the dead run's lease is still on
+        login = _login_with_config_of_now(pod)
+        for alias in aliases:
+            assert login(alias).returncode == 0, alias
+
+        revoke_access(pod.admin, Grant.objects.get(pk=grant.pk))
+        took = _seconds_until_refused(login, aliases, 30)
+
+        print(f"{death} → revoke refused on 4 workers after {took:.1f} s")
+        assert took <= 5
+        _wait(lambda: Grant.objects.get(pk=grant.pk).state == "revoked", 60, "the revoke")
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=20)
