@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 # How long one attempt may hold a message. Django's SMTP backend times out each socket
 # operation after EMAIL_TIMEOUT (15 s), so an attempt ends well within this.
 LEASE = dt.timedelta(seconds=120)
+# How long a new message is left to the process that wrote it: its first attempt claims
+# the row right after the commit (milliseconds), so this only covers a process that
+# died (or was stopped) in between; then the sweep sends it.
+FIRST_ATTEMPT_LEASE = dt.timedelta(seconds=20)
 # The sweep stops early after this many failures in a row: the server is most likely
 # down, and the rest are tried at the next sweep instead of each waiting for a timeout.
 FAILURES_BEFORE_PAUSE = 3
@@ -68,9 +72,9 @@ def enqueue(
         html_body=html_body,
         message_id=make_msgid(domain=str(DNS_NAME)),
         created_at=now,
-        # The creator's own lease: the sweep leaves the row alone while the first
-        # attempt runs, and takes it over if that attempt never happens.
-        next_attempt_at=now + LEASE,
+        # The creator's own lease: the sweep leaves the row alone until the first
+        # attempt has claimed it, and takes it over if that attempt never happens.
+        next_attempt_at=now + FIRST_ATTEMPT_LEASE,
     )
     pk, lease = message.pk, message.next_attempt_at
     transaction.on_commit(lambda: _first_attempt(pk, lease))

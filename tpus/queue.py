@@ -15,6 +15,9 @@ when the broker cannot take the task, the failure is logged and the caller carri
 (``tpus.services.maintenance``) find the work the lost task stood for and queue it
 again. ``check_tpu_usage`` is the one kind no sweep stands behind: it changes
 nothing, it only looks, and whatever wants the answer asks again.
+
+Emails are not queued work: each is written to the outbox (``tpus.services.emails``)
+in the transaction of the change it tells of, and the outbox delivers it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from portal.celery import app
 logger = logging.getLogger(__name__)
 
 
-def send_now(name: str, *args) -> None:
+def _send(name: str, *args) -> None:
     """Hand one task to the broker. Where tasks run in-process (eager), the task runs
     here and its own errors are raised; otherwise nothing is raised: a broker that
     cannot take the task is logged, and the sweep queues the work again."""
@@ -44,7 +47,7 @@ def send_now(name: str, *args) -> None:
 
 
 def _on_commit(name: str, *args) -> None:
-    transaction.on_commit(lambda: send_now(name, *args))
+    transaction.on_commit(lambda: _send(name, *args))
 
 
 # Hosts
@@ -83,60 +86,3 @@ def check_tpu_usage(vm_id: int) -> None:
 def refresh_lab(lab_id: int) -> None:
     """List one lab's TPU VMs from the Cloud TPU API now."""
     _on_commit("tpus.tasks.sync_lab_inventory", lab_id)
-
-
-# Email: each task reloads its rows and sends only if the news still holds.
-
-
-def membership_requested(membership_id: int) -> None:
-    _on_commit("tpus.tasks.send_membership_email", membership_id, "requested")
-
-
-def membership_decided(membership_id: int) -> None:
-    _on_commit("tpus.tasks.send_membership_email", membership_id, "decided")
-
-
-def invite_created(invite_id: int, raw_token: str) -> None:
-    _on_commit("tpus.tasks.send_invite_email", invite_id, raw_token)
-
-
-def access_active(grant_id: int) -> None:
-    _on_commit("tpus.tasks.send_grant_email", grant_id, "active")
-
-
-def access_revoked(grant_id: int) -> None:
-    _on_commit("tpus.tasks.send_grant_email", grant_id, "revoked")
-
-
-def grant_failed(grant_id: int) -> None:
-    _on_commit("tpus.tasks.send_grant_email", grant_id, "failed")
-
-
-def expiry_warning(grant_id: int) -> None:
-    _on_commit("tpus.tasks.send_grant_email", grant_id, "expiring")
-
-
-def host_key_changed(worker_id: int) -> None:
-    _on_commit("tpus.tasks.send_host_key_alert", worker_id)
-
-
-def ip_changed(notice_id: int) -> None:
-    """One person's email about one address change (the task claims it once)."""
-    _on_commit("tpus.tasks.send_ip_change_email", notice_id)
-
-
-def drift_found(worker_id: int, usernames: list[str]) -> None:
-    _on_commit("tpus.tasks.send_drift_alert", worker_id, usernames)
-
-
-def sync_failing(zone_sync_id: int) -> None:
-    _on_commit("tpus.tasks.send_sync_alert", zone_sync_id, "failing", "")
-
-
-def sync_recovered(zone_sync_id: int, failing_since) -> None:
-    since = failing_since.isoformat() if failing_since else ""
-    _on_commit("tpus.tasks.send_sync_alert", zone_sync_id, "recovered", since)
-
-
-def job_ended(job_id: int) -> None:
-    _on_commit("tpus.tasks.send_job_email", job_id)

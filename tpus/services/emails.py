@@ -1,8 +1,10 @@
 """The emails a lab's people and admins get: who receives each, what it says, and
-whether the news still holds when it goes out. Each function takes ids (the queue's
-tasks call them), reloads the rows, and stores the message in the outbox in the
-current transaction (``portal.mail``); nothing is sent about a row that is gone or
-whose state moved on."""
+whether the news still holds. The services call these in the transaction of the change
+an email tells of (a grant turning active, an address changing, a job ending …), so
+the message is in the outbox exactly when the change is committed: no task to lose,
+no worker's death to wait out. Each function takes ids, reloads the rows, and stores
+the message in the current transaction (``portal.mail``); nothing is sent about a row
+that is gone or whose state moved on."""
 
 from __future__ import annotations
 

@@ -13,11 +13,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from portal import audit
-from tpus import queue
 from tpus.models import AuditAction, Grant, Lab, Membership, TpuVm
 from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.labs import MembershipState
-from tpus.services import jobs
+from tpus.services import emails, jobs
 from tpus.services.hosts import hosts_must_change
 
 
@@ -213,9 +212,10 @@ def warn_expiring_grants() -> int:
     claimed with a conditional UPDATE, so two runs never both send it."""
     warned = 0
     for grant in grants_expiring_soon():
-        if Grant.objects.filter(pk=grant.pk, expiry_warned_at=None).update(
-            expiry_warned_at=timezone.now()
-        ):
-            queue.expiry_warning(grant.pk)
-            warned += 1
+        with transaction.atomic():  # the claim and the email commit together
+            if Grant.objects.filter(pk=grant.pk, expiry_warned_at=None).update(
+                expiry_warned_at=timezone.now()
+            ):
+                emails.send_grant_email(grant.pk, "expiring")
+                warned += 1
     return warned

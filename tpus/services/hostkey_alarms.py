@@ -15,8 +15,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from portal import audit
-from tpus import queue
 from tpus.models import AuditAction, Worker
+from tpus.services import emails
 from tpus.services.hosts import hosts_must_change
 
 
@@ -24,18 +24,19 @@ def raise_alarm(worker: Worker, presented: str, *, published: bool = False) -> b
     """Stop provisioning this worker and tell the lab's admins, once per alarm.
     ``presented`` is the key the worker presented, or (``published``) the key the
     Cloud TPU API now publishes for it. False when the alarm was already up."""
-    updated = Worker.objects.filter(pk=worker.pk, host_key_mismatch_at=None).update(
-        host_key_mismatch_at=timezone.now(), presented_host_key=presented[:2000]
-    )
-    if updated:
-        how = "the Cloud TPU API publishes" if published else "it presented"
-        audit.record(
-            AuditAction.HOST_KEY_CHANGED,
-            lab=worker.vm.lab,
-            summary=f"{worker.alias}: {how} a host key that is not the pinned one",
-            data={"worker": worker.pk, "presented": presented[:2000], "published": published},
+    with transaction.atomic():  # the alarm and the admins' email commit together
+        updated = Worker.objects.filter(pk=worker.pk, host_key_mismatch_at=None).update(
+            host_key_mismatch_at=timezone.now(), presented_host_key=presented[:2000]
         )
-        queue.host_key_changed(worker.pk)
+        if updated:
+            how = "the Cloud TPU API publishes" if published else "it presented"
+            audit.record(
+                AuditAction.HOST_KEY_CHANGED,
+                lab=worker.vm.lab,
+                summary=f"{worker.alias}: {how} a host key that is not the pinned one",
+                data={"worker": worker.pk, "presented": presented[:2000], "published": published},
+            )
+            emails.send_host_key_alert(worker.pk)
     return bool(updated)
 
 

@@ -9,15 +9,16 @@ from django.conf import settings
 from django.utils import timezone
 
 from portal import audit
-from tpus import queue
 from tpus.models import AuditAction, Grant, IpChange, IpChangeNotice, TpuVm
 from tpus.models.grants import WANTED_STATES
+from tpus.services import emails
 from tpus.services.hosts import hosts_must_change
 
 
 def announce(vm: TpuVm, changes: list[IpChange]) -> None:
-    """Record the changes in the audit log and queue one notice per person who can
-    log in to the VM. Runs inside the sync's transaction."""
+    """Record the changes in the audit log and put one email per person who can log
+    in to the VM in the outbox. Runs inside the sync's transaction, so the new address
+    and its emails commit together."""
     users = {
         g.user_id: g.user
         for g in Grant.objects.filter(vm=vm, state__in=WANTED_STATES).select_related("user")
@@ -32,17 +33,17 @@ def announce(vm: TpuVm, changes: list[IpChange]) -> None:
         for user in users.values():
             notice, created = IpChangeNotice.objects.get_or_create(change=change, user=user)
             if created:
-                queue.ip_changed(notice.pk)
+                emails.send_ip_change_email(notice.pk)
 
 
-# A notice's email task normally runs within seconds of the change; one still unsent
-# after this long was lost with the broker's queue.
+# A notice's email is written with the change; one still unsent after this long was
+# left by an earlier version that handed the email to a task, lost with the broker.
 NOTICE_LOST_AFTER = dt.timedelta(minutes=5)
 
 
 def notices_to_resend(limit: int = 500) -> list[int]:
-    """Notices whose email task never ran (say Redis lost its queue), for the sweep to
-    queue again; the task's claim keeps it to one email. Changes older than the
+    """Notices whose email was never written (an earlier version's task that Redis
+    lost), for the sweep to write; the notice's claim keeps it to one email. Changes older than the
     outbox's give-up time are no longer news and are left alone."""
     now = timezone.now()
     oldest = now - dt.timedelta(seconds=settings.PORTAL_MAIL_GIVE_UP_SECONDS)

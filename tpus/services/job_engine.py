@@ -34,7 +34,7 @@ from tpus.models import Job, JobWorker, TpuVm
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState
 from tpus.remote import Held, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
-from tpus.services import disk_mounts, leases
+from tpus.services import disk_mounts, emails, leases
 from tpus.services.hosts import remote_worker
 from tpus.services.jobs import coordinator_of, may_run_jobs
 from tpus.services.labkeys import login_for
@@ -759,4 +759,5 @@ def _end(job: Job, state: JobState, reason: str) -> None:
             data={"job": job.pk, "vm": job.vm_id, "state": state.value},
         )
         if job.notify or state == JobState.LOST:
-            queue.job_ended(job.pk)
+            # In the outbox with the job's end, in one transaction: no task to lose.
+            emails.send_job_email(job.pk)

@@ -11,9 +11,9 @@ from django.utils import timezone
 
 from portal import audit
 from portal.validators import validate_multiline_text, validate_plain_text
-from tpus import queue
 from tpus.models import AuditAction, Invite, Lab, Membership
 from tpus.models.labs import MembershipState, Role, hash_invite_token
+from tpus.services import emails
 
 PURPOSE_MAX = 500
 INVITE_DAYS = 14
@@ -75,15 +75,16 @@ def request_membership(
     except IntegrityError:
         # Two requests at once: the other one won, and it is the same request.
         return Membership.objects.get(user=user, lab=lab)
-    audit.record(
-        AuditAction.MEMBERSHIP_REQUESTED,
-        actor=user,
-        lab=lab,
-        target_user=user,
-        summary=purpose[:200],
-        request=request,
-    )
-    queue.membership_requested(membership.pk)
+    with transaction.atomic():
+        audit.record(
+            AuditAction.MEMBERSHIP_REQUESTED,
+            actor=user,
+            lab=lab,
+            target_user=user,
+            summary=purpose[:200],
+            request=request,
+        )
+        emails.send_membership_email(membership.pk, "requested")
     return membership
 
 
@@ -112,7 +113,7 @@ def approve_membership(admin, membership: Membership, *, request=None) -> Member
             target_user=membership.user,
             request=request,
         )
-        queue.membership_decided(membership.pk)
+        emails.send_membership_email(membership.pk, "decided")
     return membership
 
 
@@ -135,7 +136,7 @@ def reject_membership(admin, membership: Membership, *, note: str = "", request=
             summary=note[:200],
             request=request,
         )
-        queue.membership_decided(membership.pk)
+        emails.send_membership_email(membership.pk, "decided")
     return membership
 
 
@@ -203,7 +204,9 @@ def create_invite(
         request=request,
     )
     if email:
-        queue.invite_created(invite.pk, raw)
+        # Rendered here, in the invite's transaction: the secret link never travels
+        # through the broker.
+        emails.send_invite_email(invite.pk, raw)
     return invite, raw
 
 

@@ -1,5 +1,5 @@
 """The periodic sweeps: which work is stuck or lost, queued again (reconciles,
-connection checks, disk operations, IP-change emails), and which VMs are due a
+connection checks, disk operations, host-key scans), and which VMs are due a
 reconcile to find and mend drift."""
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from django.utils import timezone
 from tpus import queue
 from tpus.models import Grant, TpuVm
 from tpus.models.grants import GrantState
-from tpus.services import connect, disk_operations, hostkey_scans, ipchanges, reconcile
+from tpus.services import (
+    connect,
+    disk_operations,
+    emails,
+    hostkey_scans,
+    ipchanges,
+    reconcile,
+)
 
 
 def vms_to_reconcile() -> list[int]:
@@ -44,7 +51,7 @@ def vms_to_reconcile() -> list[int]:
 
 def requeue_stuck_work() -> None:
     """Queue again anything stuck: pending or revoking grants, workers behind, disk
-    operations whose worker died, IP-change emails whose task was lost; and every VM
+    operations whose worker died, IP-change emails an earlier version left unwritten; and every VM
     due a drift check. Each task re-checks, so queuing twice does no harm."""
     for vm_id in vms_to_reconcile():
         queue.reconcile_vm(vm_id)
@@ -53,15 +60,30 @@ def requeue_stuck_work() -> None:
     for operation_id in disk_operations.operations_to_resume():
         queue.run_disk_operation(operation_id)
     for notice_id in ipchanges.notices_to_resend():
-        queue.ip_changed(notice_id)
+        emails.send_ip_change_email(notice_id)  # claimed: at most one email per notice
     for scan_id in hostkey_scans.stalled_scans():
         queue.scan_host_keys(scan_id)
 
 
+def grants_due_a_retry() -> list[int]:
+    """VMs with a grant a worker refused for a reason the host may get over, whose
+    back-off has passed (``reconcile.retry_delay``): looked for often, so a grant
+    heals soon after the admin removes the account in the way, while each VM is
+    tried at most once per back-off."""
+    return sorted(
+        set(
+            Grant.objects.filter(state=GrantState.FAILED, retry_at__lte=timezone.now()).values_list(
+                "vm_id", flat=True
+            )
+        )
+    )
+
+
 def rerun_stalled_claims() -> None:
     """A reconcile or disk operation whose holder died stops renewing its claim: run
-    it again now, instead of waiting for the next sweep."""
-    for vm_id in reconcile.release_stalled_claims():
+    it again now, instead of waiting for the next sweep. Refused grants whose next try
+    is due are run too."""
+    for vm_id in sorted(set(reconcile.release_stalled_claims()) | set(grants_due_a_retry())):
         queue.reconcile_vm(vm_id)
     for operation_id in disk_operations.release_stalled_operations():
         queue.run_disk_operation(operation_id)

@@ -18,8 +18,8 @@ from django.db.models import OuterRef, QuerySet, Subquery
 from django.utils import timezone
 
 from portal import audit
-from tpus import queue
 from tpus.models import AuditAction, Lab, ZoneSync
+from tpus.services import emails
 
 
 def _row(lab: Lab, zone: str) -> ZoneSync:
@@ -43,7 +43,8 @@ def record_success(labs: Iterable[Lab], zone: str) -> None:
                     summary=f"{zone}: listing TPU VMs works again",
                     data={"zone": zone, "failing_since": _iso(row.failing_since)},
                 )
-                queue.sync_recovered(row.pk, row.failing_since)
+                since = row.failing_since.isoformat() if row.failing_since else ""
+                emails.send_sync_alert(row.pk, "recovered", since)
                 continue
         ZoneSync.objects.filter(pk=row.pk).update(
             failing_since=None, last_error="", last_success_at=now
@@ -71,7 +72,7 @@ def record_failure(labs: Iterable[Lab], zone: str, error: str) -> None:
                     summary=f"{zone}: {error}"[:300],
                     data={"zone": zone, "failing_since": _iso(row.failing_since), "error": error},
                 )
-                queue.sync_failing(row.pk)
+                emails.send_sync_alert(row.pk, "failing", "")
 
 
 def _iso(value) -> str | None:

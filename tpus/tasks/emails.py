@@ -1,5 +1,8 @@
-"""The emails: each service function reloads its rows, re-checks that the news still
-holds, and stores the message in the outbox (``tpus.services.emails``)."""
+"""The emails as tasks, kept for messages an earlier version queued: the services now
+write each email to the outbox in the transaction of the change it tells of, and
+nothing queues these. Each reloads its rows, re-checks that the news still holds, and
+stores the message in the outbox (``tpus.services.emails``); the claims keep it to one
+email however many times it runs."""
 
 from __future__ import annotations
 

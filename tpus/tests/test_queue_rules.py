@@ -7,9 +7,9 @@ import ast
 from pathlib import Path
 
 import pytest
-from django.core import mail
 
 from tpus import queue
+from tpus.models import ZoneSync
 
 ROOT = Path(__file__).resolve().parents[2]
 ENQUEUE_CALLS = {"delay", "delay_on_commit", "apply_async", "send_task"}
@@ -93,25 +93,33 @@ def test_every_name_the_queue_uses_is_a_registered_task():
     assert names and names <= set(app.tasks)
 
 
+def _lab_to_list(cast):
+    """A lab with one zone; listing it reaches a closed port (the tests' Cloud TPU API)
+    and records the failure: the trace that the queued sync ran."""
+    cast.lab.gcp_project_id, cast.lab.zones = "vision-project", ["us-central1-f"]
+    cast.lab.save()
+    return ZoneSync.objects.filter(lab=cast.lab, last_failure_at__isnull=False)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_queued_work_runs_only_once_the_transaction_commits(cast):
     from django.db import transaction
 
-    mail.outbox.clear()
+    listed = _lab_to_list(cast)
     with transaction.atomic():
-        queue.membership_requested(cast.pending_membership.pk)
-        assert mail.outbox == []
-    assert [m.to for m in mail.outbox] == [[cast.admin.email]]
+        queue.refresh_lab(cast.lab.pk)
+        assert not listed.exists()
+    assert listed.exists()
 
 
 @pytest.mark.django_db(transaction=True)
 def test_queued_work_is_dropped_when_the_transaction_rolls_back(cast):
     from django.db import transaction
 
-    mail.outbox.clear()
+    listed = _lab_to_list(cast)
     with pytest.raises(RuntimeError), transaction.atomic():
-        queue.membership_requested(cast.pending_membership.pk)
+        queue.refresh_lab(cast.lab.pk)
         raise RuntimeError("rolled back")
-    assert mail.outbox == []
-    queue.membership_requested(cast.pending_membership.pk)  # outside a transaction: at once
-    assert [m.to for m in mail.outbox] == [[cast.admin.email]]
+    assert not listed.exists()
+    queue.refresh_lab(cast.lab.pk)  # outside a transaction: at once
+    assert listed.exists()
