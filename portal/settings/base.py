@@ -264,9 +264,12 @@ PORTAL_EXPIRY_CHECK_SECONDS = env.integer("PORTAL_EXPIRY_CHECK_SECONDS", 600, mi
 PORTAL_RECONCILE_CLAIM_SECONDS = env.integer("PORTAL_RECONCILE_CLAIM_SECONDS", 30, minimum=1)
 PORTAL_STALLED_CHECK_SECONDS = env.integer("PORTAL_STALLED_CHECK_SECONDS", 20, minimum=1)
 # A grant a worker refused for a reason the host may get over (a local account holding
-# the person's UID or name) is tried again by the sweep after this, doubling each time
-# up to an hour.
-PORTAL_GRANT_RETRY_SECONDS = env.integer("PORTAL_GRANT_RETRY_SECONDS", 60, minimum=1)
+# the person's UID or name) is tried again after this, doubling each time up to
+# PORTAL_GRANT_RETRY_MAX_SECONDS: once the admin removes the account, the grant heals
+# within about that long (due tries are looked for every PORTAL_STALLED_CHECK_SECONDS),
+# and a VM with refused grants gets at most one reconcile per that many seconds.
+PORTAL_GRANT_RETRY_SECONDS = env.integer("PORTAL_GRANT_RETRY_SECONDS", 15, minimum=1)
+PORTAL_GRANT_RETRY_MAX_SECONDS = env.integer("PORTAL_GRANT_RETRY_MAX_SECONDS", 40, minimum=1)
 
 # --- Jobs (tpus/services/jobs.py, docs/jobs.md) -----------------------------------------
 # How often the portal asks the workers of VMs with jobs how they go (one SSH exec per

@@ -528,7 +528,8 @@ def clash_message(username: str, alias: str, reason: str) -> str:
 def retry_delay(failures: int) -> dt.timedelta:
     """How long a grant waits before the next try after its ``failures``-th failure."""
     base = settings.PORTAL_GRANT_RETRY_SECONDS
-    return dt.timedelta(seconds=min(base * 2 ** max(0, failures - 1), 3600))
+    cap = settings.PORTAL_GRANT_RETRY_MAX_SECONDS
+    return dt.timedelta(seconds=min(base * 2 ** min(max(0, failures - 1), 20), cap))
 
 
 def _fail(grant: Grant, reason: str, *, retry: bool = False) -> None:

@@ -376,7 +376,7 @@ def test_a_local_account_on_the_persons_uid_fails_the_grant_until_it_is_gone(
         reconcile_vm(pod.vm.pk)
         grant.refresh_from_db()
         assert grant.state == "failed" and grant.failures == 2
-        assert grant.retry_at > timezone.now() + dt.timedelta(seconds=90)
+        assert grant.retry_at > timezone.now() + dt.timedelta(seconds=20)
         failed_mails = [m for m in mail.outbox if m.subject.endswith("failed")]
         assert len(failed_mails) == 1
     finally:

@@ -1,0 +1,63 @@
+"""A grant a worker refused because a local account holds the person's UID or name
+heals soon after the admin removes that account, with the portal's defaults, while a
+VM with refused grants is tried at most once per back-off."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.utils import timezone
+
+from portal.settings import base
+from tpus.models import Grant, TpuVm
+from tpus.services import maintenance, reconcile
+
+
+def test_with_the_defaults_a_refused_grant_is_tried_again_within_a_minute_however_often(
+    settings,
+):
+    settings.PORTAL_GRANT_RETRY_SECONDS = base.PORTAL_GRANT_RETRY_SECONDS
+    settings.PORTAL_GRANT_RETRY_MAX_SECONDS = base.PORTAL_GRANT_RETRY_MAX_SECONDS
+    delays = [reconcile.retry_delay(n).total_seconds() for n in range(1, 200)]
+    # The next try is due after the back-off and found by the next frequent check.
+    assert max(delays) + base.PORTAL_STALLED_CHECK_SECONDS <= 60
+    # Bounded: never more often than the first back-off, and backing off at first.
+    assert delays[0] == base.PORTAL_GRANT_RETRY_SECONDS >= 10
+    assert delays == sorted(delays)
+
+
+@pytest.fixture
+def vm(make_lab):
+    return TpuVm.objects.create(lab=make_lab(), name="tpu5", zone="us-central1-f", source="manual")
+
+
+def _failed(vm, make_user, retry_in: float) -> Grant:
+    return Grant.objects.create(
+        user=make_user(),
+        vm=vm,
+        state="failed",
+        failures=3,
+        retry_at=timezone.now() + dt.timedelta(seconds=retry_in),
+    )
+
+
+def test_the_frequent_check_queues_a_vm_whose_refused_grant_is_due(vm, make_user, monkeypatch):
+    queued = []
+    monkeypatch.setattr(maintenance.queue, "reconcile_vm", queued.append)
+    _failed(vm, make_user, retry_in=-1)
+    _failed(vm, make_user, retry_in=-5)  # two grants, one run
+
+    maintenance.rerun_stalled_claims()
+
+    assert queued == [vm.pk]
+
+
+def test_a_refused_grant_not_yet_due_leaves_the_hosts_alone(vm, make_user, monkeypatch):
+    queued = []
+    monkeypatch.setattr(maintenance.queue, "reconcile_vm", queued.append)
+    _failed(vm, make_user, retry_in=30)
+
+    maintenance.rerun_stalled_claims()
+
+    assert queued == []
