@@ -1,0 +1,3 @@
+from tpu_cli.main import main
+
+main()

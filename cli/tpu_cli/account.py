@@ -1,0 +1,229 @@
+"""Commands about the person: login, logout, config install, ls, usage."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import webbrowser
+
+from rich.table import Table
+
+from tpu_cli import credentials, paths, sshfiles, vms
+from tpu_cli.api import Api
+from tpu_cli.errors import FAILED, SIGNED_OUT, UNREACHABLE, USAGE, ApiError, CliError
+from tpu_cli.session import Session, out, say
+
+
+def login(args) -> int:
+    url = args.url
+    if not url:
+        previous = credentials.load()
+        url = previous.url if previous else ""
+    if not url:
+        raise CliError("Give the portal's address: tpu login https://tpu.example.edu", USAGE)
+    api = Api(url)
+    if args.with_token:
+        token = sys.stdin.readline().strip()
+        if not token:
+            raise CliError(
+                "No token on standard input (paste one from the API tokens page).", USAGE
+            )
+        email = _whose(api.url, token)
+    else:
+        token, email = _device_flow(api, args.device_name or socket.gethostname(),
+                                    open_browser=not args.no_browser)  # fmt: skip
+    where = credentials.save(credentials.SignIn(url=api.url, token=token, email=email))
+    say(f"Signed in to {api.url} as {email}. (Saved in {where}.)")
+    return 0
+
+
+def _whose(url: str, token: str) -> str:
+    try:
+        return Api(url, token).get("/me")["email"]
+    except CliError as exc:
+        if exc.code == SIGNED_OUT:
+            raise CliError(
+                f"{url} does not accept that token (mistyped, expired or revoked).", SIGNED_OUT
+            ) from None
+        raise
+
+
+def _device_flow(api: Api, device_name: str, *, open_browser: bool) -> tuple:
+    """RFC 8628: a code to approve on the portal, then poll until it is approved."""
+    try:
+        codes = api.post("/device/codes", {"device_name": device_name})
+    except ApiError as exc:
+        if exc.status in (404, 405):
+            raise CliError(
+                f"{api.url} does not offer browser sign-in; make a token on its API tokens "
+                "page and run `tpu login --with-token URL` with it on standard input.",
+                USAGE,
+            ) from None
+        raise
+    link = codes.get("verification_uri_complete") or codes["verification_uri"]
+    say(f"Your one-time code: {codes['user_code']}")
+    say(f"Approve this device ({device_name}) at: {link}")
+    if open_browser and webbrowser.open(link):
+        say("(Opened in your browser.)")
+    interval = int(codes.get("interval", 5))
+    deadline = time.monotonic() + int(codes.get("expires_in", 600))
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        try:
+            answer = api.post("/device/token", {"device_code": codes["device_code"]})
+        except ApiError as exc:
+            problem = exc.error_code
+            if problem == "authorization_pending":
+                continue
+            if problem == "slow_down":
+                interval += 5
+                continue
+            if problem == "access_denied":
+                raise CliError("The sign-in was refused on the portal.", SIGNED_OUT) from None
+            if problem == "expired_token":
+                raise CliError("The code expired before it was approved; run `tpu login` "
+                               "again.", SIGNED_OUT) from None  # fmt: skip
+            raise
+        email = answer.get("email") or _whose(api.url, answer["token"])
+        return answer["token"], email
+    raise CliError("The code expired before it was approved; run `tpu login` again.", SIGNED_OUT)
+
+
+def logout(args) -> int:
+    sign_in = credentials.load()
+    if sign_in is None:
+        say("You were not signed in.")
+        return 0
+    api = Api(sign_in.url, sign_in.token)
+    revoked = True
+    try:
+        _revoke_current(api, sign_in.token)
+    except CliError as exc:
+        if exc.code == SIGNED_OUT:
+            pass  # it had ended already
+        elif exc.code == UNREACHABLE:
+            revoked = False
+            say(f"Could not reach {sign_in.url} to revoke the token ({exc.message}).")
+            say("It stays valid until you revoke it on the portal's API tokens page.")
+        else:
+            raise
+    credentials.forget()
+    say(f"Signed out of {sign_in.url}" + (" (the token is revoked)." if revoked else "."))
+    return 0 if revoked else FAILED
+
+
+def _revoke_current(api: Api, token: str) -> None:
+    try:
+        api.delete("/tokens/current")
+        return
+    except ApiError as exc:
+        if exc.status not in (404, 405, 422):
+            raise
+    # A portal without /tokens/current: find this token among the person's by its hint.
+    for row in api.pages("/tokens"):
+        if row["revoked_at"] is None and token.startswith(row["hint"]):
+            api.delete(f"/tokens/{row['id']}")
+            return
+
+
+def config_install(args) -> int:
+    session = Session()
+    done = session.refresh_ssh(quiet=False)
+    backup = sshfiles.ensure_include()
+    if args.json:
+        out.print_json(json.dumps({
+            "config": str(paths.ssh_config_file()), "known_hosts": str(paths.known_hosts_file()),
+            "config_changed": done.config_changed, "known_hosts_changed": done.known_hosts_changed,
+            "include_added": backup is not None or not sshfiles.include_installed(),
+            "backup": str(backup) if backup else None,
+        }))  # fmt: skip
+        return 0
+    say(f"Wrote {paths.ssh_config_file()} and {paths.known_hosts_file()}."
+        if done.changed else "Your ssh config and host keys were up to date.")  # fmt: skip
+    if backup is not None:
+        say(f"Added `{sshfiles.INCLUDE}` at the top of ~/.ssh/config (the old one is {backup}).")
+    hosts = [vm.main for vm in sshfiles.read_config()]
+    if hosts:
+        say(f"Now `ssh {hosts[0]}` works; every tpu command keeps the files current.")
+    return 0
+
+
+def ls(args) -> int:
+    session = Session()
+    rows = []
+    for vm in session.vms():
+        now = vm.now
+        running = now.get("job") or None
+        rows.append({
+            "vm": vm.name, "lab": vm.lab, "id": vm.id, "zone": vm.zone, "access": vm.access,
+            "workers": vm.workers, "host": vm.ssh.main if vm.ssh else None,
+            "address": vm.ssh.addresses.get(0) if vm.ssh else None,
+            "addresses": [vm.ssh.addresses[i] for i in sorted(vm.ssh.addresses)] if vm.ssh else [],
+            "tpu": now.get("state"),
+            "running_job": {"id": running["id"], "user": running["user"],
+                            "username": running["username"]} if running else None,
+            "holders": now.get("holders", []), "queue_length": now.get("queue_length", 0),
+            "my_queue_position": vms.queue_position(session.api, vm, session.sign_in.email),
+        })  # fmt: skip
+    if args.names:
+        for row in rows:
+            print(row["vm"])
+        return 0
+    if args.json:
+        out.print_json(json.dumps(rows))
+        return 0
+    if not rows:
+        say("You have no access to a TPU VM yet.")
+        return 0
+    table = Table(box=None, pad_edge=False)
+    for column in ("VM", "ACCESS", "TPU NOW", "ADDRESS", "WORKERS", "QUEUE", "MY PLACE"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(f"{row['lab']}/{row['vm']}", row["access"], _now_text(row),
+                      row["address"] or "-", str(row["workers"]), str(row["queue_length"]),
+                      str(row["my_queue_position"] or "-"))  # fmt: skip
+    out.print(table)
+    return 0
+
+
+def _now_text(row: dict) -> str:
+    if row["tpu"] == "running" and row["running_job"]:
+        job = row["running_job"]
+        return f"job {job['id']} of {job['username'] or job['user']}"
+    if row["tpu"] == "held":
+        who = sorted({h["user"] for h in row["holders"]})
+        return "held outside the portal" + (f" by {', '.join(who)}" if who else "")
+    return row["tpu"] or "-"
+
+
+def usage(args) -> int:
+    session = Session()
+    params = {k: v for k, v in (("from", args.from_date), ("to", args.to_date)) if v}
+    reports = []
+    for lab in session.api.pages("/labs"):
+        if lab.get("my_state") != "approved":
+            continue
+        report = session.api.get(f"/labs/{lab['slug']}/usage", **params)
+        report["lab"] = lab["slug"]
+        report["admin"] = lab.get("my_role") == "admin"
+        reports.append(report)
+    if args.json:
+        out.print_json(json.dumps(reports))
+        return 0
+    for report in reports:
+        whose = "everyone's" if report["admin"] else "yours"
+        out.print(f"{report['lab']}: {report['worker_hours']:.2f} TPU worker-hours in "
+                  f"{report['jobs']} jobs, {report['from_date']} to {report['to_date']} "
+                  f"({whose})", markup=False)  # fmt: skip
+        table = Table(box=None, pad_edge=False)
+        for column in ("PERSON", "JOBS", "WORKER-HOURS"):
+            table.add_column(column)
+        for person in report["people"]["items"]:
+            table.add_row(person["username"] or person["user"], str(person["jobs"]),
+                          f"{person['worker_hours']:.2f}")  # fmt: skip
+        out.print(table)
+    if not reports:
+        say("You are in no lab yet.")
+    return 0

@@ -1,0 +1,114 @@
+"""The TPU VMs the person may use, from the portal (grants, and per lab what holds
+each VM now) and from their ssh config (host names, addresses); a VM named on the
+command line (``tpu5`` or ``lab/tpu5``) resolved to one of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tpu_cli import sshfiles
+from tpu_cli.errors import NOT_FOUND, USAGE, CliError
+
+
+@dataclass
+class Vm:
+    id: int
+    name: str
+    lab: str
+    zone: str
+    access: str  # the grant's state: active, pending, failed, revoking
+    workers: int
+    now: dict = field(default_factory=dict)  # the lab's usage "now" row: free/running/held
+    ssh: sshfiles.SshVm | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.lab}/{self.name}"
+
+    @property
+    def api_path(self) -> str:
+        return f"/labs/{self.lab}/vms/{self.id}"
+
+    def hosts(self) -> dict[int, str]:
+        """Worker index -> the ssh host name for it (``tpu5``; ``tpu5-w0`` … on a pod)."""
+        if self.ssh is None or not self.ssh.hosts:
+            raise CliError(
+                f"{self.label} has no workers with an address in your ssh config yet "
+                "(the portal lists no external IP, or your unix username is not chosen).",
+                USAGE,
+            )
+        return dict(sorted(self.ssh.hosts.items()))
+
+
+def my_vms(api) -> list[Vm]:
+    """Every VM the person holds a grant on (not revoked), with its lab."""
+    grants = [g for g in api.pages("/me/grants") if g["state"] != "revoked"]
+    if not grants:
+        return []
+    labs = [lab["slug"] for lab in api.pages("/labs") if lab.get("my_state") == "approved"]
+    wanted = {g["vm_id"] for g in grants}
+    found: dict[int, tuple] = {}
+    for slug in labs:
+        for row in api.pages(f"/labs/{slug}/usage/now"):
+            if row["vm_id"] in wanted:
+                found[row["vm_id"]] = (slug, row)
+    configured = sshfiles.read_config()
+    vms = []
+    for grant in grants:
+        if grant["vm_id"] not in found:
+            continue  # a lab the person left: the grant is on its way out
+        slug, now = found[grant["vm_id"]]
+        vm = Vm(
+            id=grant["vm_id"],
+            name=grant["vm"],
+            lab=slug,
+            zone=now["zone"],
+            access=grant["state"],
+            workers=grant["workers_total"],
+            now=now,
+        )
+        vm.ssh = _match(vm, configured)
+        vms.append(vm)
+    return sorted(vms, key=lambda v: (v.name, v.lab))
+
+
+def _match(vm: Vm, configured: list[sshfiles.SshVm]) -> sshfiles.SshVm | None:
+    candidates = [c for c in configured if c.lab == vm.lab and c.name == vm.name]
+    if len(candidates) > 1:
+        candidates = [c for c in candidates if c.zone == vm.zone]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def resolve(vms: list[Vm], wanted: str, *, need_active: bool = True) -> Vm:
+    """The one VM ``wanted`` names: ``tpu5``, ``lab/tpu5`` or its ssh host name."""
+    lab, _, name = wanted.rpartition("/")
+    matches = [v for v in vms if v.name == name and (not lab or v.lab == lab)]
+    if not matches and not lab:
+        matches = [v for v in vms if v.ssh is not None and v.ssh.main == name]
+    if not matches:
+        mine = ", ".join(v.label for v in vms) or "none"
+        raise CliError(f"You have no access to a TPU VM named {wanted}. Yours: {mine}.", NOT_FOUND)
+    if len(matches) > 1:
+        choices = ", ".join(v.label for v in matches)
+        raise CliError(f"{wanted} is in more than one lab; say which: {choices}.", USAGE)
+    vm = matches[0]
+    if need_active and vm.access != "active":
+        raise CliError(
+            f"Your access to {vm.label} is {vm.access}, not active yet; `tpu ls` shows it.",
+            NOT_FOUND,
+        )
+    return vm
+
+
+def queue_position(api, vm: Vm, email: str) -> int | None:
+    """The place of the person's first waiting job in the VM's queue (1: next)."""
+    if not vm.now.get("queue_length"):
+        return None
+    waiting = []
+    for state in ("queued", "blocked"):
+        waiting += list(api.pages(f"{vm.api_path}/jobs", state=state))
+    waiting.sort(key=lambda job: (job["queued_at"], job["id"]))
+    for place, job in enumerate(waiting, 1):
+        if job["user"].lower() == email.lower():
+            return place
+    return None

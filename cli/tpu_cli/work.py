@@ -1,0 +1,278 @@
+"""Commands that work on the VMs: run, logs, cancel, jobs, exec, forward."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+from rich.table import Table
+
+from tpu_cli import follow, paths, remote, sshfiles
+from tpu_cli.errors import FAILED, INTERRUPTED, USAGE, ApiError, CliError
+from tpu_cli.session import Session, err, out, say
+
+
+def _command(args) -> list[str]:
+    words = list(args.command or [])
+    if words and words[0] == "--":
+        words = words[1:]
+    if not words:
+        raise CliError("Give the command after `--`, e.g. tpu run tpu5 -- python3 train.py", USAGE)
+    return words
+
+
+def _workers(vm, worker: str | None) -> dict[int, str]:
+    hosts = vm.hosts()
+    if worker in (None, "all"):
+        return hosts
+    if not str(worker).isdigit() or int(worker) not in hosts:
+        raise CliError(f"{vm.label} has workers {', '.join(map(str, hosts))}; not {worker}.", USAGE)
+    return {int(worker): hosts[int(worker)]}
+
+
+def remote_folder(local: Path) -> str:
+    """Where a workdir goes on the workers: the same path under the home, or for a
+    folder outside the home, its name in the home."""
+    try:
+        return str(local.relative_to(paths.home().resolve())) or "."
+    except ValueError:
+        return local.name
+
+
+# --- run ------------------------------------------------------------------------------
+
+
+def run(args) -> int:
+    command = _command(args)
+    env = []
+    for item in args.env or []:
+        if "=" not in item or item.startswith("="):
+            raise CliError(f"--env takes NAME=value, not {item!r}.", USAGE)
+        env.append(item)
+    local = None
+    if args.workdir is not None:
+        local = Path(args.workdir).expanduser()
+        if not local.is_dir():
+            raise CliError(
+                f"The workdir {args.workdir} does not exist (or is not a folder).", USAGE
+            )
+        local = local.resolve()
+        if local == paths.home().resolve():
+            raise CliError("The workdir is your whole home; choose a project folder.", USAGE)
+    session = Session()
+    vm = session.vm(args.vm)
+    folder = ""
+    if local is not None:
+        folder = remote_folder(local)
+        sync(vm, local, folder, args.sync)
+    body = {"args": command, "cwd": folder, "python": args.venv or "", "env": env,
+            "time_limit_minutes": args.time_limit, "notify": args.notify}  # fmt: skip
+    job = session.api.post(f"{vm.api_path}/jobs", body)
+    session.remember_job(job, vm)
+    say(f"Job {job['id']} queued on {vm.label}: {job['url']}")
+    if args.detach:
+        if args.json:
+            out.print_json(json.dumps(job))
+        return 0
+    return _follow(session, vm, job["id"], args.worker)
+
+
+def _follow(session: Session, vm, job_id: int, worker) -> int:
+    index = None if worker in (None, "all") else int(worker)
+    follower = follow.Follow(session.api, vm, job_id, sshfiles.ssh_base(), say, worker=index)
+    try:
+        job = follower.run()
+    except KeyboardInterrupt:
+        say(f"\nDetached; job {job_id} goes on. Follow it again: tpu logs -f {job_id}   "
+            f"Cancel it: tpu cancel {job_id}")  # fmt: skip
+        return INTERRUPTED
+    code = follow.job_exit_code(job)
+    if job["state"] == "succeeded":
+        say(f"Job {job_id} succeeded.")
+    else:
+        say(f"Job {job_id} {job['state']}" + (f" (exit code {code})." if code != FAILED else "."))
+        for line in follow.why(job):
+            say(line)
+    return code
+
+
+def sync(vm, local: Path, folder: str, how: str) -> None:
+    hosts = vm.hosts()
+    ssh = sshfiles.ssh_base()
+    if how == "via-worker0" and len(hosts) > 1:
+        _sync_via_worker0(vm, hosts, local, folder, ssh)
+        return
+    started = time.monotonic()
+    argvs = {i: remote.rsync_argv(ssh, local, host, folder) for i, host in hosts.items()}
+    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                  console=err, transient=False) as progress:  # fmt: skip
+        tasks = {i: progress.add_task(f"sync w{i}", total=100) for i in hosts}
+        results = remote.sync_parallel(
+            argvs, lambda i, pct: progress.update(tasks[i], completed=pct)
+        )
+    _report_sync(results, hosts, local, folder, time.monotonic() - started)
+
+
+def _report_sync(results, hosts, local, folder, seconds) -> None:
+    failed = {i: r for i, r in results.items() if r.status != 0}
+    if failed:
+        lines = [
+            f"  w{i} ({hosts[i]}): "
+            + (r.error.splitlines()[-1] if r.error else f"rsync exited {r.status}")
+            for i, r in sorted(failed.items())
+        ]
+        raise CliError("Could not sync the workdir to every worker; nothing was run.\n"
+                       + "\n".join(lines), FAILED)  # fmt: skip
+    moved = sorted({len(r.files) for r in results.values()})
+    counts = "/".join(str(n) for n in moved)
+    say(f"Synced {local} to ~/{folder} on {len(results)} worker(s): {counts} changed file(s), "
+        f"{seconds:.1f} s.")  # fmt: skip
+    if os.environ.get("TPU_CLI_SHOW_SYNCED"):
+        for i, r in sorted(results.items()):
+            for name in r.files:
+                say(f"  (w{i}) sent {name}")
+
+
+def _sync_via_worker0(vm, hosts, local, folder, ssh) -> None:
+    """Laptop -> worker 0, then worker 0 -> the others over the pod's own network, with
+    the person's agent forwarded to worker 0 and the others' pinned host keys."""
+    started = time.monotonic()
+    first = remote.sync_parallel({0: remote.rsync_argv(ssh, local, hosts[0], folder)},
+                                 lambda i, pct: None)  # fmt: skip
+    _report_sync(first, hosts, local, folder, time.monotonic() - started)
+    known = paths.known_hosts_file().read_text(encoding="utf-8")
+    user = vm.ssh.user
+    prefix = f"tpu-portal.{vm.lab}.{vm.name}" + (f".{vm.ssh.zone}" if vm.ssh.zone else "")
+    mine = "".join(line + "\n" for line in known.splitlines() if line.startswith(prefix + ".w"))
+    targets = [(i, f"{user}@{vm.ssh.addresses[i]}", f"{prefix}.w{i}") for i in hosts if i != 0]
+    script, stdin = remote.via_worker0_command(folder, targets, mine)
+    proc = subprocess.run([*ssh, *remote.BATCH, "-A", hosts[0], script], input=stdin.encode(),
+                          capture_output=True)  # fmt: skip
+    text = proc.stdout.decode(errors="replace")
+    failed = re.findall(r"tpu-sync-failed w(\d+)", text)
+    if proc.returncode != 0 or failed:
+        detail = proc.stderr.decode(errors="replace").strip().splitlines()[-3:]
+        which = ", ".join(failed) or "?"
+        raise CliError(
+            f"Worker 0 could not sync the workdir to worker(s) {which} (is your ssh agent "
+            f"running with your key?): {' '.join(detail)}",
+            FAILED,
+        )
+    sent = [line for line in text.splitlines() if re.match(r"^\(w\d+\) [<>]f", line)]
+    say(f"Synced from worker 0 to {len(targets)} worker(s): {len(sent)} file copies, "
+        f"{time.monotonic() - started:.1f} s in all.")  # fmt: skip
+
+
+# --- logs, cancel, jobs -------------------------------------------------------------------
+
+
+def logs(args) -> int:
+    session = Session()
+    vm, job = session.find_job(args.job)
+    if args.follow:
+        return _follow(session, vm, job["id"], args.worker)
+    path = f"{vm.api_path}/jobs/{job['id']}"
+    indexes = sorted(p["index"] for p in job["parts"])
+    if args.worker not in (None, "all"):
+        if not str(args.worker).isdigit() or int(args.worker) not in indexes:
+            raise CliError(f"Job {job['id']} has no part on worker {args.worker}.", USAGE)
+        indexes = [int(args.worker)]
+    if not indexes:
+        say(f"Job {job['id']} is {job['state']}: it has no log yet.")
+        return 0
+    for index in indexes:
+        follow.print_whole_log(session.api, path, index, remote.label_for(index, len(indexes) > 1))
+    return 0
+
+
+def cancel(args) -> int:
+    session = Session()
+    vm, job = session.find_job(args.job)
+    try:
+        job = session.api.post(f"{vm.api_path}/jobs/{job['id']}/cancel")
+    except ApiError as exc:
+        if exc.status == 409:
+            raise CliError(exc.detail, FAILED) from None
+        raise
+    if args.json:
+        out.print_json(json.dumps(job))
+    else:
+        say(f"Job {job['id']} on {vm.label}: {job['state']}.")
+    return 0
+
+
+def jobs(args) -> int:
+    session = Session()
+    chosen = [session.vm(args.vm, need_active=False)] if args.vm else session.vms(refresh=False)
+    since = datetime.now(timezone.utc) - timedelta(days=args.days)
+    rows = []
+    for vm in chosen:
+        changed = since.strftime("%Y-%m-%dT%H:%M:%SZ")
+        for job in session.api.pages(f"{vm.api_path}/jobs", updated_since=changed):
+            job["lab"] = vm.lab
+            rows.append(job)
+    rows.sort(key=lambda j: j["queued_at"], reverse=True)
+    if args.json:
+        out.print_json(json.dumps(rows))
+        return 0
+    if not rows:
+        say(f"No jobs changed in the last {args.days} day(s).")
+        return 0
+    table = Table(box=None, pad_edge=False)
+    for column in ("JOB", "VM", "WHO", "STATE", "QUEUED", "COMMAND"):
+        table.add_column(column)
+    for job in rows:
+        table.add_row(str(job["id"]), f"{job['lab']}/{job['vm']}", job["username"] or job["user"],
+                      job["state"], job["queued_at"][:16].replace("T", " "),
+                      job["command"][:60])  # fmt: skip
+    out.print(table)
+    return 0
+
+
+# --- exec, forward ------------------------------------------------------------------------
+
+
+def exec_(args) -> int:
+    command = remote.remote_command(_command(args))
+    session = Session()
+    vm = session.vm(args.vm)
+    hosts = _workers(vm, args.worker)
+    codes = remote.run_everywhere(sshfiles.ssh_base(), hosts, command, label=len(hosts) > 1)
+    failed = {i: c for i, c in codes.items() if c != 0}
+    if args.json:
+        out.print_json(json.dumps({f"w{i}": c for i, c in sorted(codes.items())}))
+    if failed:
+        which = ", ".join(f"w{i} (exit {c}{', ssh failed' if c == 255 else ''})"
+                          for i, c in sorted(failed.items()))  # fmt: skip
+        say(f"Failed on {len(failed)} of {len(codes)} worker(s): {which}.")
+        return next(iter(failed.values())) if len(codes) == 1 else FAILED
+    return 0
+
+
+def forward(args) -> int:
+    found = re.match(r"^(\d{1,5})(?::(\d{1,5}))?$", args.port)
+    if not found:
+        raise CliError(
+            f"Give PORT or PORT:LOCAL (e.g. 6006 or 6006:16006), not {args.port!r}.", USAGE
+        )
+    port, local = int(found.group(1)), int(found.group(2) or found.group(1))
+    for value in (port, local):
+        if not 1 <= value <= 65535:
+            raise CliError(f"A port is from 1 to 65535, not {value}.", USAGE)
+    session = Session()
+    vm = session.vm(args.vm)
+    vm.hosts()  # says so when the VM has no address yet
+    host = vm.ssh.main
+    argv = [*sshfiles.ssh_base(), "-N", "-o", "ExitOnForwardFailure=yes",
+            "-L", f"{local}:localhost:{port}", host]  # fmt: skip
+    say(f"Forwarding http://localhost:{local} to port {port} on {host}; Ctrl-C stops it.")
+    try:
+        return subprocess.call(argv)
+    except KeyboardInterrupt:
+        return 0
