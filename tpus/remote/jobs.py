@@ -13,9 +13,9 @@ environment values) travels as base64, so no byte of it is ever read by a shell:
     port <n>            (worker 0)        pod <host:port> <processes> <process id>
     python <b64 venv>   (optional)        env <NAME> <b64 value>
     script <b64 path>   (optional)        arg <b64>             (one at least)
-    env <NAME>                            end
-    probe_seconds <n>   (optional)
-    end
+    env <NAME>                            tasks_max <n>         memory_max_mb <n>
+    probe_seconds <n>   (optional)        log_max_bytes <n>     keep_days <n>
+    end                                   end
 
     tpu-portal-job-status 1               tpu-portal-job-cancel 1
     max_bytes <n>                         job <id>
@@ -59,6 +59,10 @@ MAX_ARGS = 256
 MAX_ENV = 128
 MAX_LOG_BYTES = 1024 * 1024
 MAX_GRACE = 600
+MAX_TASKS = 4194304  # the kernel's own ceiling on pids
+MIN_TASKS = 16
+MIN_MEMORY_MB = 32
+MIN_LOG_CAP = 1024
 MAX_PROBE_SECONDS = 600
 
 
@@ -100,6 +104,13 @@ class StartJob:
     python: str = ""
     cwd: str = ""
     pod: Pod | None = None
+    # The job's cgroup on the worker: at most this many tasks (processes and threads)
+    # and this much memory (0: 90% of the worker's); the log keeps this many bytes.
+    tasks_max: int = 4096
+    memory_max_mb: int = 0
+    log_max_bytes: int = 100 * 1024 * 1024
+    # The worker removes the folders of jobs that ended longer ago (0: never).
+    keep_days: int = 0
 
 
 def encode_preflight(spec: Preflight) -> bytes:
@@ -148,6 +159,15 @@ def encode_start(job: StartJob) -> bytes:
     if not argv[0] or "=" in argv[0]:
         raise ValueError("the command's first word is not empty and has no '='")
     lines += [f"arg {_b64(_text(arg, 'an argument'))}" for arg in argv]
+    lines.append(f"tasks_max {_int(job.tasks_max, 'tasks_max', MIN_TASKS, MAX_TASKS)}")
+    memory = _int(job.memory_max_mb, "memory_max_mb", 0, 10**9 - 1)
+    if 0 < memory < MIN_MEMORY_MB:
+        raise ValueError(f"memory_max_mb is 0 (90% of the worker's) or at least {MIN_MEMORY_MB}")
+    lines.append(f"memory_max_mb {memory}")
+    lines.append(
+        f"log_max_bytes {_int(job.log_max_bytes, 'log_max_bytes', MIN_LOG_CAP, 10**15 - 1)}"
+    )
+    lines.append(f"keep_days {_int(job.keep_days, 'keep_days', 0, 99999)}")
     return _finish(lines)
 
 
@@ -275,6 +295,9 @@ class StartAnswer:
     pid: int | None = None
     boot_id: str = ""
     started_at: float | None = None
+    cgroup: str = ""  # the job's cgroup (a path, or a systemd scope's)
+    tasks_max: int | None = None  # None: the worker offers no way to limit it
+    memory_max: int | None = None  # bytes
 
 
 def parse_start(values: Mapping[str, str]) -> StartAnswer:
@@ -288,7 +311,14 @@ def parse_start(values: Mapping[str, str]) -> StartAnswer:
         pid=int(values["pid"]),
         boot_id=values["boot_id"],
         started_at=float(values["started_at"]),
+        cgroup="" if values.get("cgroup", "-") == "-" else values["cgroup"],
+        tasks_max=_limit(values.get("tasks_max")),
+        memory_max=_limit(values.get("memory_max")),
     )
+
+
+def _limit(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None
 
 
 @dataclass
@@ -396,12 +426,18 @@ def _job_state(value: str) -> JobState:
 
 
 def parse_cancel(values: Mapping[str, str]) -> tuple[str, bool]:
-    """How the job ended (``term``, ``kill``, ``ended``, ``unknown``) and whether the
-    TPU's lock is free now."""
+    """How the job ended (``term``, ``kill``, ``ended``; ``lost``: it went with an
+    earlier boot and nothing was signalled; ``unknown``) and whether the TPU's lock is
+    free now. ``cancel_emptied`` says whether anything of the job still runs."""
     how = values.get("cancel", "")
-    if how not in ("term", "kill", "ended", "unknown"):
+    if how not in ("term", "kill", "ended", "lost", "unknown"):
         raise ValueError(f"job-cancel.sh gave no outcome: {how!r}")
     return how, values.get("lock") == "free"
+
+
+def cancel_emptied(values: Mapping[str, str]) -> bool:
+    """Whether job-cancel.sh left nothing of the job running (its cgroup is empty)."""
+    return values.get("empty", "1") == "1"
 
 
 # --- field checks --------------------------------------------------------------------

@@ -1,15 +1,19 @@
 #!/bin/sh
-# Cancels a job on this worker: TERM to its process group, a grace period, then KILL;
-# then waits for its supervisor to write the end and free the TPU's lock. Cancelling a
-# job that already ended, or that this worker never had, changes nothing.
+# Cancels a job on this worker: TERM to every process of its cgroup, up to the grace
+# period for the cgroup to empty, then KILL to the whole cgroup (cgroup.kill); returns
+# once the cgroup is empty (or says it is not), after its supervisor wrote the end and
+# freed the TPU's lock. Cancelling a job that already ended, or that this worker never
+# had, changes nothing; nor does cancelling a job of an earlier boot (its processes went
+# with that boot, and whatever has its old pid now is someone else's).
 #
 # Input on stdin (format: tpus/remote/jobs.py, docs/jobs-host.md):
 #   tpu-portal-job-cancel 1
 #   job <id>
 #   grace <seconds>                (0..600)
 #   end
-# Answers: cancel=term|kill|ended|unknown (how it ended: TERM was enough, KILL was
-# needed, it had ended before, no such job) and lock=free|held.
+# Answers: cancel=term|kill|ended|lost|unknown (how it ended: TERM was enough, KILL was
+# needed, it had ended before, it went with an earlier boot, no such job), empty=1|0
+# (nothing of the job runs any more) and lock=free|held.
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 LC_ALL=C
@@ -47,48 +51,115 @@ lock_state() {
         echo "lock=free"
     fi
 }
-
-dir=$JOBS/$job
-if [ ! -d "$dir" ]; then
-    echo "cancel=unknown"
-    lock_state
-    exit 0
-fi
-[ -f "$dir/cancel" ] || date +%s.%N >"$dir/cancel"
-if [ -f "$dir/exit" ]; then
-    echo "cancel=ended"
-    lock_state
-    exit 0
-fi
-
+# Hundredths of a second since boot, from /proc/uptime, read by the shell itself.
+now() {
+    read -r up _ </proc/uptime
+    t=${up%.*}${up#*.}
+}
+populated() {
+    [ -f "$1/cgroup.events" ] || return 1
+    while read -r key value; do
+        if [ "$key" = populated ]; then
+            [ "$value" = 1 ]
+            return
+        fi
+    done <"$1/cgroup.events"
+    return 1
+}
+kill_cgroup() {
+    if [ -f "$1/cgroup.kill" ]; then
+        echo 1 >"$1/cgroup.kill"
+    elif [ -f "$1/cgroup.freeze" ]; then
+        echo 1 >"$1/cgroup.freeze"
+        xargs -r kill -KILL <"$1/cgroup.procs" 2>/dev/null || true
+        echo 0 >"$1/cgroup.freeze"
+    else
+        xargs -r kill -KILL <"$1/cgroup.procs" 2>/dev/null || true
+    fi
+}
+# A process is the one recorded when its start time (the 22nd field of its stat) is
+# the recorded one, and it is not a zombie: a pid alone may be someone else's by now.
+same_process() {
+    [ -r "/proc/$1/stat" ] || return 1
+    rest=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null) || return 1
+    case ${rest%% *} in Z | X) return 1 ;; esac
+    [ "$(printf '%s' "$rest" | cut -d ' ' -f 20)" = "$2" ]
+}
 # The members of a process group that still run (zombies do not count).
 group_alive() {
     cat /proc/[0-9]*/stat 2>/dev/null |
         awk -v g="$1" '{ sub(/.*\) /, ""); if ($3 == g && $1 != "Z" && $1 != "X") { found = 1 } }
                        END { exit !found }'
 }
-supervisor_alive() {
-    [ -r "/proc/$1/stat" ] || return 1
-    rest=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null) || return 1
-    case ${rest%% *} in Z | X) return 1 ;; esac
-    [ "$(printf '%s' "$rest" | cut -d ' ' -f 20)" = "$2" ]
-}
 
-# The supervisor writes pid a moment after it starts the command.
+dir=$JOBS/$job
+if [ ! -d "$dir" ]; then
+    echo "cancel=unknown"
+    echo "empty=1"
+    lock_state
+    exit 0
+fi
+[ -f "$dir/cancel" ] || date +%s.%N >"$dir/cancel"
+if [ -f "$dir/exit" ]; then
+    echo "cancel=ended"
+    echo "empty=1"
+    lock_state
+    exit 0
+fi
+
+# The supervisor writes the boot id as it starts, and the cgroup and pid a moment
+# after it starts the command.
 tries=0
 while [ ! -f "$dir/pid" ] && [ "$tries" -lt 500 ]; do
     tries=$((tries + 1))
     sleep 0.01
 done
+read -r boot </proc/sys/kernel/random/boot_id
+read -r job_boot <"$dir/boot_id" 2>/dev/null || job_boot=""
+if [ "$job_boot" != "$boot" ]; then
+    # Of an earlier boot (or never started): nothing of it runs; signal nothing.
+    echo "cancel=lost"
+    echo "empty=1"
+    lock_state
+    exit 0
+fi
+
+cgroup=$(sed -n 's/^v2 //p' "$dir/cgroup" 2>/dev/null || true)
 how=term
-if [ -f "$dir/pid" ]; then
-    read -r pgid _ <"$dir/pid"
-    if group_alive "$pgid"; then
-        kill -TERM "-$pgid" 2>/dev/null || true
-        ticks=$((grace * 20))
-        while [ "$ticks" -gt 0 ] && group_alive "$pgid"; do
-            ticks=$((ticks - 1))
+empty=1
+if [ -n "$cgroup" ]; then
+    # The job's cgroup exists only in this boot: whatever is in it is the job's.
+    if populated "$cgroup"; then
+        xargs -r kill -TERM <"$cgroup/cgroup.procs" 2>/dev/null || true
+        now
+        deadline=$((t + grace * 100))
+        while populated "$cgroup" && [ "$t" -lt "$deadline" ]; do
             sleep 0.05
+            now
+        done
+        if populated "$cgroup"; then
+            how="kill"
+            kill_cgroup "$cgroup"
+            deadline=$((t + 1000))
+            while populated "$cgroup" && [ "$t" -lt "$deadline" ]; do
+                sleep 0.02
+                now
+                kill_cgroup "$cgroup"
+            done
+        fi
+        ! populated "$cgroup" || empty=0
+    fi
+elif [ -f "$dir/pid" ]; then
+    # A folder from before jobs had cgroups: its process group, only while its leader
+    # is still the recorded process (same boot, same start time).
+    read -r pgid pgid_start <"$dir/pid"
+    if same_process "$pgid" "$pgid_start"; then
+        kill -TERM "-$pgid" 2>/dev/null || true
+        now
+        deadline=$((t + grace * 100))
+        while group_alive "$pgid" && [ "$t" -lt "$deadline" ]; do
+            sleep 0.05
+            now
         done
         if group_alive "$pgid"; then
             how="kill"
@@ -96,12 +167,21 @@ if [ -f "$dir/pid" ]; then
         fi
     fi
 fi
-# The supervisor notices the end, writes it, and frees the lock.
+# The supervisor notices the end, frees the lock, and writes the end.
 read -r sup sup_start <"$dir/supervisor" 2>/dev/null || sup=""
+supervising=0
 tries=0
-while [ -n "$sup" ] && supervisor_alive "$sup" "$sup_start" && [ "$tries" -lt 200 ]; do
+while [ -n "$sup" ] && same_process "$sup" "$sup_start" && [ "$tries" -lt 200 ]; do
+    supervising=1
     tries=$((tries + 1))
     sleep 0.025
 done
+if [ "$supervising" = 0 ] && [ -n "$cgroup" ] && [ "$empty" = 1 ]; then
+    # No supervisor to remove the cgroup (it was killed): remove it here.
+    while read -r _ where; do
+        rmdir "$where" 2>/dev/null || true
+    done <"$dir/cgroup"
+fi
 echo "cancel=$how"
+echo "empty=$empty"
 lock_state

@@ -1,8 +1,9 @@
 #!/bin/sh
 # Starts one worker's part of a job: a detached supervisor that holds this TPU's lock
-# for the job's whole life and runs the job's command as its user. Returns as soon as
-# the command runs; the supervisor survives the SSH session (its own session, and its
-# stdin/stdout/stderr are not the channel's).
+# for the job's whole life and runs the job's command as its user, in a cgroup of its
+# own with the lab's limits. Returns as soon as the command runs; the supervisor
+# survives the SSH session (its own session, and its stdin/stdout/stderr are not the
+# channel's). Removes the folders of jobs that ended longer ago than keep_days.
 #
 # Input on stdin (format: tpus/remote/jobs.py, docs/jobs-host.md):
 #   tpu-portal-job-start 1
@@ -10,9 +11,12 @@
 #   python <base64 venv dir>        cwd <base64 dir>            (optional)
 #   pod <host:port> <processes> <process id>                    (optional)
 #   env <NAME> <base64 value>       arg <base64>                (repeated; one arg at least)
+#   tasks_max <n>                   memory_max_mb <n>           (optional; 0: 90% of memory)
+#   log_max_bytes <n>               keep_days <n>               (optional; 0: keep forever)
 #   end
 # Answers: start=started|running|refused, and for a started job pid=, boot_id=,
-# started_at= (job-status.sh reports the rest). Bad input exits non-zero, changes nothing.
+# started_at=, cgroup=, tasks_max=, memory_max= (job-status.sh reports the rest). Bad
+# input exits non-zero, changes nothing.
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 LC_ALL=C
@@ -24,6 +28,7 @@ RUN=/run/tpu-portal
 LOCK=$RUN/tpu.lock
 HOLDER=$RUN/holder
 MAX_INPUT=1048576
+UNIT_PREFIX=tpu-portal-job-
 # Names that would break the one-process-per-TPU rule, fake the topology, or override
 # what the portal sets itself. The portal refuses them before sending; so does this.
 FORBIDDEN='^(TPU_VISIBLE_CHIPS|TPU_VISIBLE_DEVICES|TPU_CHIPS_PER_PROCESS_BOUNDS|TPU_CHIPS_PER_HOST_BOUNDS|TPU_PROCESS_BOUNDS|TPU_PROCESS_ADDRESSES|TPU_PROCESS_PORT|TPU_HOST_BOUNDS|TPU_WORKER_ID|TPU_WORKER_HOSTNAMES|TPU_ACCELERATOR_TYPE|TPU_SKIP_MDS_QUERY|TPU_MESH_CONTROLLER_ADDRESS|TPU_MESH_CONTROLLER_PORT|CLOUD_TPU_TASK_ID|ALLOW_MULTIPLE_LIBTPU_LOAD|JAX_COORDINATOR_ADDRESS|JAX_COORDINATOR_PORT|JAX_NUM_PROCESSES|JAX_PROCESS_ID|JAX_LOCAL_DEVICE_IDS|LD_LIBRARY_PATH|TPU_PORTAL_[A-Z0-9_]*|HOME|USER|LOGNAME|PATH|VIRTUAL_ENV)$'
@@ -42,13 +47,15 @@ input=$work/input
 head -c $((MAX_INPUT + 1)) >"$input"
 [ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
 B64='[A-Za-z0-9+/]+={0,2}'
-if LC_ALL=C grep -n -v -E "^(tpu-portal-job-start 1|end|job [a-z0-9][a-z0-9-]{0,63}|user [a-z][a-z0-9-]{0,30}|python $B64|cwd $B64|pod [A-Za-z0-9.:-]{1,255} [0-9]{1,4} [0-9]{1,4}|env [A-Za-z_][A-Za-z0-9_]{0,127} ($B64)?|arg $B64)$" "$input" >"$work/bad"; then
+if LC_ALL=C grep -n -v -E "^(tpu-portal-job-start 1|end|job [a-z0-9][a-z0-9-]{0,63}|user [a-z][a-z0-9-]{0,30}|python $B64|cwd $B64|pod [A-Za-z0-9.:-]{1,255} [0-9]{1,4} [0-9]{1,4}|env [A-Za-z_][A-Za-z0-9_]{0,127} ($B64)?|arg $B64|tasks_max [0-9]{1,7}|memory_max_mb [0-9]{1,9}|log_max_bytes [0-9]{1,15}|keep_days [0-9]{1,5})$" "$input" >"$work/bad"; then
     die "line $(head -n 1 "$work/bad" | cut -d: -f1) of the input is not allowed"
 fi
 # Every line passed the pattern above: read them with the shell's own read (a last
 # line without its newline is not read, so "end" must be the last line read).
 job="" user="" python_b64="" cwd_b64="" first_b64="" last=""
 n_line=0 n_job=0 n_user=0 n_arg=0 n_python=0 n_cwd=0 n_pod=0
+# The lab's limits for each job on each worker, unless the input says otherwise.
+tasks_max=4096 memory_max_mb=0 log_max_bytes=104857600 keep_days=0
 : >"$work/env"
 while read -r key value _; do
     n_line=$((n_line + 1))
@@ -61,6 +68,10 @@ while read -r key value _; do
         python) python_b64=$value n_python=$((n_python + 1)) ;;
         cwd) cwd_b64=$value n_cwd=$((n_cwd + 1)) ;;
         pod) n_pod=$((n_pod + 1)) ;;
+        tasks_max) tasks_max=$value ;;
+        memory_max_mb) memory_max_mb=$value ;;
+        log_max_bytes) log_max_bytes=$value ;;
+        keep_days) keep_days=$value ;;
         env) echo "$value" >>"$work/env" ;;
         arg)
             [ -n "$first_b64" ] || first_b64=$value
@@ -75,6 +86,17 @@ done <"$input"
 [ "$n_python" -le 1 ] || die "python is given more than once"
 [ "$n_cwd" -le 1 ] || die "cwd is given more than once"
 [ "$n_pod" -le 1 ] || die "pod is given more than once"
+for key in tasks_max memory_max_mb log_max_bytes keep_days; do
+    [ "$(grep -c "^$key " "$input")" -le 1 ] || die "$key is given more than once"
+done
+# Leading zeros would read as octal numbers below.
+tasks_max=${tasks_max#"${tasks_max%%[!0]*}"} memory_max_mb=${memory_max_mb#"${memory_max_mb%%[!0]*}"}
+log_max_bytes=${log_max_bytes#"${log_max_bytes%%[!0]*}"} keep_days=${keep_days#"${keep_days%%[!0]*}"}
+tasks_max=${tasks_max:-0} memory_max_mb=${memory_max_mb:-0}
+log_max_bytes=${log_max_bytes:-0} keep_days=${keep_days:-0}
+if [ "$tasks_max" -lt 16 ] || [ "$tasks_max" -gt 4194304 ]; then die "tasks_max is 16 to 4194304"; fi
+[ "$memory_max_mb" = 0 ] || [ "$memory_max_mb" -ge 32 ] || die "memory_max_mb is 0 or at least 32"
+[ "$log_max_bytes" -ge 1024 ] || die "log_max_bytes is at least 1024"
 if grep -E "$FORBIDDEN" "$work/env" >"$work/bad"; then
     die "the environment variable $(head -n 1 "$work/bad") is not allowed"
 fi
@@ -126,13 +148,149 @@ if [ ! -d "$RUN" ] || [ ! -d "$JOBS" ]; then
     chmod 0755 "$RUN"
     chmod 0711 "$JOBS" "${JOBS%/*}"
 fi
+read -r boot </proc/sys/kernel/random/boot_id
+# Expiry, before the lock so that a start refused as busy does it too: the folders of
+# jobs that ended more than keep_days ago, and of jobs of an earlier boot whose log has
+# not grown for as long (nothing of a past boot runs). A folder of this boot without an
+# end is never removed: its job may run. At most 50 a start, so a start stays quick
+# whatever piled up.
+if [ "$keep_days" -gt 0 ] && [ -d "$JOBS" ]; then
+    minutes=$((keep_days * 1440))
+    find "$JOBS" -mindepth 1 -maxdepth 2 \( -name log -o -name '*.new' \) -mmin "+$minutes" \
+        2>/dev/null | head -n 50 >"$work/old"
+    while read -r path; do
+        case $path in
+            */log) old=${path%/log} ;;
+            *) old=$path ;;
+        esac
+        [ "$old" != "$dir" ] || continue
+        case ${old##*/} in
+            *.new) ;; # a start that never finished: no process ever ran from it
+            *)
+                if [ -f "$old/exit" ]; then
+                    [ -n "$(find "$old/exit" -mmin "+$minutes")" ] || continue
+                else
+                    read -r old_boot <"$old/boot_id" 2>/dev/null || old_boot=""
+                    if [ -z "$old_boot" ] || [ "$old_boot" = "$boot" ]; then continue; fi
+                fi
+                ;;
+        esac
+        rm -rf -- "$old"
+    done <"$work/old"
+fi
+
 exec 9>>"$LOCK"
 if ! flock -n 9; then
     echo "start=refused busy $(cat "$HOLDER" 2>/dev/null || echo unknown)"
     exit 0
 fi
+
+# Whether a cgroup v2 directory still has processes (cgroup.events, read by the shell).
+populated() {
+    [ -f "$1/cgroup.events" ] || return 1
+    while read -r key value; do
+        if [ "$key" = populated ]; then
+            [ "$value" = 1 ]
+            return
+        fi
+    done <"$1/cgroup.events"
+    return 1
+}
+# The TPU is free only once every job's cgroup is empty: a job of this boot whose
+# processes outlived its supervisor (killed by hand) still holds it.
+for record in "$JOBS"/*/cgroup; do
+    old=${record%/cgroup}
+    if [ ! -f "$record" ] || [ -f "$old/exit" ]; then continue; fi
+    read -r old_boot <"$old/boot_id" 2>/dev/null || continue
+    [ "$old_boot" = "$boot" ] || continue
+    while read -r kind path; do
+        if [ "$kind" = v2 ] && populated "$path"; then
+            echo "start=refused busy ${old##*/}"
+            exit 0
+        fi
+    done <"$record"
+done
 printf '%s\n' "$job" >"$HOLDER.new"
 mv -f "$HOLDER.new" "$HOLDER"
+# Until the supervisor runs, a failure undoes what this start made.
+cgroup="" pids_dir="" memory_dir=""
+cleanup_cgroups() {
+    for path in "$@"; do
+        [ -z "$path" ] || rmdir "$path" 2>/dev/null || true
+    done
+}
+trap 'cleanup_cgroups "$cgroup" "$pids_dir" "$memory_dir"; rm -f "$HOLDER"; rm -rf -- "$work" "$dir.new"' EXIT
+
+# 3c. The job's cgroup, with the lab's limits on tasks and memory. Where systemd runs
+#     (a TPU VM), a transient scope in the person's user-<uid>.slice, made by the
+#     supervisor with systemd-run. Elsewhere a directory of the portal's own subtree,
+#     tpu-portal/job-<id> under the cgroup v2 mount, with the pids and memory limits in
+#     v2 where its controllers are offered and in the v1 pids and memory hierarchies
+#     where those are what the worker has (a hybrid layout). Either way the job's
+#     processes leave the portal account's session before the command runs.
+memory_bytes=$((memory_max_mb * 1048576))
+if [ "$memory_bytes" = 0 ]; then
+    total=$(sed -n 's/^MemTotal: *\([0-9]*\) kB$/\1/p' /proc/meminfo)
+    memory_bytes=$((total * 1024 * 9 / 10))
+fi
+awk '{ for (i = 7; i <= NF && $i != "-"; i++) {}
+       type = $(i + 1); options = "," $(i + 3) ","
+       if (type == "cgroup2" && !v2) { v2 = 1; print "unified", $5 }
+       else if (type == "cgroup" && options ~ /,pids,/ && !p) { p = 1; print "pids", $5 }
+       else if (type == "cgroup" && options ~ /,memory,/ && !m) { m = 1; print "memory", $5 } }' \
+    /proc/self/mountinfo >"$work/mounts"
+v2_mount="" pids_mount="" memory_mount=""
+while read -r kind path; do
+    case $kind in
+        unified) v2_mount=$path ;;
+        pids) pids_mount=$path ;;
+        memory) memory_mount=$path ;;
+    esac
+done <"$work/mounts"
+[ -n "$v2_mount" ] || die "this worker has no cgroup v2 hierarchy (jobs run in cgroups)"
+tasks_where=none memory_where=none
+read -r init_comm </proc/1/comm || init_comm=""
+if [ "$init_comm" = systemd ] && [ -d /run/systemd/system ] && command -v systemd-run >/dev/null; then
+    unit=$UNIT_PREFIX$job.scope
+    printf 'systemd %s user-%s.slice %s %s %s\n' "$unit" "$uid" "$tasks_max" "$memory_bytes" \
+        "$v2_mount" >"$work/cgroup"
+    tasks_where=$tasks_max memory_where=$memory_bytes
+else
+    base=$v2_mount/tpu-portal
+    mkdir -p "$base"
+    # The controllers this hierarchy offers are enabled down to the portal's subtree.
+    for controller in pids memory; do
+        grep -qw "$controller" "$v2_mount/cgroup.controllers" || continue
+        for parent in "$v2_mount" "$base"; do
+            grep -qw "$controller" "$parent/cgroup.subtree_control" ||
+                echo "+$controller" >"$parent/cgroup.subtree_control" 2>/dev/null || true
+        done
+    done
+    cgroup=$base/job-$job
+    mkdir -p "$cgroup"
+    echo "v2 $cgroup" >"$work/cgroup"
+    if [ -f "$cgroup/pids.max" ]; then
+        echo "$tasks_max" >"$cgroup/pids.max"
+        tasks_where=$tasks_max
+    elif [ -n "$pids_mount" ]; then
+        pids_dir=$pids_mount/tpu-portal/job-$job
+        mkdir -p "$pids_dir"
+        echo "$tasks_max" >"$pids_dir/pids.max"
+        echo "pids $pids_dir" >>"$work/cgroup"
+        tasks_where=$tasks_max
+    fi
+    if [ -f "$cgroup/memory.max" ]; then
+        echo "$memory_bytes" >"$cgroup/memory.max"
+        [ ! -f "$cgroup/memory.swap.max" ] || echo 0 >"$cgroup/memory.swap.max"
+        memory_where=$memory_bytes
+    elif [ -n "$memory_mount" ]; then
+        memory_dir=$memory_mount/tpu-portal/job-$job
+        mkdir -p "$memory_dir"
+        echo "$memory_bytes" >"$memory_dir/memory.limit_in_bytes"
+        echo "memory $memory_dir" >>"$work/cgroup"
+        memory_where=$memory_bytes
+    fi
+fi
 
 # 4. The job's folder: root's, readable by the user's group; the user cannot change it.
 #    Its group is set first: what is written into it (setgid) takes that group.
@@ -148,14 +306,17 @@ umask 027
     grep -E '^(user|python|cwd|pod|env|arg) ' "$input"
 } >"$dir.new/spec"
 : >"$dir.new/log"
+cp "$work/cgroup" "$dir.new/cgroup.plan"
 cat >"$dir.new/supervise.sh" <<'SUPERVISOR'
 # The supervisor of one job (root, its own session, fd 9 = the TPU's lock, fd 3 = the
-# pipe job-start.sh waits on). Arguments: the folder, uid, gid, user, home, cwd, python.
+# pipe job-start.sh waits on). Arguments: the folder, uid, gid, user, home, cwd, python,
+# the log's cap in bytes. cgroup.plan says where the job's cgroup is (or, where systemd
+# runs, which scope to make); the cgroup file says where it is once the command runs.
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
 umask 027  # files root's, readable by the user's group (the folder is setgid)
-dir=$1 uid=$2 gid=$3 user=$4 home=$5 cwd=$6 python=$7
+dir=$1 uid=$2 gid=$3 user=$4 home=$5 cwd=$6 python=$7 log_max=$8
 cd "$dir"
 d() { printf '%s' "$1" | base64 -d; }
 # The 22nd field of /proc/PID/stat (the start time), read by the shell itself.
@@ -166,6 +327,29 @@ starttime() {
     set -- ${stat##*) }
     set +f
     echo "${20}"
+}
+populated() {
+    [ -f "$1/cgroup.events" ] || return 1
+    while read -r key value; do
+        if [ "$key" = populated ]; then
+            [ "$value" = 1 ]
+            return
+        fi
+    done <"$1/cgroup.events"
+    return 1
+}
+# Every process of the cgroup, at once: cgroup.kill, or where the kernel has none,
+# freeze, KILL each process listed, thaw (a frozen process dies of a KILL once thawed).
+kill_cgroup() {
+    if [ -f "$1/cgroup.kill" ]; then
+        echo 1 >"$1/cgroup.kill"
+    elif [ -f "$1/cgroup.freeze" ]; then
+        echo 1 >"$1/cgroup.freeze"
+        xargs -r kill -KILL <"$1/cgroup.procs" 2>/dev/null || true
+        echo 0 >"$1/cgroup.freeze"
+    else
+        xargs -r kill -KILL <"$1/cgroup.procs" 2>/dev/null || true
+    fi
 }
 
 job="" pod=""
@@ -194,47 +378,133 @@ while read -r kind value; do
     [ "$kind" = arg ] || continue
     set -- "$@" "$(d "$value")"
 done <spec
+set -- setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- "$@"
 
 echo "$$ $(starttime $$)" >supervisor
 read -r boot </proc/sys/kernel/random/boot_id
 echo "$boot" >boot_id
 started=$(date +%s.%N)
 echo "$started" >started_at
+
+# The log: the command's output through a pipe to a writer that keeps log_max bytes,
+# then ends the log with a line saying where and why it was cut and reads on (the job
+# keeps running, its further output is discarded). It ends when the last process of
+# the job has closed its output.
+write_log() {
+    # dd writes what each read gave at once (head would hold it in a buffer).
+    dd bs=65536 iflag=count_bytes count="$log_max" status=none >>log
+    if [ "$(head -c 1 | wc -c)" -gt 0 ]; then
+        printf '\n[tpu-portal] The log was cut here, after %s bytes: the lab keeps at most %s bytes of log per job and worker. The job went on running; its further output was discarded.\n' \
+            "$log_max" "$log_max" >>log
+        cat >/dev/null
+    fi
+}
+mkfifo -m 600 log.pipe
+# (exec closes them for good: dash would keep a copy of a function's redirected fds.)
+(
+    exec 3>&- 9>&-
+    write_log
+) <log.pipe &
+writer=$!
+exec 5>log.pipe
+rm -f log.pipe
+
 # The command: in its own session and process group (pgid = its pid), as the user with
-# no way back to root, without the lock's descriptor or the pipe, output into the log.
-setsid setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- "$@" \
-    </dev/null >>log 2>&1 9>&- 3>&- &
-child=$!
+# no way back to root, without the lock's descriptor or the pipe, in the job's cgroup
+# before it runs (so nothing of it is left in the portal account's session).
+mode="" unit="" slice="" tasks="" bytes="" v2_mount=""
+read -r mode unit slice tasks bytes v2_mount <cgroup.plan
+if [ "$mode" = systemd ]; then
+    setsid systemd-run --scope --quiet --collect --unit="$unit" --slice="$slice" \
+        --property=TasksMax="$tasks" --property=MemoryMax="$bytes" -- "$@" \
+        </dev/null >&5 2>&5 9>&- 3>&- 5>&- &
+    child=$!
+    # systemd-run moves itself into the scope, then runs the command in its place.
+    cgroup="" tries=0
+    while [ "$tries" -lt 500 ]; do
+        line=$(grep '^0::' "/proc/$child/cgroup" 2>/dev/null || true)
+        case $line in
+            */"$unit")
+                cgroup=$v2_mount${line#0::}
+                break
+                ;;
+        esac
+        tries=$((tries + 1))
+        sleep 0.01
+    done
+    { [ -z "$cgroup" ] || echo "v2 $cgroup"; } >cgroup.new
+else
+    (
+        while read -r _ where; do
+            echo 0 >"$where/cgroup.procs" || exit 125
+        done <cgroup.plan
+        exec setsid "$@"
+    ) </dev/null >&5 2>&5 9>&- 3>&- 5>&- &
+    child=$!
+    cp cgroup.plan cgroup.new
+fi
+exec 5>&-
+mv -f cgroup.new cgroup
+cgroup=$(sed -n 's/^v2 //p' cgroup)
 echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid.new
 mv -f pid.new pid
 # What job-start.sh answers; it returns once the pipe is closed.
-echo "$child $boot $started" >&3
+echo "$child $boot $started $cgroup" >&3
 exec 3>&-
 set +e
 wait "$child"
 status=$?
 set -e
-# Whatever the command left in its group goes with it before the lock is free.
-kill -KILL "-$child" 2>/dev/null || true
-date +%s.%N >ended_at
+# Whatever the command left in its cgroup (a process that left its group with setsid
+# among them) is killed, and the TPU is free only once the cgroup is empty.
+if [ -n "$cgroup" ]; then
+    waited=0
+    while populated "$cgroup"; do
+        kill_cgroup "$cgroup"
+        sleep 0.02
+        waited=$((waited + 1))
+        [ "$waited" -lt 50 ] || sleep 1
+    done
+else
+    kill -KILL "-$child" 2>/dev/null || true
+fi
+# The log's last bytes; a writer held open by something outside the job is not waited on.
+tries=0
+while kill -0 "$writer" 2>/dev/null && [ "$tries" -lt 100 ]; do
+    tries=$((tries + 1))
+    sleep 0.02
+done
+kill -KILL "$writer" 2>/dev/null || true
+wait "$writer" 2>/dev/null || true
+if [ "$mode" != systemd ]; then
+    while read -r _ where; do
+        rmdir "$where" 2>/dev/null || true
+    done <cgroup
+fi
 if [ "$status" -gt 128 ]; then
     echo "signal $(kill -l $((status - 128))) $status" >exit.new
 else
     echo "status $status" >exit.new
 fi
-mv -f exit.new exit
+# The TPU is free now, and then the end is written: a part reads as ended only once
+# nothing of it runs and the lock is free.
 rm -f /run/tpu-portal/holder
+exec 9>&-
+date +%s.%N >ended_at
+mv -f exit.new exit
 SUPERVISOR
 mv "$dir.new" "$dir"
+# From here the supervisor owns the folder, the cgroup and the holder file.
+trap 'rm -rf -- "$work"' EXIT
 
 # 5. Detach: a new session, nothing of the SSH channel, the lock's descriptor kept.
 #    The supervisor's fd 3 is a pipe to here: it writes the command's pid, the boot id
-#    and the start time once the command runs, then closes it (no polling for a file).
+#    the start time and its cgroup once the command runs, then closes it (no polling).
 answer=$(setsid -f /bin/sh "$dir/supervise.sh" "$dir" "$uid" "$gid" "$user" "$home" \
-    "$cwd" "$python" 3>&1 </dev/null >>"$dir/supervisor.log" 2>&1)
+    "$cwd" "$python" "$log_max_bytes" 3>&1 </dev/null >>"$dir/supervisor.log" 2>&1)
 exec 9>&-
-pid="" boot="" started=""
-read -r pid boot started <<ANSWER || true
+pid="" boot="" started="" cgroup=""
+read -r pid boot started cgroup <<ANSWER || true
 $answer
 ANSWER
 [ -n "$started" ] || die "the supervisor did not start the command (see $dir/supervisor.log)"
@@ -242,3 +512,6 @@ echo "start=started"
 echo "pid=$pid"
 echo "boot_id=$boot"
 echo "started_at=$started"
+echo "cgroup=${cgroup:--}"
+echo "tasks_max=$tasks_where"
+echo "memory_max=$memory_where"

@@ -1,0 +1,258 @@
+"""A job is its cgroup, on real sshd hosts of the test fleet (each host has cgroups of
+its own where a worker has them): whatever a job starts, a process that left its group
+with ``setsid`` among them, goes with the job's end and its cancel, and the TPU is free
+only once the cgroup is empty; a cancel keeps its grace; the lab's limits on tasks,
+memory and the log bite; old folders expire; a folder of an earlier boot is harmless."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from tpus.remote import HostKeyPins, Worker, run_script, site_login
+from tpus.remote.jobs import (
+    StartJob,
+    cancel_emptied,
+    encode_cancel,
+    encode_start,
+    encode_status,
+    parse_cancel,
+    parse_start,
+    parse_status,
+)
+from tpus.tests.test_jobs_host import new_job_id
+
+pytestmark = pytest.mark.fleet
+
+JOBS = "/var/lib/tpu-portal/jobs"
+_uids = itertools.count(43000)
+
+
+class Host:
+    """One fleet host as a worker, with a collaborator account on it."""
+
+    def __init__(self, fleet, host, username: str):
+        self.fleet, self.host, self.user = fleet, host, username
+        self.worker = Worker(
+            host.ip, HostKeyPins.parse(fleet.host_keys(host.name)), name=host.name,
+            login=site_login(),
+        )  # fmt: skip
+        fleet.exec(host.name, ["useradd", "-m", "-u", str(next(_uids)), "-s", "/bin/sh", username])
+
+    def sh(self, script: str, *, check: bool = True) -> str:
+        return self.fleet.exec(self.host.name, ["sh", "-c", script], check=check).stdout.decode()
+
+    def start(self, job_id: str, command: str, **limits):
+        data = encode_start(StartJob(job_id=job_id, user=self.user, argv=("sh", "-c", command),
+                                     **limits))  # fmt: skip
+        return parse_start(run_script(self.worker, "job-start.sh", data).values)
+
+    def status(self, job_id: str):
+        result = run_script(self.worker, "job-status.sh", encode_status({job_id: 0}, 1 << 20))
+        return parse_status(result.pairs)
+
+    def cancel(self, job_id: str, grace: int):
+        result = run_script(self.worker, "job-cancel.sh", encode_cancel(job_id, grace))
+        return parse_cancel(result.values), cancel_emptied(result.values)
+
+    def wait_for(self, job_id: str, predicate, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            report = self.status(job_id)
+            if predicate(report.jobs[job_id]) or time.monotonic() > deadline:
+                return report
+            time.sleep(0.1)
+
+    def processes(self) -> list[str]:
+        """The person's live processes (zombies do not count)."""
+        out = self.sh(f"ps -u {self.user} -o stat=,args= || true")
+        return [ln for ln in out.splitlines() if ln.strip() and not ln.strip().startswith("Z")]
+
+    def exists(self, path: str) -> bool:
+        return self.sh(f"test -e {path} && echo yes || echo no").strip() == "yes"
+
+
+@pytest.fixture
+def host(fleet, fleet_settings, fleet_host, fleet_username):
+    worker = Host(fleet, fleet_host, fleet_username)
+    yield worker
+    worker.sh(f"pkill -KILL -u {fleet_username} || true")
+
+
+ESCAPE = "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo escaped"
+
+
+# --- the job's end, its cancel, the lock ------------------------------------------------
+
+
+def test_a_process_that_left_its_group_dies_with_the_jobs_end(host):
+    job_id = new_job_id()
+    answer = host.start(job_id, f"{ESCAPE}; sleep 0.5")
+    assert answer.outcome == "started" and answer.cgroup.endswith(f"/tpu-portal/job-{job_id}")
+    assert host.exists(answer.cgroup)
+    report = host.wait_for(job_id, lambda j: j.state == "ended")
+    state = report.jobs[job_id]
+    assert state.state == "ended" and state.exit_status == 0, state
+    # Ended means: nothing of it runs, its cgroup is gone, and the TPU is free.
+    assert host.processes() == []
+    assert report.lock_holder is None
+    assert not host.exists(answer.cgroup)
+
+
+def test_a_cancel_kills_what_left_the_group_and_answers_once_the_cgroup_is_empty(host):
+    job_id = new_job_id()
+    answer = host.start(job_id, f"{ESCAPE}; exec sleep 300")
+    host.wait_for(job_id, lambda j: b"escaped" in j.log)
+    assert len(host.processes()) == 2
+    (how, lock_free), empty = host.cancel(job_id, grace=2)
+    assert (how, lock_free, empty) == ("term", True, True)
+    assert host.processes() == []
+    assert not host.exists(answer.cgroup)
+    assert host.status(job_id).jobs[job_id].state == "ended"
+
+
+def test_a_cancel_of_a_job_that_ignores_term_is_done_at_the_grace(host):
+    job_id = new_job_id()
+    host.start(job_id, f"trap '' TERM; {ESCAPE}; echo ready; while :; do sleep 1; done")
+    host.wait_for(job_id, lambda j: b"ready" in j.log)
+    began = time.monotonic()
+    (how, lock_free), empty = host.cancel(job_id, grace=2)
+    took = time.monotonic() - began
+    print(f"\ncancel with a grace of 2 s of a job that ignores TERM: {took:.2f} s")
+    assert (how, lock_free, empty) == ("kill", True, True)
+    assert host.processes() == []
+    # The grace, then KILL at once (not at a next poll), plus one SSH login (~0.3 s).
+    assert 2.0 <= took < 3.5
+
+
+def test_the_next_job_waits_while_processes_of_the_last_outlive_its_supervisor(host):
+    first, second = new_job_id(), new_job_id()
+    host.start(first, f"{ESCAPE}; exec sleep 300")
+    host.wait_for(first, lambda j: b"escaped" in j.log)
+    # The supervisor (and with it the lock) dies; the job's processes do not.
+    host.sh(f"kill -KILL $(cut -d' ' -f1 {JOBS}/{first}/supervisor)")
+    report = host.wait_for(first, lambda j: j.state == "lost")
+    assert report.lock_holder is None and len(host.processes()) == 2
+
+    refused = host.start(second, "true")
+    assert (refused.outcome, refused.reason) == ("refused", f"busy {first}")
+    assert not host.exists(f"{JOBS}/{second}")
+
+    (how, _), empty = host.cancel(first, grace=1)
+    assert how == "term" and empty and host.processes() == []
+    assert host.start(second, "true").outcome == "started"
+
+
+# --- limits ----------------------------------------------------------------------------
+
+
+FORK = """\
+import os, time
+n = 0
+try:
+    while n < 100:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        n += 1
+except OSError as exc:
+    print(f"refused after {n}: {exc.strerror}", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_job_forking_past_its_tasks_limit_is_refused_more(host):
+    job_id = new_job_id()
+    host.fleet.exec(host.host.name, ["sh", "-c", f"cat > /home/{host.user}/fork.py"],
+                    input=FORK.encode())  # fmt: skip
+    answer = host.start(job_id, "exec python3 fork.py", tasks_max=32)
+    assert answer.tasks_max == 32
+    state = host.wait_for(job_id, lambda j: b"refused" in j.log).jobs[job_id]
+    assert state.log == b"refused after 31: Resource temporarily unavailable\n", state
+    assert state.state == "running" and len(host.processes()) == 32
+    host.cancel(job_id, grace=0)
+    assert host.processes() == []
+
+
+def test_a_job_past_its_memory_limit_is_killed(host):
+    job_id = new_job_id()
+    answer = host.start(
+        job_id,
+        'echo allocating; exec python3 -c \'b = b"x" * (200 << 20); print("survived")\'',
+        memory_max_mb=64,
+    )
+    assert answer.memory_max == 64 << 20
+    report = host.wait_for(job_id, lambda j: j.state == "ended")
+    state = report.jobs[job_id]
+    assert (state.state, state.signal) == ("ended", "KILL"), state
+    assert b"allocating" in state.log and b"survived" not in state.log
+
+
+def test_the_log_is_cut_at_its_cap_with_a_line_saying_so_and_the_job_runs_on(host):
+    job_id = new_job_id()
+    host.start(
+        job_id,
+        "head -c 50000 /dev/zero | tr '\\0' a; echo; echo after the cap; touch $HOME/went-on",
+        log_max_bytes=4096,
+    )
+    state = host.wait_for(job_id, lambda j: j.state == "ended").jobs[job_id]
+    assert state.exit_status == 0
+    assert host.exists(f"/home/{host.user}/went-on")
+    log = state.log
+    assert log[:4096] == b"a" * 4096
+    last = log[4096:].decode()
+    assert last.startswith("\n[tpu-portal] The log was cut here, after 4096 bytes")
+    assert last.endswith("its further output was discarded.\n") and last.count("\n") == 2
+    assert state.log_size == len(log)
+
+
+# --- folders -----------------------------------------------------------------------------
+
+
+def test_old_folders_of_ended_jobs_expire_and_a_running_jobs_never_does(host):
+    ended, running, lost = new_job_id(), new_job_id(), new_job_id()
+    host.start(lost, "sleep 300")
+    host.fleet.reboot(host.host.name)  # its folder is of an earlier boot now
+    host.start(ended, "true")
+    host.wait_for(ended, lambda j: j.state == "ended")
+    host.start(running, "sleep 300")
+    for job_id in (ended, running, lost):
+        host.sh(f"touch -d '40 days ago' {JOBS}/{job_id}/* {JOBS}/{job_id}")
+    host.start(new_job_id(), "true")  # keeps folders forever: removes nothing
+    assert all(host.exists(f"{JOBS}/{j}") for j in (ended, running, lost))
+
+    refused = host.start(new_job_id(), "true", keep_days=30)
+    assert refused.outcome == "refused"  # the running job holds the TPU; expiry still ran
+    assert not host.exists(f"{JOBS}/{ended}") and not host.exists(f"{JOBS}/{lost}")
+    assert host.exists(f"{JOBS}/{running}")
+    assert host.status(running).jobs[running].state == "running"
+
+
+def test_a_cancel_of_a_folder_from_an_earlier_boot_kills_nothing_of_anyone_else(host):
+    job_id = new_job_id()
+    host.start(job_id, "exec sleep 300")
+    host.fleet.reboot(host.host.name)
+    other = f"{host.user}o"
+    host.sh(f"useradd -m -u {next(_uids)} {other}")
+    host.sh(f"setpriv --reuid={other} --regid={other} --init-groups -- setsid sleep 301 "
+            "</dev/null >/dev/null 2>&1 &")  # fmt: skip
+    pid = host.sh("pgrep -f 'sleep 301'").split()[0]
+    start = host.sh(f"cut -d' ' -f22 /proc/{pid}/stat").strip()
+    # As if the old job's supervisor and command had the pids the other person's
+    # process has now (pids start over at each boot): even with the same start time.
+    host.sh(f"echo '{pid} {start}' > {JOBS}/{job_id}/pid; cp {JOBS}/{job_id}/pid "
+            f"{JOBS}/{job_id}/supervisor; rm -f {JOBS}/{job_id}/cgroup")  # fmt: skip
+    try:
+        (how, lock_free), empty = host.cancel(job_id, grace=0)
+        assert (how, lock_free, empty) == ("lost", True, True)
+        assert host.sh(f"ps -o args= -p {pid}").strip() == "sleep 301"
+        # Of this boot, but the recorded start time is not the process's: nothing either.
+        boot = host.sh("cat /proc/sys/kernel/random/boot_id").strip()
+        host.sh(f"echo {boot} > {JOBS}/{job_id}/boot_id; echo '{pid} {int(start) + 1}' | "
+                f"tee {JOBS}/{job_id}/pid > {JOBS}/{job_id}/supervisor")  # fmt: skip
+        (how, _), _ = host.cancel(job_id, grace=0)
+        assert host.sh(f"ps -o args= -p {pid}").strip() == "sleep 301"
+    finally:
+        host.sh(f"pkill -KILL -u {other} || true")
