@@ -2,15 +2,18 @@
 
 from datetime import datetime
 
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.urls import reverse
 from django.views.decorators.debug import sensitive_variables
 from ninja import Router, Schema, Status
 from ninja.pagination import paginate
 from pydantic import Field
 
-from accounts import keys, services, unix
+from accounts import devices, keys, services, unix
 from accounts.access import get_own_key, get_own_token
-from accounts.models import UnixAccount
+from accounts.models import UnixAccount, hash_token
 from accounts.sshkeys import KeyRejected
+from portal.audit import client_ip
 from portal.pagination import PAGED, KeysetPagination
 from portal.schemas import Error, PlainText
 
@@ -68,6 +71,22 @@ def create_token(request, payload: TokenIn):
     except services.TokenError as exc:
         return Status(400, {"detail": str(exc)})
     return Status(201, {**TokenOut.from_orm(token).dict(), "token": raw})
+
+
+@router.delete(
+    "/tokens/current",
+    response={204: None, 400: Error},
+    summary="Revoke the token this request carries (signing a command-line client out)",
+)
+def revoke_current_token(request):
+    raw = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    token = request.user.api_tokens.filter(digest=hash_token(raw)).first() if raw else None
+    if token is None:
+        return Status(
+            400, {"detail": "This request carries no API token (it is a browser session)."}
+        )
+    services.revoke_token(request.user, token, request)
+    return Status(204, None)
 
 
 @router.delete("/tokens/{token_id}", response={204: None}, summary="Revoke an API token")
@@ -172,3 +191,86 @@ def choose_username(request, payload: UsernameIn):
     except unix.UnixAccountError as exc:
         return Status(400, {"detail": exc.message, "code": exc.code})
     return _unix_account_out(request.user, account)
+
+
+# --- signing in a command-line client through the browser (RFC 8628) ----------------
+
+
+class DeviceCodeIn(Schema):
+    device_name: str = Field(description="What the person will see: the computer's name.")
+
+
+class DeviceCodeOut(Schema):
+    device_code: str
+    user_code: str
+    verification_uri: str
+    verification_uri_complete: str
+    expires_in: int
+    interval: int
+
+
+class DeviceTokenIn(Schema):
+    device_code: str
+
+
+class DeviceTokenOut(Schema):
+    token: str
+    email: str
+    username: str | None
+
+
+class DeviceRefusal(Schema):
+    error: str
+    detail: str
+
+
+@router.post(
+    "/device/codes",
+    auth=None,
+    response={201: DeviceCodeOut, 400: Error},
+    summary="Start signing in a device: a code for the person to approve in the browser",
+)
+def start_device_login(request, payload: DeviceCodeIn):
+    try:
+        started = devices.start(payload.device_name, address=client_ip(request))
+    except DjangoValidationError as exc:
+        return Status(400, {"detail": " ".join(exc.messages)})
+    row = started.authorization
+    page = request.build_absolute_uri(reverse("device_login"))
+    return Status(
+        201,
+        {
+            "device_code": started.device_code,
+            "user_code": row.shown_code,
+            "verification_uri": page,
+            "verification_uri_complete": f"{page}?code={row.shown_code}",
+            "expires_in": int((row.expires_at - row.created_at).total_seconds()),
+            "interval": row.interval,
+        },
+    )
+
+
+@router.post(
+    "/device/token",
+    auth=None,
+    response={200: DeviceTokenOut, 400: DeviceRefusal},
+    summary="Poll for the device's token (once approved, it is returned once)",
+    description="Until then 400 with `error`: `authorization_pending` (ask again after "
+    "`interval` seconds), `slow_down` (add 5 seconds to the interval), `access_denied`, "
+    "`expired_token` (start again).",
+)
+@sensitive_variables()
+def poll_device_login(request, payload: DeviceTokenIn):
+    try:
+        issued = devices.poll(payload.device_code, request=request)
+    except devices.DeviceFlowError as exc:
+        return Status(400, {"error": exc.code, "detail": exc.detail})
+    account = getattr(issued.user, "unix_account", None)
+    return Status(
+        200,
+        {
+            "token": issued.raw,
+            "email": issued.user.email,
+            "username": account.username if account else None,
+        },
+    )

@@ -227,3 +227,48 @@ class UnixAccount(models.Model):
     def locked(self) -> bool:
         """True once the account exists on at least one host: the username is fixed."""
         return self.provisioned_at is not None
+
+
+class DeviceAuthorization(models.Model):
+    """A command-line client asking for a token (the OAuth device flow, RFC 8628): it
+    shows the person ``user_code`` and a link, the person approves it on the portal's
+    device page while signed in, and the client, polling with its ``device_code``,
+    receives a token of that person once. Only the device code's hash is stored."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "Waiting for approval"
+        APPROVED = "approved", "Approved"
+        DENIED = "denied", "Denied"
+        ISSUED = "issued", "Token issued"
+
+    device_digest = models.CharField(max_length=64, unique=True)
+    user_code = models.CharField(max_length=8, unique=True)
+    device_name = models.CharField(max_length=100)
+    requested_from = models.GenericIPAddressField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField()
+    interval = models.PositiveSmallIntegerField(default=5)
+    last_polled_at = models.DateTimeField(null=True, blank=True)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
+    user = models.ForeignKey(
+        User, null=True, blank=True, on_delete=models.CASCADE, related_name="device_logins"
+    )
+    decided_at = models.DateTimeField(null=True, blank=True)
+    token = models.ForeignKey(
+        ApiToken, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        indexes = [models.Index(fields=["expires_at"], name="device_auth_expires_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.device_name} ({self.get_state_display()})"
+
+    @property
+    def is_expired(self) -> bool:
+        return timezone.now() >= self.expires_at
+
+    @property
+    def shown_code(self) -> str:
+        """``WDJBMJHT`` as people read it: ``WDJB-MJHT``."""
+        return f"{self.user_code[:4]}-{self.user_code[4:]}"

@@ -3,11 +3,12 @@ unix account they become on the lab's machines."""
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import ValidationError
 from django.shortcuts import redirect, render
 from django.views.decorators.debug import sensitive_post_parameters, sensitive_variables
 from django.views.decorators.http import require_POST
 
-from accounts import keys, services, unix
+from accounts import devices, keys, services, unix
 from accounts.access import get_own_key, get_own_token
 from accounts.forms import KeyForm, TokenForm, UsernameForm
 from accounts.models import UnixAccount
@@ -114,3 +115,40 @@ def _key_page(request, *, key_form=None, username_form=None):
             "max_keys": keys.MAX_KEYS_PER_USER,
         },
     )
+
+
+@login_required
+@sensitive_post_parameters("password", "totp_code")
+def device_login(request):
+    """A command-line client's sign-in (``tpu login``): the person types or follows the
+    code their terminal shows, sees which device asks, and approves it by confirming
+    their password (or a code from their authenticator app), or denies it."""
+    typed = (request.POST.get("code") or request.GET.get("code") or "").strip()
+    context = {"code": typed, "needs_totp": devices.totp_of(request.user) is not None}
+    row = None
+    if typed:
+        try:
+            row = devices.find_for_approval(request.user, typed)
+        except devices.DeviceCodeRefused as exc:
+            context["code_error"] = str(exc)
+    if request.method == "POST" and row is not None:
+        try:
+            if request.POST.get("action") == "deny":
+                devices.deny(request.user, row)
+                context["done"] = "denied"
+            else:
+                devices.approve(
+                    request.user,
+                    row,
+                    password=request.POST.get("password", ""),
+                    totp_code=request.POST.get("totp_code", ""),
+                )
+                context["done"] = "approved"
+        except ValidationError as exc:
+            context["confirm_error"] = exc.messages[0]
+        except devices.DeviceCodeRefused as exc:
+            context["code_error"] = str(exc)
+            row = None
+    context["device"] = row
+    status = 400 if request.method == "POST" and "done" not in context else 200
+    return render(request, "accounts/device.html", context, status=status)

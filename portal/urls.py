@@ -4,6 +4,7 @@ from django.templatetags.static import static
 from django.urls import include, path
 from django.views.generic import RedirectView
 
+from accounts.views import device_login
 from portal.api import api
 from portal.health import healthz
 
@@ -27,6 +28,8 @@ urlpatterns = [
     path("favicon.ico", FaviconRedirect.as_view(), name="favicon"),
     path("", include("tpus.urls")),
     path("account/", include("accounts.urls")),
+    # Short, for typing from a terminal: where ``tpu login`` sends people.
+    path("device/", device_login, name="device_login"),
     path("accounts/", include("allauth.urls")),
     path("api/v1/", api.urls),
     path("admin/", admin.site.urls),

@@ -215,6 +215,12 @@ def _urls(cast):
             f"/api/v1/tokens/{token.pk}",
             [401, MISSING, MISSING, MISSING, 204, MISSING],
         ),
+        # A browser session carries no token to revoke.
+        ("api_token_revoke_current", "delete", "/api/v1/tokens/current", [401] + [400] * 5),
+        # Signing in a device is open to anyone; approving it needs a signed-in person.
+        ("api_device_codes", "post", "/api/v1/device/codes", [201] * 6),
+        ("api_device_token", "post", "/api/v1/device/token", [400] * 6),
+        ("device_login", "get", reverse("device_login"), [REDIRECT, OK, OK, OK, OK, OK]),
         (
             "api_join",
             "post",
@@ -747,6 +753,8 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                     "workers": [{"external_ip": "192.0.2.98"}],
                 },
                 "api_token_create": {"name": "matrix"},
+                "api_device_codes": {"device_name": "matrix"},
+                "api_device_token": {"device_code": "unknown"},
                 "api_lab_create": {
                     "name": "Matrix Lab",
                     "slug": "matrix",
