@@ -15,7 +15,19 @@ class RequireAdminMFAMiddleware:
     def __call__(self, request):
         if self._must_enrol(request):
             return redirect("mfa_activate_totp")
+        # The page that sets the app up says why it is asked for.
+        request.admin_mfa_required = request.path == reverse(
+            "mfa_activate_totp"
+        ) and self._required_for(request.user)
         return self.get_response(request)
+
+    @staticmethod
+    def _required_for(user) -> bool:
+        if not settings.PORTAL_REQUIRE_ADMIN_MFA or not user.is_authenticated:
+            return False
+        from accounts.services import needs_mfa_enrolment
+
+        return needs_mfa_enrolment(user)
 
     def _must_enrol(self, request) -> bool:
         if not settings.PORTAL_REQUIRE_ADMIN_MFA or not request.user.is_authenticated:
@@ -28,6 +40,4 @@ class RequireAdminMFAMiddleware:
         )
         if request.path.startswith(open_paths):
             return False
-        from accounts.services import needs_mfa_enrolment
-
-        return needs_mfa_enrolment(request.user)
+        return self._required_for(request.user)

@@ -167,7 +167,10 @@ def test_the_api_connects_and_shows_per_worker_progress_and_the_manual_route(
         in (state["gcloud_command"])
     )
     page = client.get(f"/labs/{vm.lab.slug}/vms/{vm.pk}/").content.decode()
-    assert "Connect this VM" in page and state["public_key_line"] in page
+    assert state["public_key_line"] in page
+    # Connected: checking again is offered, not as the page's primary action.
+    assert '<button type="submit" class="secondary"' in page and "Connect again" in page
+    assert "Connect this VM" not in page
 
 
 def test_a_lab_on_the_site_key_has_nothing_to_connect(make_lab, make_user, add_member):
