@@ -403,6 +403,8 @@ def _start(
         if found.startswith("/"):
             env.append(("LD_PRELOAD", found.split()[0]))
 
+    limits = job_limits(vm.lab)
+
     def start(worker) -> bytes:
         pod = wire.Pod(coordinator, len(workers), worker.index) if len(workers) > 1 else None
         return wire.encode_start(
@@ -414,6 +416,7 @@ def _start(
                 python=job.python,
                 cwd=job.cwd,
                 pod=pod,
+                **limits,
             )
         )
 
@@ -456,6 +459,17 @@ def _start(
         )
     report.started.append(job.pk)
     return job.state == JobState.CANCELLING
+
+
+def job_limits(lab) -> dict:
+    """What each worker's cgroup of a job of ``lab`` allows, and how long the worker
+    keeps the folders of ended jobs (``StartJob``'s fields)."""
+    return {
+        "tasks_max": lab.job_tasks_max,
+        "memory_max_mb": lab.job_memory_max_mb,
+        "log_max_bytes": lab.job_log_max_mb * 1024 * 1024,
+        "keep_days": settings.PORTAL_JOB_FOLDER_RETENTION_DAYS,
+    }
 
 
 def _start_answer(outcome: WorkerOutcome):
@@ -541,7 +555,7 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
                 state=JobState.RUNNING, started_at=job.started_at or now, changed_at=now
             )
         return False
-    if live and statuses:
+    if (live or lost) and statuses:
         grace = 0 if outcome == JobState.LOST else settings.PORTAL_JOB_CANCEL_GRACE_SECONDS
         _stop_parts(job, hosts, grace=grace)
         _status_round(job, vm, hosts, {p.index: p for p in job.parts.all()})
@@ -706,11 +720,14 @@ def stop_on_workers(job: Job, *, grace: int = 0) -> None:
 
 
 def _stop_parts(job: Job, hosts: _Hosts, *, grace: int) -> None:
-    """TERM, the grace period, KILL on every worker still running the job."""
+    """TERM, up to the grace period, KILL on every worker still running the job, and
+    on those where it was lost (its supervisor gone, processes may be left in its
+    cgroup; of an earlier boot, nothing is signalled): each worker answers once the
+    job's cgroup there is empty."""
     running = set(
-        job.parts.filter(state__in=[JobWorkerState.RUNNING, JobWorkerState.PENDING]).values_list(
-            "index", flat=True
-        )
+        job.parts.filter(
+            state__in=[JobWorkerState.RUNNING, JobWorkerState.PENDING, JobWorkerState.LOST]
+        ).values_list("index", flat=True)
     )
     chosen = [w for w in hosts.workers if w.index in running]
     if not chosen:
@@ -719,6 +736,8 @@ def _stop_parts(job: Job, hosts: _Hosts, *, grace: int) -> None:
     for worker, outcome in zip(chosen, outcomes, strict=True):
         if not outcome.ok:
             log.warning("job %s: cannot stop it on %s: %s", job.pk, worker.alias, outcome.error)
+        elif not wire.cancel_emptied(outcome.result.values):
+            log.warning("job %s: processes stay in its cgroup on %s", job.pk, worker.alias)
 
 
 def _wait(job: Job, reason: str) -> None:
