@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--notify", action="store_true", help="an email when it ends")
     p.add_argument("--detach", action="store_true", help="queue it and return (prints the job)")
     p.add_argument("--json", action="store_true", help="with --detach: the job as JSON")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    p.usage = f"tpu {p.prog.split()[-1]} [options] VM -- CMD ..."
 
     p = command("logs", "A job's log on every worker (-f: follow it live).", work.logs)
     p.add_argument("job", help="the job's number")
@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("vm")
     p.add_argument("--worker", default="all", metavar="all|N")
     p.add_argument("--json", action="store_true", help="each worker's exit status")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    p.usage = f"tpu {p.prog.split()[-1]} [options] VM -- CMD ..."
 
     p = command("forward", "Forward a port of worker 0 here (TensorBoard, Jupyter).",
                 work.forward)  # fmt: skip
@@ -182,7 +182,14 @@ def completion(args) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # What follows `--` is the command for the workers, whatever it looks like.
+    command = None
+    if "--" in argv:
+        at = argv.index("--")
+        argv, command = argv[:at], argv[at + 1 :]
     args = parser.parse_args(argv)
+    args.command = command
     if getattr(args, "func", None) is None:
         if args.what == "config":
             parser.parse_args(["config", "--help"])

@@ -20,8 +20,6 @@ from tpu_cli.session import Session, err, out, say
 
 def _command(args) -> list[str]:
     words = list(args.command or [])
-    if words and words[0] == "--":
-        words = words[1:]
     if not words:
         raise CliError("Give the command after `--`, e.g. tpu run tpu5 -- python3 train.py", USAGE)
     return words
