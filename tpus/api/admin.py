@@ -85,7 +85,6 @@ class LabSettingsOut(Schema):
     zones: list[str]
     grant_end_date: date | None
     default_sudo: bool
-    default_agent_forwarding: bool
     discoverable: bool
     policy_text: str
     # One more each time the policy text changes; members accept the new version.
@@ -102,7 +101,6 @@ class LabSettingsIn(StrictIn):
     zones: list[str] = None
     grant_end_date: date | None = None
     default_sudo: bool = None
-    default_agent_forwarding: bool = None
     discoverable: bool = None
     policy_text: str = None
 

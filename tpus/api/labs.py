@@ -33,7 +33,6 @@ class LabOut(Schema):
     zones: list[str] | None
     grant_end_date: date | None
     default_sudo: bool
-    default_agent_forwarding: bool
     policy_text: str
     policy_version: int
     my_state: str | None = None
@@ -145,7 +144,6 @@ class LabCreateIn(Schema):
     admin_emails: list[str]
     grant_end_date: date | None = None
     default_sudo: bool = False
-    default_agent_forwarding: bool = False
     discoverable: bool = True
     policy_text: MultilineText(10000) | None = None
 

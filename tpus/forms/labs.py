@@ -78,7 +78,6 @@ class LabSettingsForm(forms.ModelForm):
             "name",
             "grant_end_date",
             "default_sudo",
-            "default_agent_forwarding",
             "discoverable",
             "policy_text",
         ]

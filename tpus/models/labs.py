@@ -74,7 +74,6 @@ class Lab(models.Model):
     default_sudo = models.BooleanField(
         "sudo for new grants", default=False, help_text="Pre-ticks sudo on new grants."
     )
-    default_agent_forwarding = models.BooleanField("agent forwarding in ssh configs", default=False)
     policy_text = models.TextField(default=DEFAULT_POLICY, max_length=10000)
     # Bumped whenever the policy text changes, so acceptance is of a known version.
     policy_version = models.PositiveIntegerField(default=1)

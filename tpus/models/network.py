@@ -50,7 +50,9 @@ class ConfigFeed(models.Model):
     )
     salt = models.CharField(max_length=64)
     enabled = models.BooleanField(default=True)
-    # None: the lab's default for each VM.
+    # True only when the person turned it on themselves: any sudoer on a VM can use a
+    # forwarded agent, so no one (a lab admin included) turns it on for them. None
+    # (never chosen) and False mean off.
     forward_agent = models.BooleanField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     last_fetched_at = models.DateTimeField(null=True, blank=True)

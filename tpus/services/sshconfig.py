@@ -124,7 +124,7 @@ def naming_peers(user) -> list[TpuVm]:
 
 # What the config, known_hosts and the ssh page read of a VM, its lab and its workers:
 # every config download and refresh loads all of a person's VMs, so nothing more.
-_VM_COLUMNS = ("name", "zone", "lab__slug", "lab__name", "lab__default_agent_forwarding")
+_VM_COLUMNS = ("name", "zone", "lab__slug", "lab__name")
 _WORKER_COLUMNS = ("vm_id", "index", "external_ip", "host_keys")
 
 
@@ -148,11 +148,11 @@ def feed_of(user):
 
 
 def forward_agent(user, vm: TpuVm) -> bool:
-    """The person's own choice, else the lab's default."""
+    """Whether the person's agent is forwarded to ``vm``: only when they turned it on
+    themselves. Anyone with sudo on the VM can use a forwarded agent while they are
+    logged in, so it is each person's own opt-in; a lab has no say."""
     feed = feed_of(user)
-    if feed is not None and feed.forward_agent is not None:
-        return feed.forward_agent
-    return bool(vm.lab.default_agent_forwarding)
+    return feed is not None and feed.forward_agent is True
 
 
 def forwards_for(user, vms: list[TpuVm]) -> dict[int, list[tuple[int, int]]]:

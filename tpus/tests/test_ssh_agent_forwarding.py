@@ -1,10 +1,13 @@
-"""Agent forwarding on the ssh page: the person's own choice or the lab's default goes
-into every Host block, and while it is on, the page names who else can use sudo on
+"""Agent forwarding on the ssh page: only the person's own choice turns it on in their
+Host blocks (any sudoer on a VM can use a forwarded agent, so no lab admin can switch
+it on for the members), and while it is on, the page names who else can use sudo on
 each VM (they could use the agent while the person is logged in)."""
 
 from __future__ import annotations
 
 import pytest
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 from django.urls import reverse
 
 from accounts.unix import choose_username
@@ -56,9 +59,81 @@ def test_with_forwarding_off_there_is_nothing_to_warn_about(client, milo):
     assert WARNING not in page
 
 
-def test_the_labs_default_applies_until_the_person_chooses(client, milo):
-    Lab.objects.filter(slug="vision").update(default_agent_forwarding=True)
+def test_forwarding_is_off_until_the_person_turns_it_on(client, milo):
     client.force_login(milo)
-    assert WARNING in client.get(reverse("ssh_page")).content.decode()
-    assert WARNING not in _choose(client, "no")
-    assert WARNING in _choose(client, "lab")
+    page = client.get(reverse("ssh_page")).content.decode()
+    assert "    ForwardAgent no" in page and "ForwardAgent yes" not in page
+    assert WARNING not in page
+    assert "lab's default" not in page
+    assert "ForwardAgent yes" in _choose(client, "yes")
+
+
+def test_a_choice_other_than_yes_or_no_changes_nothing(client, milo):
+    client.force_login(milo)
+    _choose(client, "yes")
+    response = client.post(reverse("ssh_forwarding"), {"forward_agent": "lab"}, follow=True)
+    assert "Choose whether to forward your agent" in response.content.decode()
+    assert "    ForwardAgent yes" in client.get(reverse("ssh_page")).content.decode()
+
+
+def test_a_lab_admin_cannot_switch_forwarding_on_for_the_members(client, milo, make_user):
+    from tpus.models import Membership
+
+    lab = Lab.objects.get(slug="vision")
+    admin = make_user("boss@uni.example")
+    Membership.objects.create(
+        lab=lab, user=admin, role="admin", state="approved",
+        policy_version_accepted=lab.policy_version,
+    )  # fmt: skip
+    client.force_login(admin)
+    refused = client.patch(
+        f"/api/v1/labs/{lab.slug}/settings",
+        {"default_agent_forwarding": True},
+        content_type="application/json",
+    )
+    assert refused.status_code == 422
+    assert "default_agent_forwarding" in refused.content.decode()
+    form = client.get(reverse("lab_settings", args=[lab.slug])).content.decode()
+    assert "forwarding" not in form.lower()
+    client.post(
+        reverse("lab_settings", args=[lab.slug]),
+        {"name": lab.name, "default_agent_forwarding": "on", "discoverable": "on",
+         "policy_text": lab.policy_text},
+    )  # fmt: skip
+    client.force_login(milo)
+    page = client.get(reverse("ssh_page")).content.decode()
+    assert "    ForwardAgent no" in page and "ForwardAgent yes" not in page
+
+
+@pytest.mark.django_db(transaction=True)
+def test_upgrading_turns_no_ones_forwarding_on_and_keeps_each_persons_choice(make_user):
+    from django.core.management import call_command
+
+    executor = MigrationExecutor(connection)
+    key = next(
+        k for k in executor.loader.graph.nodes
+        if k[0] == "tpus" and k[1].endswith("_agent_forwarding_is_each_persons_own")
+    )  # fmt: skip
+    [before] = [p.key for p in executor.loader.graph.node_map[key].parents if p.key[0] == "tpus"]
+    try:
+        executor.migrate([before])
+        old = MigrationExecutor(connection).loader.project_state([before]).apps
+        OldLab, Feed = old.get_model("tpus", "Lab"), old.get_model("tpus", "ConfigFeed")
+        OldLab.objects.create(
+            name="Old", slug="old", gcp_project_id="old-project", default_agent_forwarding=True
+        )
+        chose, never = make_user(), make_user()
+        Feed.objects.create(user_id=chose.pk, salt="a", forward_agent=True)
+        Feed.objects.create(user_id=never.pk, salt="b", forward_agent=None)
+
+        MigrationExecutor(connection).migrate([key])
+
+        from tpus.models import ConfigFeed
+        from tpus.services.sshconfig import forward_agent
+
+        assert ConfigFeed.objects.get(user=chose).forward_agent is True
+        assert ConfigFeed.objects.get(user=never).forward_agent is None
+        vm = TpuVm(lab=Lab.objects.get(slug="old"), name="x")
+        assert forward_agent(never, vm) is False and forward_agent(chose, vm) is True
+    finally:
+        call_command("migrate", verbosity=0)

@@ -97,9 +97,9 @@ def ssh_feed_disable(request):
 @login_required
 @require_POST
 def ssh_forwarding(request):
-    choice = {"yes": True, "no": False, "lab": None}.get(request.POST.get("forward_agent", ""))
-    if request.POST.get("forward_agent") not in {"yes", "no", "lab"}:
-        messages.error(request, "Choose yes, no, or the lab's default.")
+    choice = {"yes": True, "no": False}.get(request.POST.get("forward_agent", ""))
+    if choice is None:
+        messages.error(request, "Choose whether to forward your agent: yes or no.")
         return redirect("ssh_page")
     feed = sshconfig.feed_for(request.user)
     ConfigFeed.objects.filter(pk=feed.pk).update(forward_agent=choice)
