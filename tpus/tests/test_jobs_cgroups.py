@@ -6,11 +6,14 @@ memory and the log bite; old folders expire; a folder of an earlier boot is harm
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import time
 
 import pytest
 
+from tpus.models import Job
+from tpus.models.jobs import JobState
 from tpus.remote import HostKeyPins, Worker, run_script, site_login
 from tpus.remote.jobs import (
     StartJob,
@@ -22,7 +25,10 @@ from tpus.remote.jobs import (
     parse_start,
     parse_status,
 )
+from tpus.services import job_engine, jobs
 from tpus.tests.test_jobs_host import new_job_id
+from tpus.tests.test_jobs_service import drive, jax_env, jobs_pod, submit  # noqa: F401
+from tpus.tests.test_provisioning import pod  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.fleet
 
@@ -256,3 +262,60 @@ def test_a_cancel_of_a_folder_from_an_earlier_boot_kills_nothing_of_anyone_else(
         assert host.sh(f"ps -o args= -p {pid}").strip() == "sleep 301"
     finally:
         host.sh(f"pkill -KILL -u {other} || true")
+
+
+# --- through the portal: the job pass on a 4-worker pod -------------------------------
+
+
+def _left(vm) -> list[str]:
+    """What runs as the pod's person on any of its workers (zombies do not count)."""
+    found = []
+    for h in vm.hosts:
+        out = vm.fleet.exec(h.name, ["sh", "-c", f"ps -u {vm.user} -o stat=,args= || true"])
+        found += [f"{h.name}: {ln}" for ln in out.stdout.decode().splitlines() if ln[:1] != "Z"]
+    return found
+
+
+@pytest.mark.slow
+def test_through_the_portal_nothing_of_a_job_outlives_its_end_or_its_time_limit(
+    jobs_pod,  # noqa: F811
+    django_capture_on_commit_callbacks,
+):
+    escape = f"{ESCAPE}; sleep 0.5"
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sh", "-c", escape])
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended)
+    assert job.state == JobState.SUCCEEDED, job.reason
+    assert _left(jobs_pod) == []
+
+    stay = f"{ESCAPE}; exec sleep 300"
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sh", "-c", stay],
+                 time_limit_minutes=1)  # fmt: skip
+    job = drive(jobs_pod.vm, job, lambda j: all("escaped" in p.log_tail for p in j.parts.all()))
+    assert len(_left(jobs_pod)) == 8  # the command and what left its group, on 4 workers
+    Job.objects.filter(pk=job.pk).update(started_at=job.started_at - dt.timedelta(minutes=2))
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    assert job.state == JobState.FAILED and "time limit" in job.reason
+    assert _left(jobs_pod) == []
+
+
+@pytest.mark.slow
+def test_through_the_portal_a_cancel_of_a_job_that_ignores_term_is_done_at_the_grace(
+    jobs_pod,  # noqa: F811
+    django_capture_on_commit_callbacks,
+    settings,
+):
+    settings.PORTAL_JOB_CANCEL_GRACE_SECONDS = 2
+    stubborn = f"trap '' TERM; {ESCAPE}; while :; do sleep 1; done"
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="",
+                 args=["sh", "-c", stubborn])  # fmt: skip
+    job = drive(jobs_pod.vm, job, lambda j: all("escaped" in p.log_tail for p in j.parts.all()))
+    with django_capture_on_commit_callbacks(execute=False):
+        jobs.cancel_job(job, jobs_pod.milo)
+    job_engine.advance(jobs_pod.vm.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED
+    assert _left(jobs_pod) == []
+    # Each worker writes the end once the job's cgroup there is empty.
+    gone = max(p.ended_at for p in job.parts.all()) - job.cancel_requested_at
+    print(f"\ncancel -> nothing left on 4 workers, grace 2 s: {gone.total_seconds():.2f} s")
+    assert 2.0 <= gone.total_seconds() < 3.5  # one status round, the grace, the KILL
