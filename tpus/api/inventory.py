@@ -234,6 +234,7 @@ class ImportIn(Schema):
 class AttachmentOut(Schema):
     vm: str
     mode: str
+    state: str  # attached, or detaching (being unmounted on the workers first)
 
 
 class DiskOut(Schema):
@@ -246,7 +247,7 @@ class DiskOut(Schema):
 
     @staticmethod
     def resolve_attachments(obj):
-        return [{"vm": a.vm.name, "mode": a.mode} for a in obj.attachments.all()]
+        return [{"vm": a.vm.name, "mode": a.mode, "state": a.state} for a in obj.attachments.all()]
 
 
 class AttachIn(Schema):

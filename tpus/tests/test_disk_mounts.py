@@ -317,3 +317,21 @@ def test_a_disk_the_workers_never_reached_is_detached_without_waiting(scene):
     assert operation.state == DiskOperationState.DONE
     assert _cloud_disks(scene) == []
     assert DataDisk.objects.filter(pk=disk.pk).exists()
+
+
+def test_the_api_shows_a_detach_waiting_for_the_workers(scene, mounted, client):
+    client.force_login(scene.admin)
+    response = client.post(
+        f"/api/v1/labs/vision/disks/{mounted.pk}/detach",
+        {"vm_id": scene.vm.pk},
+        content_type="application/json",
+    )
+    assert response.status_code == 202
+    operation = response.json()["id"]
+    disk_operations.run_operation(operation)  # as its task does
+
+    polled = client.get(f"/api/v1/labs/vision/disks/{mounted.pk}/operations/{operation}")
+    assert (polled.json()["state"], polled.json()["error"]) == ("unmounting", "")
+    [listed] = [d for d in client.get("/api/v1/labs/vision/disks").json()["items"]
+                if d["name"] == "imagenet"]  # fmt: skip
+    assert listed["attachments"] == [{"vm": "tpu1", "mode": "READ_ONLY", "state": "detaching"}]
