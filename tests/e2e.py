@@ -22,6 +22,10 @@ import pytest
 from tests.requirements import need
 
 ROOT = Path(__file__).resolve().parent.parent
+# Where the journeys keep what a person should look at (screenshots), git-ignored.
+ARTIFACTS = Path(os.environ.get("PORTAL_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+# A phone's width and a desktop's, for screenshots and layout checks.
+WIDTHS = {"phone": 375, "desktop": 1280}
 CHROMIUM = os.environ.get("PORTAL_TEST_CHROMIUM", "/usr/bin/chromium")
 # Flags for a sandboxed, offline machine: no background traffic, no sandbox as root.
 CHROMIUM_ARGS = [
@@ -54,6 +58,15 @@ def expect_every_worker_up_to_date(progress, workers: int, timeout: float = 60_0
         if time.monotonic() > deadline:
             raise AssertionError(f"not every one of {workers} workers is up to date: {lines}")
         time.sleep(0.2)
+
+
+def screenshots(page, folder: Path, name: str) -> None:
+    """Save the whole page at a phone's width and a desktop's (``<name>-375.png``,
+    ``<name>-1280.png``), leaving the page at the desktop's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for width in WIDTHS.values():
+        page.set_viewport_size({"width": width, "height": 900})
+        page.screenshot(path=folder / f"{name}-{width}.png", full_page=True)
 
 
 def free_port() -> int:

@@ -8,8 +8,6 @@ person to look at."""
 from __future__ import annotations
 
 import datetime as dt
-import os
-from pathlib import Path
 
 import pytest
 from django.utils import timezone
@@ -17,18 +15,13 @@ from django.utils import timezone
 from accounts.keys import add_key
 from accounts.models import UnixAccount
 from accounts.tests.keydata import ECDSA_521, ED25519, RSA_2048
+from tests.e2e import ARTIFACTS, WIDTHS
 from tpus.models import DataDisk, DiskAttachment, Grant, IpChange, TpuVm, Worker, WorkerSync
 from tpus.services.labs import create_invite
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 PASSWORD = "a long passphrase 42"  # noqa: S105 (a test account)
-WIDTHS = {"phone": 375, "desktop": 1280}
-ARTIFACTS = Path(
-    os.environ.get(
-        "PORTAL_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"
-    )
-)
 # axe-core's impact levels that fail the test; "moderate" and "minor" are reported
 # in the failure message of a serious one only.
 BLOCKING = {"serious", "critical"}

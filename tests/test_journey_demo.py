@@ -1,16 +1,22 @@
 """``bin/demo`` followed to the letter in a real browser: its setup (the site admin,
-then ``demo_lab`` on the sshd fleet and the emulator) prints two logins and three
-steps; the site admin does step 1 and milo steps 2 and 3, doing only what the output
-and the pages say, until ``ssh tpu5`` answers from worker 0. A step that needs
+then ``demo_lab`` on the sshd fleet and the emulator) prints two logins and four
+steps; the site admin does step 1 and milo steps 2 to 4, doing only what the output
+and the pages say, until ``ssh tpu5`` answers from worker 0 and the pasted JAX job has
+summed one number from every worker of the pod on each of them; then the VM's page
+says who uses the TPU and the lab's usage page counts the job. A step that needs
 knowledge from anywhere else fails here.
 
 As in the demo, the browser talks to a web server, the grant is a task a real Celery
-worker takes from the broker, the worker reaches the fleet over SSH with the lab's
-own key, and the person's ssh client finds its files where the page put them."""
+worker takes from the broker, Celery beat polls the job, the worker reaches the fleet
+over SSH with the lab's own key, the person's ssh client finds its files where the
+page put them, and the job is real JAX (the CPU build) across the four hosts with
+jax.distributed. Every step is saved at a phone's width and a desktop's under
+``test-artifacts/demo/`` for a person to look at."""
 
 from __future__ import annotations
 
 import io
+import os
 import re
 import shlex
 from pathlib import Path
@@ -19,9 +25,12 @@ import pytest
 from django.core.management import call_command
 from playwright.sync_api import expect
 
-from tests.e2e import ROOT, expect_every_worker_up_to_date
+from tests.e2e import ARTIFACTS, ROOT, expect_every_worker_up_to_date, screenshots
 from tests.laptop import Laptop
+from tests.requirements import need
+from tests.test_journey_jobs import beat  # noqa: F401 (a fixture)
 from tpus.management.commands.demo_lab import set_up_demo
+from tpus.models import Job
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.fleet]
 
@@ -33,6 +42,13 @@ def worker_env(monkeypatch, settings, live_server, tpu_emulator, fleet_settings,
     runs on ``portal.settings.local``, where it is off unless asked for)."""
     settings.SITE_URL = live_server.url
     settings.PORTAL_REQUIRE_ADMIN_MFA = False
+    # What bin/demo sets for its fake chips, read from the script itself.
+    script = (ROOT / "bin" / "demo").read_text()
+    assert re.search(r"^export .*\bPORTAL_JOB_REQUIRE_LIBTPU=false\b", script, re.M), script
+    settings.PORTAL_JOB_REQUIRE_LIBTPU = False
+    monkeypatch.setenv("PORTAL_JOB_REQUIRE_LIBTPU", "false")
+    jax_env = os.environ.get("TPU_PORTAL_TEST_JAX_ENV", "/opt/tpu-portal-test-jax")
+    need(Path(jax_env, "bin", "python").exists(), f"no JAX in {jax_env} (bin/setup test)")
     monkeypatch.setenv("SITE_URL", live_server.url)
     monkeypatch.setenv("PORTAL_REQUIRE_ADMIN_MFA", "false")
     monkeypatch.setenv("PORTAL_UID_MIN", str(settings.PORTAL_UID_MIN))
@@ -93,18 +109,27 @@ def _download(page, link_text: str, downloads: Path) -> Path:
     return saved
 
 
-def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_ssh_tpu5(
-    printed, browser, live_server, fleet, tmp_path
+def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_a_jax_job_on_tpu5(
+    printed,
+    beat,  # noqa: F811 (the fixture imported above)
+    browser,
+    live_server,
+    fleet,
+    tmp_path,
 ):
-    shots = tmp_path  # where the journeys keep their screenshots
+    shots = ARTIFACTS / "demo"
+    shots.mkdir(parents=True, exist_ok=True)
     (shots / "demo-output.txt").write_text(printed)
     admin_email, admin_password = _one(r"^Site admin login: (\S+) / (\S+)$", printed)
     milo_email, milo_password, milo_key = _one(
         r"^Collaborator login: (\S+) / (\S+) \(his SSH key: (\S+)\)$", printed
     )
     steps = re.findall(r"^(\d)\. (.+)$", printed, re.M)
-    assert [n for n, _ in steps] == ["1", "2", "3"], printed
-    step1, step2, step3 = (text for _, text in steps)
+    assert [n for n, _ in steps] == ["1", "2", "3", "4"], printed
+    step1, step2, step3, step4 = (text for _, text in steps)
+    # Step 4's command is the line right under it, whole, to paste.
+    lines = printed.splitlines()
+    job_command = lines[lines.index(f"4. {step4}") + 1]
     workers = sorted(fleet.hosts.values(), key=lambda h: h.index)[:4]
 
     context = browser.new_context(base_url=live_server.url, accept_downloads=True)
@@ -123,7 +148,7 @@ def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_ssh_tpu5(
     assert page.url == url
     page.wait_for_load_state("load")  # htmx has wired the page up
     expect(page.get_by_role("heading", name=heading, exact=True)).to_be_visible()
-    page.screenshot(path=shots / "1-vm-page.png", full_page=True)
+    screenshots(page, shots, "1-vm-access-page")
     page.get_by_role("combobox", name=field, exact=True).fill(who)
     page.get_by_role("button", name=button, exact=True).click()
     page.wait_for_url(url)
@@ -132,7 +157,7 @@ def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_ssh_tpu5(
     progress = page.locator("#vm-progress")
     expect_every_worker_up_to_date(progress, len(workers))
     expect(progress.locator("tr", has_text=milo_email).locator(".badge")).to_have_text("Active")
-    page.screenshot(path=shots / "2-milo-added.png", full_page=True)
+    screenshots(page, shots, "2-milo-added")
 
     # 2. Milo, in the same browser, signs in and installs his ssh config and host keys.
     sign_out, url, config_link, known_link = _one(
@@ -153,7 +178,7 @@ def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_ssh_tpu5(
     card = page.locator("section", has=page.get_by_role("link", name=config_link, exact=True))
     commands = card.locator("pre").first.inner_text()
     assert config.name in commands and known.name in commands, commands
-    page.screenshot(path=shots / "3-ssh-page.png", full_page=True)
+    screenshots(page, shots, "3-ssh-page")
     installed = laptop.shell(commands)
     assert installed.returncode == 0, (commands, installed.stderr)
     # Where the page says each download goes, under ~/.ssh.
@@ -175,4 +200,48 @@ def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_ssh_tpu5(
     assert len(set(names)) == len(names), names
     assert result.stdout.strip() == names[0]
     (shots / "4-ssh-tpu5-hostname.txt").write_text(f"$ {command} hostname\n{result.stdout}")
+
+    # 4. Milo runs the printed job on the pod from the VM's page.
+    who, url, command_field, python_env, python_field, queue, ending = _one(
+        r"^Run a job: as (\S+), open (\S+), paste the line below into \"([^\"]+)\", "
+        r'type (\S+) in "([^"]+)" and click "([^"]+)": the job\'s page shows every '
+        r'worker\'s log, each ending with "([^"]+)"\.$',
+        step4,
+    )
+    assert who == "milo"
+    page.goto(url)
+    form = page.locator("#job-run")
+    # The page says why no TPU runtime is asked for here.
+    expect(form.locator("#job-libtpu-note")).to_contain_text("chips are fake")
+    form.get_by_label(command_field, exact=True).fill(job_command)
+    form.get_by_label(python_field, exact=True).fill(python_env)
+    screenshots(page, shots, "5-job-form")
+    form.get_by_role("button", name=queue, exact=True).click()
+    page.wait_for_url(re.compile(r"/jobs/\d+/$"))
+    job = Job.objects.get(pk=int(page.url.rstrip("/").rsplit("/", 1)[1]))
+    expect(page.locator("#job-command")).to_be_visible()
+    # Every worker's own log shows its line of the one psum over the whole pod.
+    for index in range(len(workers)):
+        log = page.locator(f"#job-log-{index}")
+        expect(log).to_contain_text(f"worker {index} of {len(workers)}", timeout=120_000)
+        expect(log).to_contain_text(ending)
+    expect(page.locator("#job-state .badge")).to_have_text("Succeeded", timeout=60_000)
+    screenshots(page, shots, "6-job-page")
+    job.refresh_from_db()
+    assert job.state == "succeeded" and job.worker_count == len(workers), job.reason
+
+    # Who is using this TPU: the VM's page, now that the job is done, and its jobs.
+    page.goto(url)
+    expect(page.locator("#tpu-now")).to_contain_text("Free")
+    expect(page.locator(f"#recent-job-{job.pk}")).to_contain_text("Succeeded")
+    screenshots(page, shots, "7-who-uses-tpu5")
+
+    # The lab's usage page counts the job's worker-hours for milo on tpu5.
+    page.goto(url.split("/vms/")[0] + "/")
+    page.get_by_role("link", name="TPU usage", exact=True).click()
+    page.wait_for_load_state("load")
+    expect(page.locator("#usage-people tbody tr").first).to_contain_text("milo")
+    expect(page.locator("#usage-vms tbody tr").first).to_contain_text("tpu5")
+    expect(page.locator("#usage-total")).not_to_have_text("0")
+    screenshots(page, shots, "8-usage")
     context.close()
