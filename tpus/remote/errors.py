@@ -30,6 +30,7 @@ class RemoteError(Exception):
         worker: str = "",
         exit_status: int | None = None,
         stderr: str = "",
+        script_ran_late: bool = False,
     ):
         super().__init__(message)
         self.message = message
@@ -38,6 +39,9 @@ class RemoteError(Exception):
         self.worker = worker
         self.exit_status = exit_status
         self.stderr = stderr
+        # A TIMEOUT of the script itself (it ran on the host and did not finish in
+        # time), not of reaching the host: trying again would likely take as long.
+        self.script_ran_late = script_ran_late
 
     def __str__(self) -> str:
         where = f"{self.worker}: " if self.worker else ""

@@ -557,6 +557,7 @@ class _Exec:
                 kind=RemoteError.TIMEOUT,
                 retryable=True,
                 worker=where,
+                script_ran_late=True,
             ) from None
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.close()

@@ -56,6 +56,14 @@ GONE_STATES = {
 # Checks that fail because something outside the portal holds the TPU: the job waits
 # (``blocked``) instead of being refused.
 HELD_CHECKS = {"chip_holder", "libtpu_lockfile", "portal_lock"}
+# A pass that dies while validating a job leaves it in ``validating``; the next pass
+# puts it back in line, at most this many times, then refuses it with the reason.
+MAX_INTERRUPTED_VALIDATIONS = 3
+# What to do about a refusal, by check: said once after the reason.
+HINTS = {
+    "script": "Copy your code to every worker, or keep it on a data disk.",
+    "python": "Make the environment on every worker, or keep it on a data disk.",
+}
 
 # --- the VM's pass -------------------------------------------------------------------
 
@@ -289,6 +297,7 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
                 python=job.python,
                 script=job.script,
                 env_names=env_names,
+                probe_seconds=settings.PORTAL_JOB_PREFLIGHT_PROBE_SECONDS,
             )
         )
 
@@ -300,51 +309,132 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
 
 
 def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, report) -> bool:
-    outcomes = held.first
-    unreachable = [(w, o) for w, o in zip(workers, outcomes, strict=True) if not o.ok]
-    if unreachable:
+    alias = workers_by_index(workers)
+    reports, rows, failures, unreachable = {}, {}, [], []
+    for worker, outcome in zip(workers, held.first, strict=True):
+        problem = _preflight_problem(outcome)
+        if not problem:
+            try:
+                reports[worker.index] = wire.parse_preflight(outcome.result.all("check"))
+            except ValueError as exc:
+                problem = f"its answer cannot be read ({exc})"
+        elif outcome.error.retryable and not outcome.error.script_ran_late:
+            unreachable.append((worker, outcome))
+        if problem:
+            rows[worker.index] = [["preflight", "fail", problem]]
+            failures.append((worker.index, "preflight", problem))
+    judged = _judge(reports, workers)
+    failures += judged
+    _record_holders(vm, reports)
+    rows.update(_rows(reports, judged))
+    job.preflight = {str(i): rows[i] for i in sorted(rows)}
+    # A cancel asked for while the workers ran their checks: nothing starts.
+    if _ended_by_cancel(job, job.preflight, report):
+        return True
+    if unreachable and len(unreachable) == len(failures):
+        # Only workers that could not be reached: wait for them.
         worker, outcome = unreachable[0]
         text = f"worker {worker.index} ({worker.alias}): {outcome.error}"
-        if any(o.error.retryable for _, o in unreachable):
-            _back_in_line(job, f"Waiting: cannot reach {text}")
-            return False
-        _end(job, JobState.REJECTED, f"The pre-flight could not run on {text}")
-        report.ended.append(job.pk)
-        return True
-    reports = {
-        w.index: wire.parse_preflight(o.result.all("check"))
-        for w, o in zip(workers, outcomes, strict=True)
-    }
-    failures = _judge(reports, workers)
-    _record_holders(vm, reports)
-    job.preflight = {
-        str(i): [[c.name, c.status, c.detail] for c in r.checks] for i, r in reports.items()
-    }
+        return _back_in_line(job, f"Waiting: cannot reach {text}", report=report)
     if failures:
-        held = all(name in HELD_CHECKS for _, name, _ in failures)
-        alias = workers_by_index(workers)
-        text = "; ".join(
-            f"worker {i} ({alias[i].alias}): {name}: {detail}" for i, name, detail in failures
-        )
-        if held:
-            _back_in_line(job, f"The TPU is in use outside the portal: {text}", blocked=True)
-            return False
-        _end(job, JobState.REJECTED, f"The pre-flight failed on {text}")
-        report.ended.append(job.pk)
+        text = _refusal_text(failures, alias, len(workers))
+        if all(name in HELD_CHECKS for _, name, _ in failures):
+            return _back_in_line(
+                job, f"The TPU is in use outside the portal: {text}", blocked=True, report=report
+            )
+        _reject(job, f"The pre-flight failed on {text}", report)
         return True
     with transaction.atomic():
         current = Job.objects.select_for_update().get(pk=job.pk)
-        if current.cancel_requested_at:
-            current.preflight = job.preflight
-            current.save(update_fields=["preflight"])
-            _end(current, JobState.CANCELLED, current.reason or "Cancelled before it started.")
-            report.ended.append(job.pk)
+        if _ended_by_cancel(current, job.preflight, report):
             return True
         current.state = JobState.STARTING
         current.preflight = job.preflight
         current.changed_at = timezone.now()
         current.save(update_fields=["state", "preflight", "changed_at"])
     return _start(current, vm, workers, reports, report, hosts, held)
+
+
+def _preflight_problem(outcome: WorkerOutcome) -> str:
+    """Why a worker gave no pre-flight answer (its check is ``preflight``), or ''."""
+    if outcome.ok:
+        return ""
+    error = outcome.error
+    if error.script_ran_late:
+        return f"it did not finish within {settings.PORTAL_REMOTE_SCRIPT_TIMEOUT} s"
+    return error.message
+
+
+def _rows(reports: dict[int, wire.PreflightReport], judged) -> dict[int, list[list[str]]]:
+    """Each worker's checks as rows, with what the portal judged itself (versions
+    against jax's pins, the script the same everywhere) made the check's own ``fail``."""
+    rows = {i: [[c.name, c.status, c.detail] for c in r.checks] for i, r in reports.items()}
+    problems: dict[tuple[int, str], list[str]] = {}
+    for index, name, detail in judged:
+        if [name, "fail", detail] not in rows.get(index, []):
+            problems.setdefault((index, name), []).append(detail)
+    for (index, name), details in problems.items():
+        lines = rows.setdefault(index, [])
+        text = "; ".join(details)
+        row = next((r for r in lines if r[0] == name and r[1] == "ok"), None)
+        if row is not None:
+            row[1], row[2] = "fail", f"{text} ({row[2]})" if row[2] else text
+        else:
+            lines.append([name, "fail", text])
+    return rows
+
+
+def _refusal_text(failures, alias, worker_count: int) -> str:
+    """The failed checks for people: one refusal found the same on every worker is said
+    once, and a hint for what to do follows when there is one."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for index, name, detail in failures:
+        where = groups.setdefault((name, detail), [])
+        if index not in where:
+            where.append(index)
+    parts = []
+    for (name, detail), indexes in groups.items():
+        if worker_count > 1 and len(indexes) == worker_count:
+            where = f"every worker ({worker_count})"
+        else:
+            where = ", ".join(f"worker {i} ({alias[i].alias})" for i in sorted(indexes))
+        parts.append(f"{where}: {name}: {detail}")
+    hints = []
+    for name, detail in groups:
+        hint = HINTS.get(name)
+        if hint and hint not in hints and _hint_fits(name, detail):
+            hints.append(hint)
+    text = "; ".join(parts)
+    text = text if text.endswith(".") else text + "."
+    return " ".join([text, *hints])
+
+
+def _hint_fits(name: str, detail: str) -> bool:
+    if name == "script":
+        return "does not exist" in detail or "differs" in detail
+    return name == "python" and "is not there" in detail
+
+
+def _ended_by_cancel(job: Job, preflight: dict, report: PassReport) -> bool:
+    """End the job as cancelled if a cancel was asked for while it was being validated
+    (True); the pre-flight's rows stay with it."""
+    with transaction.atomic():
+        current = Job.objects.select_for_update().get(pk=job.pk)
+        if not current.cancel_requested_at or current.has_ended:
+            return False
+        if preflight:
+            current.preflight = preflight
+            current.save(update_fields=["preflight"])
+    _end(current, JobState.CANCELLED, current.reason or "Cancelled before it started.")
+    report.ended.append(job.pk)
+    return True
+
+
+def _reject(job: Job, reason: str, report: PassReport) -> None:
+    """Refused by the pre-flight: the reason, and every worker's checks as rows."""
+    Job.objects.filter(pk=job.pk).update(preflight=job.preflight)
+    _end(job, JobState.REJECTED, reason)
+    report.ended.append(job.pk)
 
 
 def workers_by_index(workers) -> dict:
@@ -489,7 +579,25 @@ def _start_answer(outcome: WorkerOutcome):
 def _recover(job: Job, report: PassReport, connections: _PassConnections) -> bool:
     """A job left in validating or starting by a pass that died."""
     if job.state == JobState.VALIDATING:
-        _back_in_line(job, "")
+        # Nothing started (the start is recorded before the word to start is sent):
+        # back in line, unless the pre-flight was cut short too often already.
+        tries = job.interrupted_validations + 1
+        Job.objects.filter(pk=job.pk).update(interrupted_validations=tries)
+        if tries >= MAX_INTERRUPTED_VALIDATIONS:
+            _reject(
+                job,
+                f"The pre-flight was cut short {tries} times (the portal's pass stopped "
+                "while it ran), so it is not tried again. Run the job again; if this "
+                "happens again, tell the lab's admins.",
+                report,
+            )
+            return True
+        _back_in_line(
+            job,
+            "Waiting: the last pre-flight was cut short (the portal's pass stopped while "
+            f"it ran); trying again ({tries} of {MAX_INTERRUPTED_VALIDATIONS - 1}).",
+            report=report,
+        )
         return True
     _poll(job, report, connections, recovering=True)
     return True
@@ -747,14 +855,22 @@ def _wait(job: Job, reason: str) -> None:
         )
 
 
-def _back_in_line(job: Job, reason: str, *, blocked: bool = False) -> None:
-    """The job waits at the head of the queue again (the next pass tries again)."""
-    Job.objects.filter(pk=job.pk).update(
-        state=JobState.BLOCKED if blocked else JobState.QUEUED,
-        reason=reason,
-        preflight=job.preflight,
-        changed_at=timezone.now(),
-    )
+def _back_in_line(
+    job: Job, reason: str, *, blocked: bool = False, report: PassReport | None = None
+) -> bool:
+    """The job waits at the head of the queue again (the next pass tries again), or
+    ends as cancelled if a cancel was asked for meanwhile. True when it ended."""
+    with transaction.atomic():
+        current = Job.objects.select_for_update().get(pk=job.pk)
+        if not current.cancel_requested_at:
+            Job.objects.filter(pk=job.pk).update(
+                state=JobState.BLOCKED if blocked else JobState.QUEUED,
+                reason=reason,
+                preflight=job.preflight,
+                changed_at=timezone.now(),
+            )
+            return False
+    return _ended_by_cancel(job, job.preflight, report or PassReport(job.vm_id))
 
 
 def _end(job: Job, state: JobState, reason: str) -> None:

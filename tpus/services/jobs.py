@@ -252,8 +252,10 @@ def rerun_job(user, job: Job, *, request=None) -> Job:
 
 
 def cancel_job(job: Job, by, *, reason: str = "", request=None) -> Job:
-    """Cancel a waiting job at once, or ask the VM's pass to stop a started one (TERM,
-    a grace period, KILL on every worker)."""
+    """Cancel a waiting job at once, or ask the VM's pass to stop a begun one: it is
+    ``cancelling`` until the pass ends it. A job being validated never starts (the pass
+    looks for the cancel before it says start, and whenever the job would go back in
+    line); a started one gets TERM, a grace period, KILL on every worker."""
     with transaction.atomic():
         job = Job.objects.select_for_update().select_related("vm__lab").get(pk=job.pk)
         if not job.can_cancel:
@@ -268,7 +270,7 @@ def cancel_job(job: Job, by, *, reason: str = "", request=None) -> Job:
             job.state = JobState.CANCELLED
             job.ended_at = now
             job.reason = reason or "Cancelled before it started."
-        elif job.state == JobState.RUNNING:
+        elif job.state in (JobState.VALIDATING, JobState.STARTING, JobState.RUNNING):
             job.state = JobState.CANCELLING
         job.save()
         audit.record(

@@ -300,6 +300,147 @@ def test_a_chip_held_outside_the_portal_blocks_the_job_and_names_the_holder(
     assert job.state == JobState.SUCCEEDED and jobs_pod.vm.outside_holders == []
 
 
+# --- a pre-flight that cannot hang --------------------------------------------------------
+
+
+def processes(pod, host) -> list[str]:  # noqa: F811
+    """Every live process on a worker as ``user args``, without the look itself."""
+    out = sh(pod, host, "ps -e -o stat=,user=,args=")
+    return sorted(
+        " ".join(line.split()[1:])
+        for line in out.splitlines()
+        if not line.split()[0].startswith("Z") and "ps -e -o stat=" not in line
+    )
+
+
+def settled(pod, host, before: list[str], timeout: float = 15.0) -> list[str]:  # noqa: F811
+    """The worker's processes once they are ``before`` again, or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = processes(pod, host)
+        if now == before or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+def fake_python(pod, name: str, text: str) -> str:  # noqa: F811
+    """A venv in milo's home on every worker whose ``python`` is ``text`` (a script)."""
+    venv = f"{pod.home}/{name}"
+    for host in pod.hosts:
+        sh(pod, host, f"mkdir -p {venv}/bin && cat > {venv}/bin/python && chmod 755 "
+           f"{venv}/bin/python && chown -R {pod.user}: {venv}", input=text.encode())  # fmt: skip
+    return f"~/{name}"
+
+
+VERSIONS = "python=3.11.0 jax=0.4.30 jaxlib=0.4.30 libtpu=none requests=none libtpu_pin=none"
+# Starts a child in a session of its own that keeps the output it was given, then
+# answers: the pre-flight used to wait on that output until the child ended.
+ESCAPING = f"""#!/bin/sh
+case "$*" in *importlib*) setsid sleep 300 2>/dev/null & echo "{VERSIONS}"; exit 0 ;; esac
+exec /usr/bin/python3 "$@"
+"""
+# Never answers, and leaves a child behind as well.
+SILENT = """#!/bin/sh
+setsid sleep 300 &
+exec sleep 300
+"""
+
+
+def test_a_python_whose_child_keeps_its_output_does_not_hold_the_job_or_the_workers(
+    jobs_pod, django_capture_on_commit_callbacks
+):
+    before = [processes(jobs_pod, h) for h in jobs_pod.hosts]
+    python = fake_python(jobs_pod, "escaping", ESCAPING)
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"],
+                 python=python)  # fmt: skip
+    began = time.monotonic()
+    job_engine.advance(jobs_pod.vm.pk)
+    assert time.monotonic() - began < 15
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    assert job.state == JobState.SUCCEEDED, job.reason
+    assert ["python", "ok", VERSIONS] in job.preflight["3"]
+    for host, seen in zip(jobs_pod.hosts, before, strict=True):
+        assert settled(jobs_pod, host, seen) == seen
+
+
+def test_a_python_that_never_answers_rejects_the_job_naming_it_and_the_next_job_runs(
+    jobs_pod, django_capture_on_commit_callbacks, settings
+):
+    settings.PORTAL_JOB_PREFLIGHT_PROBE_SECONDS = 2
+    before = [processes(jobs_pod, h) for h in jobs_pod.hosts]
+    python = fake_python(jobs_pod, "silent", SILENT)
+    stuck = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"],
+                   python=python)  # fmt: skip
+    after = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"])
+    began = time.monotonic()
+    report = job_engine.advance(jobs_pod.vm.pk)
+    took = time.monotonic() - began
+    stuck.refresh_from_db()
+    assert stuck.state == JobState.REJECTED and took < 15, (stuck.state, took)
+    detail = f"{jobs_pod.home}/silent/bin/python did not answer within 2 s"
+    # The same refusal on every worker is said once.
+    assert stuck.reason == f"The pre-flight failed on every worker (4): python: {detail}."
+    for index in range(4):
+        assert ["python", "fail", detail] in stuck.preflight[str(index)]
+    # The next person's job did not wait for it: it started in the same pass.
+    assert report.started == [after.pk]
+    after = drive(jobs_pod.vm, after, lambda j: j.has_ended, timeout=30)
+    assert after.state == JobState.SUCCEEDED, after.reason
+    for host, seen in zip(jobs_pod.hosts, before, strict=True):
+        assert settled(jobs_pod, host, seen) == seen
+
+
+@pytest.mark.slow
+def test_a_pre_flight_that_outlasts_the_script_timeout_rejects_the_job_and_leaves_nothing(
+    jobs_pod, django_capture_on_commit_callbacks, settings
+):
+    settings.PORTAL_JOB_PREFLIGHT_PROBE_SECONDS = 6
+    settings.PORTAL_REMOTE_SCRIPT_TIMEOUT = 2
+    before = [processes(jobs_pod, h) for h in jobs_pod.hosts]
+    python = fake_python(jobs_pod, "silent", SILENT)
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"],
+                 python=python)  # fmt: skip
+    job_engine.advance(jobs_pod.vm.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.REJECTED, job.reason
+    assert job.reason == (
+        "The pre-flight failed on every worker (4): preflight: it did not finish within 2 s."
+    )
+    assert job.preflight["0"] == [["preflight", "fail", "it did not finish within 2 s"]]
+    # The workers' side ends by itself once its probe is stopped: no root shell, no
+    # child of the person's code is left.
+    for host, seen in zip(jobs_pod.hosts, before, strict=True):
+        assert settled(jobs_pod, host, seen, timeout=20) == seen
+
+
+def test_a_cancel_while_the_workers_run_the_checks_ends_the_job_before_it_starts(
+    jobs_pod, django_capture_on_commit_callbacks, monkeypatch
+):
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"])
+    after = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"])
+    answered = []
+    begin = job_engine._Hosts.begin
+
+    def cancel_meanwhile(self, *args, **kwargs):
+        held = begin(self, *args, **kwargs)
+        if not answered:  # the first job's checks: its owner cancels now
+            with django_capture_on_commit_callbacks(execute=False):
+                answered.append(jobs.cancel_job(job, jobs_pod.milo).state)
+        return held
+
+    monkeypatch.setattr(job_engine._Hosts, "begin", cancel_meanwhile)
+    report = job_engine.advance(jobs_pod.vm.pk)
+    job.refresh_from_db()
+    assert answered == [JobState.CANCELLING]  # what the page and the API say meanwhile
+    assert job.state == JobState.CANCELLED and job.started_at is None, job.reason
+    assert job.reason == "Cancelled before it started." and job.preflight["0"]
+    assert set(job.parts.values_list("state", flat=True)) == {"not_started"}
+    for host in jobs_pod.hosts:
+        assert job.host_id not in sh(jobs_pod, host, "ls /var/lib/tpu-portal/jobs/ || true")
+    assert report.started == [after.pk]
+    drive(jobs_pod.vm, after, lambda j: j.has_ended, timeout=30)
+
+
 # --- before anything is queued ----------------------------------------------------------
 
 

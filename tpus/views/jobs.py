@@ -220,13 +220,15 @@ def job_cancel(request, slug, vm_id, job_id):
         state = job.get_state_display().lower()
         messages.error(request, f"Job {job.pk} is {state}: there is nothing to cancel.")
     else:
+        validating = job.state == JobState.VALIDATING
         job = job_services.cancel_job(job, request.user, request=request)
-        messages.success(
-            request,
-            f"Job {job.pk} is cancelled."
-            if job.has_ended
-            else f"Stopping job {job.pk} on every worker…",
-        )
+        if job.has_ended:
+            text = f"Job {job.pk} is cancelled."
+        elif validating:
+            text = f"Cancelling job {job.pk}: it will not start (its checks are stopped)."
+        else:
+            text = f"Stopping job {job.pk} on every worker…"
+        messages.success(request, text)
     return redirect("job_detail", lab.slug, job.vm_id, job.pk)
 
 
