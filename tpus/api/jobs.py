@@ -70,7 +70,10 @@ class JobError(Error):
 
 class JobSummaryOut(Schema):
     """A job as the VM's list shows it: anyone who may see the VM sees what waits and
-    runs there; the environment and logs are in the job's own object."""
+    runs there. ``command`` is the whole command for your own jobs (and, for the lab's
+    admins, everyone's); of another person's job only its program (``python3
+    train.py``, without arguments), and ``command_complete`` is false. The environment
+    and logs are in the job's own object."""
 
     id: int
     vm_id: int
@@ -80,6 +83,7 @@ class JobSummaryOut(Schema):
     state: str
     reason: str
     command: str
+    command_complete: bool
     queued_at: datetime
     begun_at: datetime | None
     started_at: datetime | None
@@ -100,8 +104,26 @@ class JobSummaryOut(Schema):
         return account.username if account else None
 
     @staticmethod
-    def resolve_command(obj):
-        return obj.command_text
+    def resolve_command(obj, context):
+        return obj.command_text if _sees_all_of(obj, context) else " ".join(obj.program)
+
+    @staticmethod
+    def resolve_command_complete(obj, context):
+        return _sees_all_of(obj, context) or obj.program == obj.argv
+
+
+def _sees_all_of(job: Job, context) -> bool:
+    """The owner and the lab's admins see a job's whole command; others who share the
+    VM its program only. Whether the viewer administers the job's lab is asked once
+    per lab and request."""
+    request = context["request"]
+    if job.user_id == request.user.pk:
+        return True
+    known = request.__dict__.setdefault("_job_lab_admin", {})
+    lab_id = job.vm.lab_id
+    if lab_id not in known:
+        known[lab_id] = access.admin_labs(request.user).filter(pk=lab_id).exists()
+    return known[lab_id]
 
 
 class JobPartOut(Schema):
@@ -119,10 +141,11 @@ class JobPartOut(Schema):
     outcome: str
     error: str
     # Bytes of the whole log on the worker, the last of it (at most
-    # PORTAL_JOB_LOG_TAIL_BYTES), and where to download all of it.
+    # PORTAL_JOB_LOG_TAIL_BYTES), and where to download all of it (null where nothing
+    # started, as on the workers of a job the pre-flight refused).
     log_size: int
     log_tail: str
-    log_url: str
+    log_url: str | None
 
     @staticmethod
     def resolve_alias(obj):
@@ -130,6 +153,8 @@ class JobPartOut(Schema):
 
     @staticmethod
     def resolve_log_url(obj, context):
+        if not obj.has_log:
+            return None
         job = obj.job
         path = f"/api/v1/labs/{job.vm.lab.slug}/vms/{job.vm_id}/jobs/{job.pk}"
         path += f"/workers/{obj.index}/log"
@@ -137,6 +162,12 @@ class JobPartOut(Schema):
 
 
 class PreflightCheckOut(Schema):
+    """One check of the pre-flight on one worker: the same rows for a job that passed
+    and for one it refused (``rejected``), where the failing ones say ``fail``. What the
+    portal judges itself (versions against jax's pins, the script the same on every
+    worker) fails the check it concerns; a worker that gave no answer has one row,
+    ``preflight``, saying why (``it did not finish within 300 s``)."""
+
     worker: int
     check: str
     # ok, fail or note
@@ -146,7 +177,7 @@ class PreflightCheckOut(Schema):
 
 class JobOut(JobSummaryOut):
     """A job with what it runs, where it stands and each worker's part (for the person
-    who ran it and the lab's admins)."""
+    who ran it and the lab's admins, who see all of it)."""
 
     host_id: str
     script: str
@@ -164,6 +195,14 @@ class JobOut(JobSummaryOut):
     preflight: list[PreflightCheckOut]
     parts: list[JobPartOut]
     url: str
+
+    @staticmethod
+    def resolve_command(obj):
+        return obj.command_text
+
+    @staticmethod
+    def resolve_command_complete(obj):
+        return True
 
     @staticmethod
     def resolve_rerun_of(obj):
@@ -300,8 +339,13 @@ def rerun_job(request, slug: str, vm_id: int, job_id: int):
 )
 def job_log(request, slug: str, vm_id: int, job_id: int, index: int):
     job = _job_for(request, slug, vm_id, job_id)
-    if not job.parts.filter(index=index).exists():
+    part = job.parts.filter(index=index).first()
+    if part is None:
         return Status(404, {"detail": f"Job {job.pk} has no part on worker {index}."})
+    if not part.has_log:
+        return Status(
+            404, {"detail": f"Nothing of job {job.pk} started on worker {index}: it has no log."}
+        )
     try:
         stream = job_logs.whole_log(job, index)
     except LookupError as exc:

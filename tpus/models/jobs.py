@@ -9,6 +9,10 @@ makes two jobs on one TPU impossible even if the database were wrong.
 
 from __future__ import annotations
 
+import re
+import shlex
+from pathlib import PurePosixPath
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
@@ -143,9 +147,32 @@ class Job(models.Model):
     @property
     def command_text(self) -> str:
         """The command for people to read (quoted like a shell would need it)."""
-        import shlex
+        return join_words(self.argv)
 
-        return shlex.join(self.argv)
+    @property
+    def program(self) -> list[str]:
+        """What the job runs, without its arguments: all that people who share the VM
+        see of another person's job. For Python that is the script or module it runs
+        (``python3 train.py``, ``python3 -m train``), without the interpreter's flags."""
+        argv = self.argv
+        if not argv:
+            return []
+        words, rest = [argv[0]], argv[1:]
+        if _PYTHON.fullmatch(PurePosixPath(argv[0]).name):
+            while rest and _PYTHON_FLAGS.fullmatch(rest[0]):
+                rest = rest[1:]
+            if rest[:1] == ["-m"] and len(rest) > 1:
+                words += rest[:2]
+            elif rest and not rest[0].startswith("-"):
+                words.append(rest[0])
+        return words
+
+    @property
+    def program_text(self) -> str:
+        """``program`` for people to read, with ``…`` where arguments were left out."""
+        words = self.program
+        more = len(words) < len(self.argv)
+        return join_words(words) + (" …" if more else "")
 
     @property
     def is_waiting(self) -> bool:
@@ -173,6 +200,27 @@ class Job(models.Model):
         if not self.started_at:
             return None
         return (self.ended_at or timezone.now()) - self.started_at
+
+
+_PYTHON = re.compile(r"python[0-9.]*")
+# Flags of python that take no value: skipped to find the script.
+_PYTHON_FLAGS = re.compile(r"-[bBdEhiIOqsSuvx]+")
+_PLAIN = re.compile(r"[A-Za-z0-9@%+=:,./_~-]+")
+
+
+def join_words(words) -> str:
+    """Words as a shell would need them, the easiest to read way: bare when they can
+    be, in double quotes when only an apostrophe needs it (``"milo's run"``, not
+    ``'milo'"'"'s run'``), else in single quotes."""
+    out = []
+    for word in words:
+        if _PLAIN.fullmatch(word):
+            out.append(word)
+        elif "'" in word and not any(c in word for c in '"\\$`!'):
+            out.append(f'"{word}"')
+        else:
+            out.append(shlex.quote(word))
+    return " ".join(out)
 
 
 class JobWorkerState(models.TextChoices):
@@ -213,6 +261,16 @@ class JobWorker(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} worker {self.index}"
+
+    @property
+    def has_log(self) -> bool:
+        """Whether the job's command was started on this worker, so that it has a log
+        there to download (a rejected or refused job started nothing)."""
+        return self.pid is not None or self.state in (
+            JobWorkerState.RUNNING,
+            JobWorkerState.ENDED,
+            JobWorkerState.LOST,
+        )
 
     @property
     def outcome(self) -> str:

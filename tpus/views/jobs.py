@@ -197,8 +197,11 @@ def job_log(request, slug, vm_id, job_id, index):
     """One worker's whole log, read from the worker while it downloads."""
     lab = access.get_member_lab(request.user, slug)
     job = access.get_job_for_viewer(request.user, lab, vm_id, job_id)
-    if not job.parts.filter(index=index).exists():
+    part = job.parts.filter(index=index).first()
+    if part is None:
         raise Http404("No such worker in this job.")
+    if not part.has_log:
+        raise Http404("Nothing of this job started on that worker: it has no log.")
     try:
         stream = job_logs.whole_log(job, index)
     except LookupError as exc:
