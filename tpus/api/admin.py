@@ -89,6 +89,10 @@ class LabSettingsOut(Schema):
     policy_text: str
     # One more each time the policy text changes; members accept the new version.
     policy_version: int
+    # Each job's cgroup on each worker; 0 memory: 90% of the worker's.
+    job_tasks_max: int
+    job_memory_max_mb: int
+    job_log_max_mb: int
 
 
 class LabSettingsIn(StrictIn):
@@ -103,6 +107,9 @@ class LabSettingsIn(StrictIn):
     default_sudo: bool = None
     discoverable: bool = None
     policy_text: str = None
+    job_tasks_max: int = None
+    job_memory_max_mb: int = None
+    job_log_max_mb: int = None
 
 
 def _settings_form(request, lab, given: dict[str, Any]):

@@ -80,6 +80,9 @@ class LabSettingsForm(forms.ModelForm):
             "default_sudo",
             "discoverable",
             "policy_text",
+            "job_tasks_max",
+            "job_memory_max_mb",
+            "job_log_max_mb",
         ]
         widgets = {"grant_end_date": forms.DateInput(attrs={"type": "date"})}
 
