@@ -112,13 +112,15 @@ def connect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:
     try:
         metadata = client.node_metadata(*_node(vm))
         if is_true(metadata.get(OSLOGIN)):
-            raise ConnectError(
+            oslogin = (
                 f"OS Login is enabled on {vm.name} ({OSLOGIN}={metadata[OSLOGIN]} in its "
                 "metadata), so its workers ignore ssh-keys. Set enable-oslogin=FALSE on the "
                 f"node (gcloud compute tpus tpu-vm update {vm.name} --zone={vm.zone} "
                 f"--project={vm.lab.gcp_project_id} --update-metadata=enable-oslogin=FALSE) "
                 "and connect again."
             )
+            _refused_up_front(admin, vm, oslogin, request=request)
+            raise ConnectError(oslogin)
         change = client.add_ssh_key(*_node(vm), key)
     except CloudError as error:
         raise ConnectError(_explain(error, vm)) from error
@@ -144,6 +146,29 @@ def connect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:
         )
         queue.check_vm_connection(connection.pk, connection.attempt)
     return connection
+
+
+def _refused_up_front(admin, vm: TpuVm, reason: str, *, request=None) -> None:
+    """Connect was refused before anything changed, for a reason that holds for the
+    workers too (OS Login on the node: they ignore ssh-keys): the VM's page keeps it as
+    the connection's state, not only as a message that is gone on the next page."""
+    with transaction.atomic():
+        connection, _ = VmConnection.objects.select_for_update().get_or_create(vm=vm)
+        connection.state = ConnectionState.FAILED
+        connection.reason = reason
+        connection.workers = {}
+        connection.requested_by = admin
+        connection.started_at = connection.finished_at = timezone.now()
+        connection.attempt += 1  # a check still running stops writing
+        connection.save()
+        audit.record(
+            AuditAction.VM_CONNECT_FAILED,
+            actor=admin,
+            lab=vm.lab,
+            summary=f"{vm.name}: {reason}"[:300],
+            data={"vm": vm.pk, "refused_up_front": True},
+            request=request,
+        )
 
 
 def disconnect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:

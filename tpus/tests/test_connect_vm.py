@@ -120,7 +120,27 @@ def test_a_node_with_os_login_in_its_metadata_is_refused_with_what_to_change(sce
     assert "OS Login is enabled on tpu5" in str(caught.value)
     assert "--update-metadata=enable-oslogin=FALSE" in str(caught.value)
     assert emulator.controls.metadata("tpu5")["ssh-keys"] == THEIRS
-    assert not VmConnection.objects.filter(vm=vm).exists()
+    # The reason stays the connection's, for the VM's page (not only a passing message).
+    connection = VmConnection.objects.get(vm=vm)
+    assert connection.state == ConnectionState.FAILED
+    assert connection.reason == str(caught.value) and connection.workers == {}
+    assert AuditEvent.objects.filter(action=AuditAction.VM_CONNECT_FAILED).count() == 1
+
+
+def test_the_vm_page_keeps_the_reason_connect_was_refused_up_front(scene, client):
+    from django.urls import reverse
+
+    emulator, admin, vm = scene
+    emulator.controls.set_metadata("tpu5", {"enable-oslogin": "TRUE"})
+    client.force_login(admin)
+
+    client.post(reverse("vm_connect", args=[vm.lab.slug, vm.pk]))
+
+    for _ in range(2):  # the page after the redirect, and any later visit
+        page = client.get(reverse("vm_detail", args=[vm.lab.slug, vm.pk])).content.decode()
+        assert "OS Login is enabled on tpu5" in page
+        assert "enable-oslogin=FALSE" in page
+        assert "Failed" in page
 
 
 def test_a_node_the_portal_may_not_update_gets_the_permission_message(scene):
