@@ -164,6 +164,13 @@ class Worker(models.Model):
     # this worker until an admin looks. The key it showed is kept for that review.
     host_key_mismatch_at = models.DateTimeField(null=True, blank=True)
     presented_host_key = models.TextField(blank=True)
+    # The alarm came only from the keys the Cloud TPU API publishes (guest attributes,
+    # which any process on the VM may write): the worker is still provisioned, since
+    # the connection checks the pinned key, and the admins are told to look. A key the
+    # worker presents differently still stops it. When the admins were last emailed
+    # about this worker's alarm (repeats are rate-limited).
+    host_key_alarm_published = models.BooleanField(default=False)
+    host_key_alerted_at = models.DateTimeField(null=True, blank=True)
     # The host keys the Cloud TPU API published for this worker (guest attributes
     # ``hostkeys/``) when they were last compared with the pins, and when that was.
     # ``published_keys_recheck`` asks the next sync to compare them again (a reboot).
