@@ -37,6 +37,9 @@ class OutboxMessage(models.Model):
     )
     attempts = models.PositiveIntegerField(default=0)
     next_attempt_at = models.DateTimeField()
+    # True from a failed attempt until the row is claimed again: it waits out a back-off,
+    # not a sender's lease, so a delivery that works again may make it due at once.
+    backing_off = models.BooleanField(default=False)
     last_error = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     sent_at = models.DateTimeField(null=True, blank=True)
@@ -59,8 +62,9 @@ class OutboxMessage(models.Model):
         self._finish(state=OutboxState.SENT, sent_at=now, last_error="", body="", html_body="")
 
     def schedule_retry(self, error: str, at: dt.datetime) -> None:
-        """An attempt failed; the next one is due at ``at``."""
-        self._finish(last_error=error, next_attempt_at=at)
+        """An attempt failed; the next one is due at ``at`` (sooner once the server
+        takes another message)."""
+        self._finish(last_error=error, next_attempt_at=at, backing_off=True)
 
     def mark_failed(self, error: str) -> None:
         """Attempts failed for longer than the portal keeps trying."""

@@ -6,6 +6,12 @@ sweep (``send_due``) tries again with exponential backoff until the message is s
 PORTAL_MAIL_GIVE_UP_SECONDS have passed. Nobody waits for a delivery and nothing here
 raises to the caller.
 
+After an outage: the back-off is each message's, but the server's recovery is news for
+all of them. Every successful send makes every message waiting out a back-off due at
+once, and a sweep with nothing due tries the message due soonest anyway (one attempt
+per sweep), so once the server takes mail again everything waiting goes out within
+about one sweep interval (PORTAL_MAIL_SWEEP_SECONDS), still once each.
+
 Exactly once: every attempt first claims the row by moving its ``next_attempt_at``
 forward with a conditional UPDATE (compare-and-set on the value it read), so two
 sweeps, or a sweep and the first attempt, never both send one message. One window is
@@ -98,7 +104,7 @@ def _claim(pk: int, seen_next_attempt_at: dt.datetime) -> OutboxMessage | None:
     lease_until = timezone.now() + LEASE
     claimed = OutboxMessage.objects.filter(
         pk=pk, state=OutboxState.PENDING, next_attempt_at=seen_next_attempt_at
-    ).update(next_attempt_at=lease_until, attempts=F("attempts") + 1)
+    ).update(next_attempt_at=lease_until, attempts=F("attempts") + 1, backing_off=False)
     if claimed != 1:
         return None
     return OutboxMessage.objects.get(pk=pk)
@@ -124,12 +130,31 @@ def claim_next_due() -> OutboxMessage | None:
     return None
 
 
+def claim_soonest_waiting() -> OutboxMessage | None:
+    """Claim the message whose back-off ends soonest, though it has not ended: a probe
+    of whether the server takes mail again. None when nothing waits (or another sender
+    took it first)."""
+    waiting = (
+        OutboxMessage.objects.filter(state=OutboxState.PENDING, backing_off=True)
+        .order_by("next_attempt_at", "pk")
+        .values_list("pk", "next_attempt_at")
+        .first()
+    )
+    return _claim(*waiting) if waiting else None
+
+
 def send_due(limit: int = SWEEP_LIMIT) -> int:
     """Send messages whose retry is due (or whose sender died), one claim at a time so
-    each lease starts right before its own attempt. Returns how many were sent."""
+    each lease starts right before its own attempt; with nothing due, try one message
+    still backing off (if the server is back, its success makes the rest due and this
+    sweep sends them). Returns how many were sent."""
     sent = failures_in_a_row = 0
+    probed = False
     for _ in range(limit):
         message = claim_next_due()
+        if message is None and not (probed or sent or failures_in_a_row):
+            probed = True
+            message = claim_soonest_waiting()
         if message is None:
             break
         if attempt(message):
@@ -152,7 +177,18 @@ def attempt(message: OutboxMessage) -> bool:
         _record_failure(message, _describe(exc), permanent=_is_permanent(exc))
         return False
     message.mark_sent(timezone.now())
+    _end_back_offs()
     return True
+
+
+def _end_back_offs() -> int:
+    """The server took a message: every message waiting out a back-off is due now (the
+    sweep sends them; its claims keep each to one attempt). A row being attempted is
+    not touched: a claim clears ``backing_off`` in the same UPDATE that takes it."""
+    now = timezone.now()
+    return OutboxMessage.objects.filter(
+        state=OutboxState.PENDING, backing_off=True, next_attempt_at__gt=now
+    ).update(next_attempt_at=now)
 
 
 def _record_failure(message: OutboxMessage, error: str, *, permanent: bool) -> None:
