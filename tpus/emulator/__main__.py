@@ -95,6 +95,14 @@ def _set_metadata(c: Controls, a: argparse.Namespace) -> None:
         c.set_metadata(a.node, values, replace=a.replace)
 
 
+def _nodes(text: str) -> int | None:
+    if text == "unlimited":
+        return None
+    if not text.isdigit():
+        raise ControlError(f"{text!r}: a number of nodes, or 'unlimited'")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     state = argparse.ArgumentParser(add_help=False)
     state.add_argument(
@@ -196,6 +204,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("project")
     p.add_argument("switch", choices=["on", "off"])
 
+    p = command("capacity", "how many nodes of a type a zone can hold (0: a stockout)")
+    p.add_argument("zone")
+    p.add_argument("type", help="accelerator type, e.g. v4-32")
+    p.add_argument("nodes", help="a number of nodes, or 'unlimited' to release the limit")
+    p = command("fail-request", "fail a queued resource as the service would")
+    p.add_argument("request", help="its id (tpu5-request) or full name")
+    p.add_argument("code", help="e.g. RESOURCE_EXHAUSTED (quota), INVALID_ARGUMENT")
+    p.add_argument("message")
+    command("queued", "print the queued resources as JSON")
+
     p = command("fail", "make the next N calls fail with a gRPC status code")
     p.add_argument("count", type=int)
     p.add_argument("code", help="e.g. UNAVAILABLE, RESOURCE_EXHAUSTED, PERMISSION_DENIED")
@@ -232,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         "metadata": lambda: print(json.dumps(c.metadata(args.node), indent=2, sort_keys=True)),
         "deny-update": lambda: c.deny_update(args.node, not args.allow),
         "oslogin": lambda: c.set_oslogin(args.project, args.switch == "on"),
+        "capacity": lambda: c.set_capacity(args.zone, args.type, _nodes(args.nodes)),
+        "fail-request": lambda: c.fail_request(args.request, args.code, args.message),
+        "queued": lambda: print(json.dumps(c.queued_resources(), indent=2, sort_keys=True)),
         "fail": lambda: c.fail(args.count, args.code, method=args.method),
         "clear-faults": c.clear_faults,
         "show": lambda: print(json.dumps(c.show(), indent=2, sort_keys=True)),

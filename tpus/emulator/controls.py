@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from google.cloud import tpu_v2
 
+from tpus.emulator import queued
 from tpus.emulator.store import State, Store
 
 STATES = {s.name for s in tpu_v2.Node.State}
@@ -313,12 +314,62 @@ class Controls:
                 )
 
     def preempt(self, node: str) -> None:
-        def change(record):
+        """Google takes a spot or preemptible node back: PREEMPTED, its external IPs
+        gone, and the queued resource it came from (if any) SUSPENDED."""
+        with self.store.transaction() as data:
+            name, record = find_node(data, node)
             record.update(state="PREEMPTED", health="HEALTH_UNSPECIFIED")
             for worker in record["workers"]:
                 worker["external_ip"] = ""
+            owner = queued.request_of_node(data, name)
+            if owner is not None:
+                owner[1].update(state="SUSPENDED", state_initiator="SERVICE")
 
-        self._update(node, change)
+    # -- capacity and queued resources ------------------------------------------------
+
+    def set_capacity(self, zone: str, accelerator_type: str, nodes: int | None) -> None:
+        """At most ``nodes`` nodes of this type in this zone at once (0: a stockout);
+        None lifts the limit. Waiting queued resources are provisioned at the next call."""
+        if nodes is not None and nodes < 0:
+            raise ControlError("capacity is a number of nodes, 0 or more")
+        if not _ACCELERATOR.match(accelerator_type):
+            raise ControlError(f"unknown accelerator type {accelerator_type!r}")
+        with self.store.transaction() as data:
+            zones = queued.capacity(data)
+            if nodes is None:
+                zones.get(zone, {}).pop(accelerator_type, None)
+            else:
+                zones.setdefault(zone, {})[accelerator_type] = nodes
+
+    def fail_request(self, request: str, code: str, message: str) -> None:
+        """A queued resource fails as the API fails one (quota, stockout past its
+        window, a bad version): FAILED with this gRPC ``code`` and ``message``."""
+        code = code.upper()
+        if code not in FAULT_CODES:
+            raise ControlError(f"unknown gRPC code {code}; one of {', '.join(sorted(FAULT_CODES))}")
+        with self.store.transaction() as data:
+            name, record = self._request(data, request)
+            record.update(
+                state="FAILED",
+                state_initiator="SERVICE",
+                error={"code": code, "message": message},
+            )
+            data["nodes"].pop(record.pop("node_name", None), None)
+
+    def queued_resources(self) -> dict[str, dict[str, Any]]:
+        return dict(queued.requests(self.store.read()))
+
+    @staticmethod
+    def _request(data: State, request: str) -> tuple[str, dict[str, Any]]:
+        found = queued.requests(data)
+        if request in found:
+            return request, found[request]
+        matches = [n for n in found if n.rsplit("/", 1)[-1] == request]
+        if len(matches) != 1:
+            raise ControlError(
+                f"no queued resource {request!r}" if not matches else f"{request!r} is ambiguous"
+            )
+        return matches[0], found[matches[0]]
 
     def delete(self, node: str) -> None:
         with self.store.transaction() as data:

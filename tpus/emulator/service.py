@@ -22,6 +22,7 @@ import grpc
 from google.cloud import tpu_v2, tpu_v2alpha1
 from google.longrunning import operations_pb2
 
+from tpus.emulator import queued
 from tpus.emulator.controls import (
     ControlError,
     Controls,
@@ -91,8 +92,12 @@ def _parent(parent: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
-class TpuEmulator:
+class TpuEmulator(queued.QueuedResourceCalls):
     """Serves the API from the state file behind ``controls``."""
+
+    Abort = Abort
+    _parent = staticmethod(_parent)
+    _page = staticmethod(_page)
 
     def __init__(self, controls: Controls, *, operation_delay: float = 0.0):
         self.controls = controls
@@ -118,6 +123,27 @@ class TpuEmulator:
                 "GetGuestAttributesRequest",
                 "GetGuestAttributesResponse",
             ),
+            "ListQueuedResources": (
+                self.list_queued_resources,
+                "ListQueuedResourcesRequest",
+                "ListQueuedResourcesResponse",
+            ),
+            "GetQueuedResource": (
+                self.get_queued_resource,
+                "GetQueuedResourceRequest",
+                "QueuedResource",
+            ),
+            "CreateQueuedResource": (
+                self.create_queued_resource,
+                "CreateQueuedResourceRequest",
+                None,
+            ),
+            "DeleteQueuedResource": (
+                self.delete_queued_resource,
+                "DeleteQueuedResourceRequest",
+                None,
+            ),
+            "ResetQueuedResource": (self.reset_queued_resource, "ResetQueuedResourceRequest", None),
             "ListAcceleratorTypes": (
                 self.accelerator_types,
                 "ListAcceleratorTypesRequest",
@@ -281,20 +307,30 @@ class TpuEmulator:
         node = request.node
         if not node.accelerator_type and not node.accelerator_config.topology:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "accelerator_type is required")
+        accelerator_type = node.accelerator_type or "v4-8"
         try:
-            name = self.controls.add_node(
-                project,
-                zone,
-                request.node_id,
-                accelerator_type=node.accelerator_type or "v4-8",
-                runtime_version=node.runtime_version or "tpu-ubuntu2204-base",
-                labels=dict(node.labels),
-                preemptible=node.scheduling_config.preemptible,
-                spot=node.scheduling_config.spot,
-            )
+            with self.store.transaction() as data:
+                if not queued.has_room(data, zone, accelerator_type):
+                    message = queued.stockout_message(data, zone)
+                    stockout = True
+                else:
+                    stockout = False
+                    name = self.controls.add_node(
+                        project,
+                        zone,
+                        request.node_id,
+                        accelerator_type=accelerator_type,
+                        runtime_version=node.runtime_version or "tpu-ubuntu2204-base",
+                        labels=dict(node.labels),
+                        metadata=dict(node.metadata),
+                        preemptible=node.scheduling_config.preemptible,
+                        spot=node.scheduling_config.spot,
+                    )
         except ControlError as exc:
             code = grpc.StatusCode.ALREADY_EXISTS if "exists" in str(exc) else None
             raise Abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if stockout:  # raised after the transaction, so the stockout's counter is kept
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         return self._finish(types, name, "create")
 
     def delete_node(self, types, request, context):

@@ -35,6 +35,10 @@ def empty_state() -> State:
         "nodes": {},
         # Full disk path (projects/p/zones/z/disks/d) -> {"size_gb": n}.
         "disks": {},
+        # Full queued resource name -> request record (see queued.py).
+        "queued_resources": {},
+        # Zone -> accelerator type -> nodes it can hold at once (no entry: no limit).
+        "capacity": {},
         # Pending injected failures, consumed in order: {"code", "method", "remaining"}.
         "faults": [],
         # Project id -> settings the TPU API does not show, e.g. {"enable_oslogin": true}

@@ -164,8 +164,6 @@ def test_accelerator_types_and_runtime_versions_are_listed(v2):
 
 def test_calls_the_emulator_does_not_implement_answer_unimplemented(v2):
     with pytest.raises(api_exceptions.MethodNotImplemented):
-        v2.list_queued_resources(parent=PARENT)
-    with pytest.raises(api_exceptions.MethodNotImplemented):
         v2.generate_service_identity(request={"parent": PARENT})
 
 
