@@ -125,9 +125,24 @@ def _refuse_unknown_parameters(request: HttpRequest, known: set[str]) -> None:
 
 
 def _next_url(request: HttpRequest, last_id: int) -> str:
-    query = [(k, v) for k, values in request.GET.lists() for v in values if k != "cursor"]
+    return next_url(request, last_id)
+
+
+def next_url(
+    request: HttpRequest, last_id: int, *, path: str | None = None, drop: tuple[str, ...] = ()
+) -> str:
+    """The absolute URL of the page after the row ``last_id``: this request's query
+    (less ``drop``) with a new cursor, at ``path`` (this request's own by default; a
+    summary that embeds the first page of a list links to the list's own address)."""
+    skip = {"cursor", *drop}
+    query = [(k, v) for k, values in request.GET.lists() for v in values if k not in skip]
     query.append(("cursor", encode_cursor(last_id)))
-    return request.build_absolute_uri(f"{request.path}?{urlencode(query)}")
+    return request.build_absolute_uri(f"{path or request.path}?{urlencode(query)}")
+
+
+def refuse_unknown_parameters(request: HttpRequest, known: set[str]) -> None:
+    """A 400 that names any query parameter outside ``known`` (for hand-paged lists)."""
+    _refuse_unknown_parameters(request, known)
 
 
 def page_of(

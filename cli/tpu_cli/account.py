@@ -206,6 +206,12 @@ def usage(args) -> int:
         if lab.get("my_state") != "approved":
             continue
         report = session.api.get(f"/labs/{lab['slug']}/usage", **params)
+        people = report["people"]
+        if people.get("next"):  # the first page came with the totals; the rest, in pages
+            rest = session.api.pages(f"/labs/{lab['slug']}/usage/people", **params)
+            people["items"] = list(rest)
+            people["next"] = None
+        people["items"].sort(key=lambda person: (-person["worker_hours"], person["user"]))
         report["lab"] = lab["slug"]
         report["admin"] = lab.get("my_role") == "admin"
         reports.append(report)

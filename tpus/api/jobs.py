@@ -13,7 +13,15 @@ from ninja import Query, Router, Schema, Status
 from ninja.errors import HttpError
 from ninja.pagination import paginate
 
-from portal.pagination import KeysetPagination, parse_choice, parse_since
+from portal.pagination import (
+    KeysetPagination,
+    decode_cursor,
+    next_url,
+    parse_choice,
+    parse_limit,
+    parse_since,
+    refuse_unknown_parameters,
+)
 from portal.schemas import Error
 from tpus import access
 from tpus.api import filters as api_filters
@@ -396,18 +404,44 @@ class VmUsageOut(Schema):
     worker_hours: float
 
 
+class PeoplePageOut(Schema):
+    """Worker-hours per person, one page (by the person's id)."""
+
+    items: list[PersonUsageOut]
+    next: str | None
+    total: int
+
+
+class VmsPageOut(Schema):
+    """Worker-hours per TPU VM, one page (by the VM's id)."""
+
+    items: list[VmUsageOut]
+    next: str | None
+    total: int
+
+
+class NowPageOut(Schema):
+    """What holds each TPU VM you may see, one page (by the VM's id)."""
+
+    items: list[VmNowOut]
+    next: str | None
+    total: int
+
+
 class UsageOut(Schema):
     """``from_date`` to ``to_date`` (UTC days, both included). ``definition`` says what
-    a worker-hour is. Lab admins get everyone's rows; members only their own."""
+    a worker-hour is. Lab admins get everyone's rows; members only their own. Each of
+    ``people``, ``vms`` and ``now`` is the first page of its list, whose ``next``
+    continues at ``/usage/people``, ``/usage/vms`` or ``/usage/now``."""
 
     from_date: date
     to_date: date
     definition: str
     jobs: int
     worker_hours: float
-    people: list[PersonUsageOut]
-    vms: list[VmUsageOut]
-    now: list[VmNowOut]
+    people: PeoplePageOut
+    vms: VmsPageOut
+    now: NowPageOut
 
 
 def _day(raw: str | None, name: str) -> date | None:
@@ -419,62 +453,78 @@ def _day(raw: str | None, name: str) -> date | None:
         raise HttpError(400, f"{name} must be a date such as 2025-06-01, not {raw!r}.") from None
 
 
-@router.get(
-    "/labs/{slug}/usage",
-    response=UsageOut,
-    summary="What holds each TPU VM now, and worker-hours per person and VM over a period",
-)
-def lab_usage(
-    request,
-    slug: str,
-    from_date: str | None = Query(
-        None, alias="from", description="First day, e.g. 2025-06-01; default 30 days ago."
-    ),
-    to_date: str | None = Query(None, alias="to", description="Last day; default today."),
-):
-    lab = access.get_member_lab(request.user, slug)
-    is_admin = access.is_lab_admin(request.user, lab)
-    default = usage.Period.last_days()
-    first = _day(from_date, "from") or default.first
-    last = _day(to_date, "to") or default.last
-    if first > last:
-        raise HttpError(400, "from must not be after to.")
-    if (last - first).days + 1 > usage.MAX_DAYS:
-        raise HttpError(400, f"A period is at most {usage.MAX_DAYS} days.")
-    period = usage.Period(first, last)
-    jobs = usage.jobs_in(lab, period, user=None if is_admin else request.user)
-    totals = usage.totals(jobs)
-    vms = usage.with_queue_length(
-        access.viewable_vms(request.user, lab, is_admin=is_admin).order_by("name", "zone", "pk")
-    )
-    now = usage.now_for(vms)
-    usage.look_again_where_stale(now)
-    return {
-        "from_date": first,
-        "to_date": last,
-        "definition": usage.WORKER_HOURS,
-        "jobs": totals["jobs"],
-        "worker_hours": usage.hours(totals["total"]),
-        "people": [
+class _UsageRequest:
+    """What every usage endpoint reads first: the lab (a 404 outside your labs), who
+    asks, the period, the page size and where to continue, refusing what it does
+    not know."""
+
+    def __init__(self, request, slug, *, from_date=None, to_date=None, limit=None, cursor=None,
+                 known=("from", "to", "limit", "cursor")):  # fmt: skip
+        self.request = request
+        self.lab = access.get_member_lab(request.user, slug)  # another lab's: a 404 first
+        refuse_unknown_parameters(request, set(known))
+        self.is_admin = access.is_lab_admin(request.user, self.lab)
+        default = usage.Period.last_days()
+        first = _day(from_date, "from") or default.first
+        last = _day(to_date, "to") or default.last
+        if first > last:
+            raise HttpError(400, "from must not be after to.")
+        if (last - first).days + 1 > usage.MAX_DAYS:
+            raise HttpError(400, f"A period is at most {usage.MAX_DAYS} days.")
+        self.period = usage.Period(first, last)
+        self.size = parse_limit(limit)
+        self.after = decode_cursor(cursor)
+        self.figures = usage.Usage(
+            self.lab, self.period, user=None if self.is_admin else request.user
+        )
+        self.base = reverse("api:lab_usage", args=[self.lab.slug])
+
+    def _page(self, items: list[dict], ids: list[int], path: str, total: int, drop=()) -> dict:
+        more = len(items) > self.size
+        after = ids[self.size - 1] if more else None
+        return {
+            "items": items[: self.size],
+            "next": next_url(self.request, after, path=path, drop=drop) if more else None,
+            "total": total,
+        }
+
+    def people(self, total: int) -> dict:
+        grouped = self.figures.grouped("user", after=self.after, first=self.size + 1)
+        rows = usage.name_people([{"id": k, "figures": f} for k, f in grouped.items()])
+        items = [
             {
                 "user": row["email"],
                 "username": row["username"],
-                "jobs": row["jobs"],
-                "worker_hours": usage.hours(row["total"]),
+                "jobs": row["figures"].jobs,
+                "worker_hours": usage.hours(row["figures"].total),
             }
-            for row in usage.by_person(jobs)
-        ],
-        "vms": [
+            for row in rows
+        ]
+        return self._page(items, list(grouped), f"{self.base}/people", total)
+
+    def vms(self, total: int) -> dict:
+        grouped = self.figures.grouped("vm", after=self.after, first=self.size + 1)
+        rows = usage.name_vms([{"id": k, "figures": f} for k, f in grouped.items()])
+        items = [
             {
-                "vm_id": row["vm"],
+                "vm_id": row["id"],
                 "vm": row["vm_name"],
                 "zone": row["zone"],
-                "jobs": row["jobs"],
-                "worker_hours": usage.hours(row["total"]),
+                "jobs": row["figures"].jobs,
+                "worker_hours": usage.hours(row["figures"].total),
             }
-            for row in usage.by_vm(jobs)
-        ],
-        "now": [
+            for row in rows
+        ]
+        return self._page(items, list(grouped), f"{self.base}/vms", total)
+
+    def now(self) -> dict:
+        """As last seen: reading usage never asks a worker (``services.holders``)."""
+        viewable = access.viewable_vms(self.request.user, self.lab, is_admin=self.is_admin)
+        vms = usage.with_queue_length(viewable).order_by("pk")
+        if self.after is not None:
+            vms = vms.filter(pk__gt=self.after)
+        now = usage.now_for(vms[: self.size + 1])
+        items = [
             {
                 "vm_id": n.vm.pk,
                 "vm": n.vm.name,
@@ -486,5 +536,110 @@ def lab_usage(
                 "queue_length": n.queue_length,
             }
             for n in now
-        ],
+        ]
+        total = viewable.order_by().count()
+        ids = [n.vm.pk for n in now]
+        return self._page(items, ids, f"{self.base}/now", total, drop=("from", "to"))
+
+
+_PERIOD_QUERY = {
+    "from_date": Query(
+        None, alias="from", description="First day, e.g. 2025-06-01; default 30 days ago."
+    ),
+    "to_date": Query(None, alias="to", description="Last day; default today."),
+}
+_LIMIT = "Rows per list: a whole number from 1 to the maximum (default as other lists)."
+_CURSOR = "Where to continue: copy it from `next`, never build it."
+
+
+@router.get(
+    "/labs/{slug}/usage",
+    response=UsageOut,
+    url_name="lab_usage",
+    summary="Worker-hours over a period, and the first page of each usage list",
+    description="The period's totals, and the first `limit` rows of worker-hours per "
+    "person, per TPU VM and of what holds each VM now, each as a page `{items, next, "
+    "total}` whose `next` continues at `/usage/people`, `/usage/vms` or `/usage/now`. "
+    "Reading usage never contacts a worker: `now` is as of each VM's `checked_at`.",
+)
+def lab_usage(
+    request,
+    slug: str,
+    from_date: str | None = _PERIOD_QUERY["from_date"],
+    to_date: str | None = _PERIOD_QUERY["to_date"],
+    limit: str | None = Query(None, description=_LIMIT),
+):
+    asked = _UsageRequest(
+        request, slug, from_date=from_date, to_date=to_date, limit=limit,
+        known=("from", "to", "limit"),
+    )  # fmt: skip
+    summary = asked.figures.summary()
+    return {
+        "from_date": asked.period.first,
+        "to_date": asked.period.last,
+        "definition": usage.WORKER_HOURS,
+        "jobs": summary["jobs"],
+        "worker_hours": usage.hours(summary["total"]),
+        "people": asked.people(summary["people"]),
+        "vms": asked.vms(summary["vms"]),
+        "now": asked.now(),
     }
+
+
+@router.get(
+    "/labs/{slug}/usage/people",
+    response=PeoplePageOut,
+    summary="Worker-hours per person over a period",
+    description=PAGED + " Rows by the person's id. The lab's admins get everyone; members "
+    "their own row.",
+)
+def lab_usage_people(
+    request,
+    slug: str,
+    from_date: str | None = _PERIOD_QUERY["from_date"],
+    to_date: str | None = _PERIOD_QUERY["to_date"],
+    limit: str | None = Query(None, description=_LIMIT),
+    cursor: str | None = Query(None, description=_CURSOR),
+):
+    asked = _UsageRequest(
+        request, slug, from_date=from_date, to_date=to_date, limit=limit, cursor=cursor
+    )
+    return asked.people(asked.figures.summary()["people"])
+
+
+@router.get(
+    "/labs/{slug}/usage/vms",
+    response=VmsPageOut,
+    summary="Worker-hours per TPU VM over a period",
+    description=PAGED + " Rows by the VM's id. Members' rows count their own jobs only.",
+)
+def lab_usage_vms(
+    request,
+    slug: str,
+    from_date: str | None = _PERIOD_QUERY["from_date"],
+    to_date: str | None = _PERIOD_QUERY["to_date"],
+    limit: str | None = Query(None, description=_LIMIT),
+    cursor: str | None = Query(None, description=_CURSOR),
+):
+    asked = _UsageRequest(
+        request, slug, from_date=from_date, to_date=to_date, limit=limit, cursor=cursor
+    )
+    return asked.vms(asked.figures.summary()["vms"])
+
+
+@router.get(
+    "/labs/{slug}/usage/now",
+    response=NowPageOut,
+    summary="What holds each TPU VM you may see now",
+    description=PAGED + " Rows by the VM's id: `free`, `running` (a job of the portal) "
+    "or `held` (outside the portal, at the last look, `checked_at`). Reading this never "
+    "contacts a worker.",
+)
+def lab_usage_now(
+    request,
+    slug: str,
+    limit: str | None = Query(None, description=_LIMIT),
+    cursor: str | None = Query(None, description=_CURSOR),
+):
+    asked = _UsageRequest(request, slug, limit=limit, cursor=cursor, known=("limit", "cursor"))
+    return asked.now()

@@ -740,25 +740,6 @@ def _set_holders(vm: TpuVm, holders: list[dict]) -> None:
     TpuVm.objects.filter(pk=vm.pk).update(outside_holders=holders, usage_checked_at=timezone.now())
 
 
-def usage_is_stale(vm: TpuVm) -> bool:
-    age = settings.PORTAL_JOB_USAGE_REFRESH_SECONDS
-    return vm.usage_checked_at is None or timezone.now() - vm.usage_checked_at > dt.timedelta(
-        seconds=age
-    )
-
-
-def claim_usage_look(vm_id: int) -> bool:
-    """At most one queued look at a VM's chips per PORTAL_JOB_USAGE_REFRESH_SECONDS,
-    however many people open its pages meanwhile (an atomic add in the shared cache)."""
-    from django.core.cache import cache
-
-    return cache.add(
-        f"tpu-portal:usage-look:{vm_id}",
-        True,
-        timeout=max(1, settings.PORTAL_JOB_USAGE_REFRESH_SECONDS),
-    )
-
-
 def check_usage(vm_id: int) -> list[dict] | None:
     """Who holds the VM's chips now, from one job-status.sh exec per worker; stored on
     the VM. None when a worker could not be asked (the last answer stays)."""

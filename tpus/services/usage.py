@@ -1,12 +1,15 @@
 """Who uses a lab's TPUs: what holds each VM now, its queue, and worker-hours over a
-period. Read-only; every function answers in a fixed number of queries, whatever the
-number of jobs (the sums are made by the database)."""
+period. Reading is read-only (it never asks a worker anything: see
+``services.holders``) and answers in a fixed number of queries, whatever the number
+of jobs; ``count_ended_jobs`` keeps the per-day rows the figures are summed from."""
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from dataclasses import dataclass
 
+from django.db import transaction
 from django.db.models import (
     Case,
     Count,
@@ -26,10 +29,9 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Greatest, Least
 from django.utils import timezone
 
-from tpus import queue
-from tpus.models import Job, Lab, TpuVm
+from accounts.models import User
+from tpus.models import Job, Lab, TpuVm, UsageDay
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
-from tpus.services import job_engine
 
 WORKER_HOURS = (
     "Worker-hours: for each job, the time it ran (from when it had started on every "
@@ -116,17 +118,6 @@ def vm_now(vm: TpuVm) -> tuple[VmNow, list[Job]]:
     return VmNow(vm, running, waiting), line
 
 
-def look_again_where_stale(now: list[VmNow]) -> list[int]:
-    """Queue a fresh look at who holds the chips of each VM whose last look is older
-    than PORTAL_JOB_USAGE_REFRESH_SECONDS and that no job holds (its poll looks
-    anyway). The page does not wait for it; no query. Returns the VMs' ids."""
-    stale = [n.vm.pk for n in now if n.running is None and job_engine.usage_is_stale(n.vm)]
-    stale = [vm_id for vm_id in stale if job_engine.claim_usage_look(vm_id)]
-    for vm_id in stale:
-        queue.check_tpu_usage(vm_id)
-    return stale
-
-
 def position(job: Job) -> int | None:
     """A waiting job's place in its VM's queue (1: next to start), else None."""
     if not job.is_waiting:
@@ -140,6 +131,12 @@ def position(job: Job) -> int | None:
 
 
 # --- over a period ---------------------------------------------------------------------
+#
+# A job's worker-time is kept per day, person and VM (``UsageDay``) once it has ended;
+# a period sums its days' rows, and reads one by one only the jobs not in them yet
+# (running, or ended since the last count: a few per VM at most). So the figures cost
+# the same however many jobs the lab ran, and equal what summing every job of the
+# period gives (tpus/tests/test_usage_days.py compares the two).
 
 
 @dataclass(frozen=True)
@@ -167,13 +164,10 @@ def _midnight(day: dt.date) -> dt.datetime:
     return timezone.make_aware(dt.datetime.combine(day, dt.time()))
 
 
-def jobs_in(lab: Lab, period: Period, *, user=None) -> QuerySet:
-    """The lab's jobs that ran during ``period`` (of ``user`` alone when given), each
-    annotated with ``worker_time``: its time inside the period times its workers."""
-    now = timezone.now()
-    jobs = Job.objects.filter(vm__lab=lab, started_at__isnull=False)
-    if user is not None:
-        jobs = jobs.filter(user=user)
+def worker_time(jobs: QuerySet, period: Period, now: dt.datetime) -> QuerySet:
+    """``jobs`` that ran during ``period``, each annotated with ``worker_time``: its
+    time inside the period (until ``now`` while it runs) times its workers."""
+    jobs = jobs.filter(started_at__isnull=False)
     if period.start >= now:
         return jobs.none().annotate(worker_time=Value(dt.timedelta(), DurationField()))
     jobs = jobs.filter(started_at__lt=period.end).filter(
@@ -192,53 +186,250 @@ def jobs_in(lab: Lab, period: Period, *, user=None) -> QuerySet:
     )
 
 
-def by_person(jobs: QuerySet) -> QuerySet:
-    """Rows of ``email``, ``username``, ``jobs``, ``worker_time``, most used first."""
-    return (
-        jobs.values("user")
-        .annotate(
-            email=F("user__email"),
-            username=F("user__unix_account__username"),
-            jobs=Count("pk"),
+class Figures:
+    """Jobs and worker-time of one person, one VM or a whole period."""
+
+    __slots__ = ("jobs", "total")
+
+    def __init__(self, jobs: int = 0, total: dt.timedelta | None = None):
+        self.jobs = jobs
+        self.total = total or dt.timedelta()
+
+    def add(self, jobs: int, total: dt.timedelta | None) -> None:
+        self.jobs += jobs or 0
+        self.total += total or dt.timedelta()
+
+
+class Usage:
+    """Worker-hours in ``lab`` over ``period`` (only ``user``'s when given), as of
+    ``now``. Each method is one or two queries over the period's per-day rows, plus
+    one over the jobs not in them yet, made once per object."""
+
+    def __init__(self, lab: Lab, period: Period, *, user=None, now: dt.datetime | None = None):
+        self.lab = lab
+        self.period = period
+        self.user = user
+        self.now = now or timezone.now()
+
+    def _days(self) -> QuerySet:
+        days = UsageDay.objects.filter(
+            lab=self.lab, day__range=(self.period.first, self.period.last)
+        )
+        if self.user is not None:
+            days = days.filter(user=self.user)
+        if self.period.start >= self.now:
+            return days.none()
+        return days
+
+    def _sums(self, rows: QuerySet) -> QuerySet:
+        return rows.annotate(
+            started_n=Sum("started"),
+            carried_n=Sum("carried", filter=Q(day=self.period.first)),
             total=Sum("worker_time"),
         )
-        .order_by("-total", "email")
-    )
 
-
-def by_vm(jobs: QuerySet) -> QuerySet:
-    """Rows of ``vm_name``, ``zone``, ``jobs``, ``total``, most used first."""
-    return (
-        jobs.values("vm")
-        .annotate(
-            vm_name=F("vm__name"), zone=F("vm__zone"), jobs=Count("pk"), total=Sum("worker_time")
+    @functools.cached_property
+    def _live(self) -> list[dict]:
+        """The period's jobs whose time is not in the per-day rows: ``user``, ``vm``
+        and ``worker_time`` of each."""
+        jobs = Job.objects.filter(vm__lab=self.lab, usage_counted=False)
+        if self.user is not None:
+            jobs = jobs.filter(user=self.user)
+        return list(
+            worker_time(jobs, self.period, self.now).order_by().values("user", "vm", "worker_time")
         )
-        .order_by("-total", "vm_name")
-    )
 
+    def _live_by(self, key: str, after: int | None = None) -> dict[int, Figures]:
+        found: dict[int, Figures] = {}
+        for row in self._live:
+            if after is None or row[key] > after:
+                found.setdefault(row[key], Figures()).add(1, row["worker_time"])
+        return found
 
-def by_person_and_vm(jobs: QuerySet) -> QuerySet:
-    """One row per person and VM, for the CSV."""
-    return (
-        jobs.values("user", "vm")
-        .annotate(
-            email=F("user__email"),
-            username=F("user__unix_account__username"),
-            vm_name=F("vm__name"),
-            zone=F("vm__zone"),
-            jobs=Count("pk"),
+    def summary(self) -> dict:
+        """``jobs`` and ``total`` of the period, and how many ``people`` and ``vms``
+        used it: one query (and the jobs not counted yet)."""
+        people = {row["user"] for row in self._live}
+        vms = {row["vm"] for row in self._live}
+        extra = {}
+        if people:
+            extra = {
+                "people_live": Count("user", distinct=True, filter=Q(user__in=people)),
+                "vms_live": Count("vm", distinct=True, filter=Q(vm__in=vms)),
+            }
+        row = self._days().aggregate(
+            started_n=Sum("started"),
+            carried_n=Sum("carried", filter=Q(day=self.period.first)),
             total=Sum("worker_time"),
+            people=Count("user", distinct=True),
+            vms=Count("vm", distinct=True),
+            **extra,
         )
-        .order_by("email", "vm_name", "zone")
-    )
+        figures = Figures((row["started_n"] or 0) + (row["carried_n"] or 0), row["total"])
+        for live in self._live:
+            figures.add(1, live["worker_time"])
+        return {
+            "jobs": figures.jobs,
+            "total": figures.total,
+            "people": row["people"] + len(people) - (row.get("people_live") or 0),
+            "vms": row["vms"] + len(vms) - (row.get("vms_live") or 0),
+        }
+
+    def grouped(self, key: str, *, after: int | None = None, first: int | None = None) -> dict:
+        """Figures per ``key`` (``user`` or ``vm``) id, in id order: all of them, or
+        the ``first`` ones after the id ``after`` (a keyset page)."""
+        rows = self._days()
+        if after is not None:
+            rows = rows.filter(**{f"{key}__gt": after})
+        rows = self._sums(rows.values(key)).order_by(key)
+        if first is not None:
+            rows = rows[:first]
+        found = {row[key]: Figures(row["started_n"] + (row["carried_n"] or 0), row["total"])
+                 for row in rows}  # fmt: skip
+        for ident, live in self._live_by(key, after).items():
+            found.setdefault(ident, Figures()).add(live.jobs, live.total)
+        ids = sorted(found)[:first] if first is not None else sorted(found)
+        return {ident: found[ident] for ident in ids}
+
+    def pairs(self) -> dict[tuple[int, int], Figures]:
+        """Figures per (person, VM), for the CSV."""
+        found: dict[tuple[int, int], Figures] = {}
+        for row in self._sums(self._days().values("user", "vm")).order_by():
+            found[(row["user"], row["vm"])] = Figures(
+                row["started_n"] + (row["carried_n"] or 0), row["total"]
+            )
+        for live in self._live:
+            found.setdefault((live["user"], live["vm"]), Figures()).add(1, live["worker_time"])
+        return found
 
 
-def totals(jobs: QuerySet) -> dict:
-    """``jobs`` and ``total`` over every job of ``jobs``."""
-    row = jobs.order_by().aggregate(jobs=Count("pk"), total=Sum("worker_time"))
-    return {"jobs": row["jobs"] or 0, "total": row["total"] or dt.timedelta()}
+def most_used_first(grouped: dict[int, Figures]) -> list[dict]:
+    """``{"id", "jobs", "total"}`` rows, the largest worker-time first."""
+    rows = [{"id": ident, "jobs": f.jobs, "total": f.total} for ident, f in grouped.items()]
+    rows.sort(key=lambda row: (-row["total"], row["id"]))
+    return rows
+
+
+def name_people(rows: list[dict]) -> list[dict]:
+    """``rows`` (with ``id``: a user's) with ``email`` and ``username``: one query."""
+    names = {
+        row["pk"]: row
+        for row in User.objects.filter(pk__in=[r["id"] for r in rows]).values(
+            "pk", "email", username=F("unix_account__username")
+        )
+    }
+    for row in rows:
+        row["email"], row["username"] = names[row["id"]]["email"], names[row["id"]]["username"]
+    return rows
+
+
+def name_vms(rows: list[dict]) -> list[dict]:
+    """``rows`` (with ``id``: a VM's) with ``vm_name`` and ``zone``: one query."""
+    names = {
+        row["pk"]: row
+        for row in TpuVm.objects.filter(pk__in=[r["id"] for r in rows]).values("pk", "name", "zone")
+    }
+    for row in rows:
+        row["vm_name"], row["zone"] = names[row["id"]]["name"], names[row["id"]]["zone"]
+    return rows
 
 
 def hours(value: dt.timedelta | None) -> float:
     """Worker-hours to two decimals."""
     return round((value or dt.timedelta()).total_seconds() / 3600, 2)
+
+
+# --- keeping the per-day rows ----------------------------------------------------------
+
+COUNT_BATCH = 500
+
+
+class _Raced(Exception):
+    """Another process counted some of the same jobs meanwhile."""
+
+
+def count_ended_jobs(limit: int = COUNT_BATCH) -> int:
+    """Add up to ``limit`` ended jobs not counted yet to the per-day rows, and mark
+    them counted, in one transaction; returns how many. A job whose end is not after
+    its start (never seen) stays read one by one, as it always counts the same."""
+    try:
+        with transaction.atomic():
+            jobs = list(
+                Job.objects.select_for_update(skip_locked=True, of=("self",))
+                .filter(started_at__isnull=False, usage_counted=False, ended_at__gt=F("started_at"))
+                .annotate(lab_id=F("vm__lab_id"))
+                .only("pk", "user_id", "vm_id", "started_at", "ended_at", "worker_count")
+                .order_by("pk")[:limit]
+            )
+            if not jobs:
+                return 0
+            ids = [job.pk for job in jobs]
+            if Job.objects.filter(pk__in=ids, usage_counted=False).update(
+                usage_counted=True
+            ) != len(ids):
+                raise _Raced
+            _add_to_days(jobs)
+    except _Raced:
+        return 0
+    return len(jobs)
+
+
+def count_all_ended_jobs() -> int:
+    """Every ended job not counted yet (``manage.py count_usage``)."""
+    total = 0
+    while counted := count_ended_jobs():
+        total += counted
+    return total
+
+
+def recount_all() -> int:
+    """The per-day rows made again from every job: after TIME_ZONE changed (a day is a
+    day in the portal's time zone)."""
+    with transaction.atomic():
+        UsageDay.objects.all().delete()
+        Job.objects.filter(usage_counted=True).update(usage_counted=False)
+    return count_all_ended_jobs()
+
+
+def day_pieces(started: dt.datetime, ended: dt.datetime, workers: int) -> dict:
+    """``{day: (started, carried, worker_time)}`` of one ended job: 1 on the day it
+    started, 1 on each later day it was running at midnight, and its time inside each
+    day times its workers."""
+    pieces = {}
+    day = timezone.localtime(started).date()
+    first = day
+    last = timezone.localtime(ended).date()
+    while day <= last:
+        begin, end = _midnight(day), _midnight(day + dt.timedelta(days=1))
+        inside = min(ended, end) - max(started, begin)
+        carried = int(started < begin < ended)
+        if day == first or carried:
+            pieces[day] = (int(day == first), carried, max(inside, dt.timedelta()) * workers)
+        day += dt.timedelta(days=1)
+    return pieces
+
+
+def _add_to_days(jobs: list[Job]) -> None:
+    sums: dict[tuple, list] = {}
+    for job in jobs:
+        for day, (started, carried, time) in day_pieces(
+            job.started_at, job.ended_at, job.worker_count
+        ).items():
+            row = sums.setdefault((job.lab_id, day, job.user_id, job.vm_id), [0, 0, dt.timedelta()])
+            row[0] += started
+            row[1] += carried
+            row[2] += time
+    for (lab_id, day, user_id, vm_id), (started, carried, time) in sums.items():
+        row, created = UsageDay.objects.get_or_create(
+            lab_id=lab_id,
+            day=day,
+            user_id=user_id,
+            vm_id=vm_id,
+            defaults={"started": started, "carried": carried, "worker_time": time},
+        )
+        if not created:
+            UsageDay.objects.filter(pk=row.pk).update(
+                started=F("started") + started,
+                carried=F("carried") + carried,
+                worker_time=F("worker_time") + time,
+            )

@@ -24,7 +24,7 @@ from tpus.tasks.hosts import (
     run_disk_operation,
     scan_worker_host_keys,
 )
-from tpus.tasks.jobs import advance_jobs, check_tpu_usage, poll_jobs
+from tpus.tasks.jobs import advance_jobs, check_tpu_usage, look_at_idle_chips, poll_jobs
 from tpus.tasks.periodic import (
     expire_grants,
     reconcile_sweep,
@@ -39,6 +39,7 @@ __all__ = [
     "check_tpu_usage",
     "check_vm_connection",
     "expire_grants",
+    "look_at_idle_chips",
     "poll_jobs",
     "reconcile_sweep",
     "reconcile_vm",

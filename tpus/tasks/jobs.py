@@ -1,4 +1,5 @@
-"""Jobs: a pass over one VM's queue, the periodic poll, and who holds a VM's chips."""
+"""Jobs: a pass over one VM's queue, the periodic poll (which also keeps the per-day
+usage rows), and who holds a VM's chips (on a schedule, and for an open VM page)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from django.conf import settings
 
 from portal.celery import every
 from tpus.models import TpuVm
-from tpus.services import job_engine
+from tpus.services import holders, job_engine, usage
 from tpus.tasks.naming import task
 
 
@@ -20,8 +21,10 @@ def advance_jobs(vm_id: int) -> None:
 @every(settings.PORTAL_JOB_POLL_SECONDS, name="poll-jobs")
 @task(ignore_result=True)
 def poll_jobs() -> None:
-    """Every VM with a job running or waiting gets a pass of its own."""
+    """Every VM with a job running or waiting gets a pass of its own; jobs that ended
+    are added to the per-day usage rows."""
     job_engine.poll_all()
+    usage.count_ended_jobs()
 
 
 @task(ignore_result=True)
@@ -29,3 +32,11 @@ def check_tpu_usage(vm_id: int) -> None:
     """Who holds the VM's chips now, for its page and the lab's usage page."""
     if TpuVm.objects.filter(pk=vm_id).exists():
         job_engine.check_usage(vm_id)
+
+
+@every(settings.PORTAL_HOLDER_PASS_SECONDS, name="look-at-idle-chips")
+@task(ignore_result=True)
+def look_at_idle_chips() -> None:
+    """Queue a look at who holds the chips of a few VMs no job holds, least recently
+    looked at first (PORTAL_HOLDER_PASS_VMS a run)."""
+    holders.look_at_idle_vms()

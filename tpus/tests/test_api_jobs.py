@@ -219,5 +219,8 @@ def test_the_job_endpoints_are_documented(client, db):
         base + "/{job_id}/rerun",
         base + "/{job_id}/workers/{index}/log",
         "/api/v1/labs/{slug}/usage",
+        "/api/v1/labs/{slug}/usage/people",
+        "/api/v1/labs/{slug}/usage/vms",
+        "/api/v1/labs/{slug}/usage/now",
     ):
         assert path in paths, path

@@ -706,6 +706,24 @@ def _urls(cast):
             [401, MISSING, MISSING, 502, 502, 502],
         ),
         ("api_usage", "get", f"/api/v1/labs/{lab}/usage", [401, MISSING, MISSING, OK, OK, OK]),
+        (
+            "api_usage_people",
+            "get",
+            f"/api/v1/labs/{lab}/usage/people",
+            [401, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
+            "api_usage_vms",
+            "get",
+            f"/api/v1/labs/{lab}/usage/vms",
+            [401, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
+            "api_usage_now",
+            "get",
+            f"/api/v1/labs/{lab}/usage/now",
+            [401, MISSING, MISSING, OK, OK, OK],
+        ),
     ]
 
 

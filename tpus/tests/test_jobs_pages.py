@@ -463,6 +463,9 @@ def test_another_labs_vm_or_job_is_a_404_through_every_job_page_and_endpoint(cli
         ("get", f"/labs/{other}/usage/"),
         ("get", f"/labs/{other}/usage/csv/"),
         ("get", f"/api/v1/labs/{other}/usage"),
+        ("get", f"/api/v1/labs/{other}/usage/people"),
+        ("get", f"/api/v1/labs/{other}/usage/vms"),
+        ("get", f"/api/v1/labs/{other}/usage/now"),
     ]
     for user in (scene.admin, scene.milo):
         client.force_login(user)

@@ -15,7 +15,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from accounts.services import create_token
-from tpus.models import Grant, Job, JobWorker, TpuVm
+from tpus.models import Grant, Job, JobWorker
+from tpus.services import usage
 from tpus.tests import jobs_support
 from tpus.tests.jobs_support import account, make_job, make_vm
 
@@ -168,27 +169,110 @@ def test_the_now_table_says_what_holds_each_vm(client, scene, history):
     assert idle.name not in body
 
 
-def test_the_api_gives_the_same_figures(client, scene, history):
-    def get(user, query=PERIOD):
-        token = create_token(user, "t")[1]
-        return client.get(f"/api/v1/labs/vision/usage{query}", HTTP_AUTHORIZATION=f"Bearer {token}")
+def _api(client, user, path="", query=PERIOD):
+    token = create_token(user, "t")[1]
+    url = f"/api/v1/labs/vision/usage{path}{query}"
+    return client.get(url, HTTP_AUTHORIZATION=f"Bearer {token}")
 
-    body = get(scene.admin).json()
+
+def test_the_api_gives_the_same_figures(client, scene, history):
+    body = _api(client, scene.admin).json()
     assert (body["from_date"], body["to_date"]) == ("2026-01-10", "2026-01-11")
     assert body["worker_hours"] == 22.5 and body["jobs"] == 4
-    assert [(p["username"], p["worker_hours"]) for p in body["people"]] == [
-        ("ann", 16.5),
+    # Each list is a page, in id order (people: milo joined before ann).
+    assert [(p["username"], p["worker_hours"]) for p in body["people"]["items"]] == [
         ("milo", 6.0),
+        ("ann", 16.5),
     ]
-    assert [(v["vm"], v["worker_hours"]) for v in body["vms"]] == [("pod1", 20.0), ("tpu5", 2.5)]
-    now = {n["vm"]: n for n in body["now"]}
+    assert (body["people"]["total"], body["people"]["next"]) == (2, None)
+    assert [(v["vm"], v["worker_hours"]) for v in body["vms"]["items"]] == [
+        ("tpu5", 2.5),
+        ("pod1", 20.0),
+    ]
+    now = {n["vm"]: n for n in body["now"]["items"]}
     assert now["pod1"]["state"] == "running" and now["pod1"]["job"]["username"] == "ann"
     assert now["tpu5"]["state"] == "free" and now["tpu5"]["queue_length"] == 1
-    mine = get(scene.milo).json()
-    assert [p["username"] for p in mine["people"]] == ["milo"] and mine["worker_hours"] == 6.0
-    assert get(scene.admin, "?from=2026-13-01").status_code == 400
-    assert get(scene.admin, "?from=2026-01-11&to=2026-01-10").status_code == 400
-    assert get(scene.admin, "").json()["to_date"] == timezone.localdate().isoformat()
+    mine = _api(client, scene.milo).json()
+    assert [p["username"] for p in mine["people"]["items"]] == ["milo"]
+    assert mine["worker_hours"] == 6.0 and mine["people"]["total"] == 1
+    assert _api(client, scene.admin, query="?from=2026-13-01").status_code == 400
+    assert _api(client, scene.admin, query="?from=2026-01-11&to=2026-01-10").status_code == 400
+    assert _api(client, scene.admin, query="").json()["to_date"] == (
+        timezone.localdate().isoformat()
+    )
+
+
+def test_the_api_pages_each_usage_list_and_honours_limit(client, scene, history, make_user):
+    # Three more people with a job each in the period, and three more VMs.
+    for n in range(3):
+        person = make_user(f"extra{n}@vision.example")
+        account(person, f"extra{n}")
+        vm = make_vm(scene.lab, f"spare{n}")
+        make_job(vm, person, "succeeded", started_at=at(10, 12), ended_at=at(10, 13 + n))
+    body = _api(client, scene.admin, query=PERIOD + "&limit=2").json()
+    assert len(body["people"]["items"]) == len(body["vms"]["items"]) == 2
+    assert len(body["now"]["items"]) == 2
+    assert (body["people"]["total"], body["vms"]["total"], body["now"]["total"]) == (5, 5, 5)
+    assert body["jobs"] == 7  # the totals are the whole period's, not the page's
+
+    def walk(page, period=True):
+        seen = list(page["items"])
+        while page["next"]:
+            assert "limit=2" in page["next"]
+            assert ("from=2026-01-10" in page["next"]) == period
+            token = create_token(scene.admin, "t")[1]
+            page = client.get(page["next"], HTTP_AUTHORIZATION=f"Bearer {token}").json()
+            assert len(page["items"]) <= 2
+            seen += page["items"]
+        return seen
+
+    people = walk(body["people"])
+    assert [p["username"] for p in people] == ["milo", "ann", "extra0", "extra1", "extra2"]
+    assert [p["worker_hours"] for p in people][2:] == [1.0, 2.0, 3.0]
+    vms = walk(body["vms"])
+    assert [v["vm"] for v in vms] == ["tpu5", "pod1", "spare0", "spare1", "spare2"]
+    now = walk(body["now"], period=False)  # now has no period
+    assert sorted(n["vm"] for n in now) == ["pod1", "spare0", "spare1", "spare2", "tpu5"]
+    assert body["now"]["next"].startswith("http://testserver/api/v1/labs/vision/usage/now?")
+    # Each list on its own, with the usual refusals.
+    one = _api(client, scene.admin, "/people", PERIOD + "&limit=1").json()
+    assert [p["username"] for p in one["items"]] == ["milo"] and one["total"] == 5
+    for path, query in (
+        ("", "?cursor=abc"),  # the summary has no cursor: its lists' next links do
+        ("/people", "?limit=0"),
+        ("/vms", "?limit=x"),
+        ("/now", "?cursor=notone"),
+        ("/now", "?from=2026-01-01"),
+        ("/people", "?vm=tpu5"),
+    ):
+        response = _api(client, scene.admin, path, query)
+        assert response.status_code == 400, (path, query)
+        assert response.json()["detail"]
+
+
+def test_reading_usage_queues_no_work(client, scene, history, monkeypatch,
+                                      django_capture_on_commit_callbacks):  # fmt: skip
+    from tpus import queue
+
+    looks = []
+    monkeypatch.setattr(queue, "check_tpu_usage", looks.append)
+    never = make_vm(scene.lab, "tpu7")  # never looked at: the stalest there is
+    Grant.objects.create(user=scene.milo, vm=never, state="active")
+    token = {"HTTP_AUTHORIZATION": f"Bearer {create_token(scene.admin, 't')[1]}"}
+    client.force_login(scene.admin)
+    for url, headers in (
+        (reverse("lab_usage", args=["vision"]), {}),
+        (reverse("lab_usage_csv", args=["vision"]), {}),
+        ("/api/v1/labs/vision/usage", token),
+        ("/api/v1/labs/vision/usage/now", token),
+        ("/api/v1/labs/vision/usage/people", token),
+        ("/api/v1/labs/vision/usage/vms", token),
+    ):
+        # Work is queued only once the request's changes commit (tpus/queue.py).
+        with django_capture_on_commit_callbacks() as queued:
+            assert client.get(url, **headers).status_code == 200, url
+        assert queued == [], url
+    assert looks == []
 
 
 # --- queries ---------------------------------------------------------------------------
@@ -245,7 +329,18 @@ def _queries(client, url) -> int:
 
 
 @pytest.mark.parametrize(
-    "page", ["lab_usage", "lab_usage_csv", "api_usage", "vm_detail", "job_detail", "api_jobs"]
+    "page",
+    [
+        "lab_usage",
+        "lab_usage_csv",
+        "api_usage",
+        "api_usage_people",
+        "api_usage_vms",
+        "api_usage_now",
+        "vm_detail",
+        "job_detail",
+        "api_jobs",
+    ],
 )
 @pytest.mark.parametrize("who", ["admin", "milo"])
 def test_the_job_pages_make_as_many_queries_for_200_jobs_as_for_5(
@@ -261,6 +356,9 @@ def test_the_job_pages_make_as_many_queries_for_200_jobs_as_for_5(
         "lab_usage": reverse("lab_usage", args=["vision"]),
         "lab_usage_csv": reverse("lab_usage_csv", args=["vision"]),
         "api_usage": "/api/v1/labs/vision/usage",
+        "api_usage_people": "/api/v1/labs/vision/usage/people?limit=3",
+        "api_usage_vms": "/api/v1/labs/vision/usage/vms?limit=1",
+        "api_usage_now": "/api/v1/labs/vision/usage/now?limit=1",
         "vm_detail": reverse("vm_detail", args=["vision", pod.pk]),
         "job_detail": reverse("job_detail", args=["vision", pod.pk, running.pk]),
         "api_jobs": f"/api/v1/labs/vision/vms/{pod.pk}/jobs?limit=200",
@@ -272,13 +370,15 @@ def test_the_job_pages_make_as_many_queries_for_200_jobs_as_for_5(
     few = _queries(client, url)
     _grow(scene, pod, 200, make_user)
     assert Job.objects.count() > 200
-    assert _queries(client, url) == few
+    assert _queries(client, url) == few  # the new jobs read one by one
+    usage.count_all_ended_jobs()
+    assert _queries(client, url) == few  # and summed from the per-day rows
 
 
 # --- a fresh look at the chips -----------------------------------------------------------
 
 
-def test_opening_the_pages_looks_again_at_chips_last_seen_long_ago(
+def test_opening_a_vm_page_looks_again_at_chips_last_seen_long_ago(
     client, scene, settings, monkeypatch
 ):
     from django.core.cache import cache
@@ -294,24 +394,16 @@ def test_opening_the_pages_looks_again_at_chips_last_seen_long_ago(
     fresh = make_vm(scene.lab, "tpu7", usage_checked_at=timezone.now())
     Grant.objects.create(user=scene.milo, vm=fresh, state="active")
     client.force_login(scene.milo)
-    token = {"HTTP_AUTHORIZATION": f"Bearer {create_token(scene.milo, 't')[1]}"}
-    for url, headers in (
-        (reverse("vm_detail", args=["vision", scene.vm.pk]), {}),
-        (reverse("vm_jobs", args=["vision", scene.vm.pk]), {}),
-        (reverse("lab_usage", args=["vision"]), {}),
-        ("/api/v1/labs/vision/usage", token),
-    ):
-        looks.clear()
-        cache.delete(f"tpu-portal:usage-look:{scene.vm.pk}")  # as a period later
-        assert client.get(url, **headers).status_code == 200
-        assert looks == [scene.vm.pk], url  # never looked at: stale; tpu6 busy; tpu7 fresh
+    for vm in (scene.vm, busy, fresh):
+        for name in ("vm_detail", "vm_jobs"):
+            looks.clear()
+            cache.delete(f"tpu-portal:usage-look:{vm.pk}")  # as a period later
+            assert client.get(reverse(name, args=["vision", vm.pk])).status_code == 200
+            # never looked at: stale; tpu6 busy; tpu7 fresh
+            assert looks == ([scene.vm.pk] if vm == scene.vm else []), (name, vm)
     # Many people opening the page within one period queue one look, not one each.
     looks.clear()
     cache.delete(f"tpu-portal:usage-look:{scene.vm.pk}")
     for _ in range(3):
         client.get(reverse("vm_detail", args=["vision", scene.vm.pk]))
     assert looks == [scene.vm.pk]
-    TpuVm.objects.filter(pk=scene.vm.pk).update(usage_checked_at=timezone.now())
-    looks.clear()
-    client.get(reverse("lab_usage", args=["vision"]))
-    assert looks == []

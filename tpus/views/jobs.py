@@ -21,7 +21,7 @@ from tpus import access
 from tpus.forms.jobs import JobForm, PeriodForm
 from tpus.models import Job
 from tpus.models.jobs import JobState, JobWorkerState
-from tpus.services import job_logs, sshconfig, usage
+from tpus.services import holders, job_logs, sshconfig, usage
 from tpus.services import jobs as job_services
 
 RECENT_JOBS = 10
@@ -74,7 +74,7 @@ def blank_job_form() -> str:
 
 def _now_context(vm) -> dict:
     now, queue = usage.vm_now(vm)
-    usage.look_again_where_stale([now])
+    holders.look_when_stale([now])  # someone is looking at this VM
     return {
         "jobs_now": now,
         "jobs_queue": queue,
@@ -271,8 +271,7 @@ def lab_usage(request, slug):
         access.viewable_vms(request.user, lab, is_admin=is_admin).order_by("name", "zone", "pk")
     )
     vm_page = page_of(request, vms, param="vms")
-    now = usage.now_for(vm_page.object_list)
-    usage.look_again_where_stale(now)
+    now = usage.now_for(vm_page.object_list)  # as last seen: reading never looks
     context = {
         "lab": lab,
         "is_admin": is_admin,
@@ -283,12 +282,12 @@ def lab_usage(request, slug):
         "definition": usage.WORKER_HOURS,
     }
     if period is not None:
-        jobs = usage.jobs_in(lab, period, user=None if is_admin else request.user)
-        context.update(
-            people=page_of(request, usage.by_person(jobs), param="people"),
-            per_vm=page_of(request, usage.by_vm(jobs), param="per_vm"),
-            totals=usage.totals(jobs),
-        )
+        figures = usage.Usage(lab, period, user=None if is_admin else request.user)
+        people = page_of(request, usage.most_used_first(figures.grouped("user")), param="people")
+        per_vm = page_of(request, usage.most_used_first(figures.grouped("vm")), param="per_vm")
+        usage.name_people(people.object_list)
+        usage.name_vms(per_vm.object_list)
+        context.update(people=people, per_vm=per_vm, totals=figures.summary())
     return render(request, "tpus/lab_usage.html", context)
 
 
@@ -299,21 +298,32 @@ def lab_usage_csv(request, slug):
     if period is None:
         errors = "; ".join(e for field in form.errors.values() for e in field)
         return HttpResponse(errors, status=400, content_type="text/plain; charset=utf-8")
-    jobs = usage.jobs_in(lab, period, user=None if is_admin else request.user)
+    pairs = usage.Usage(lab, period, user=None if is_admin else request.user).pairs()
+    people = {r["id"]: r for r in usage.name_people([{"id": u} for u in {u for u, _ in pairs}])}
+    vms = {r["id"]: r for r in usage.name_vms([{"id": v} for v in {v for _, v in pairs}])}
+    rows = sorted(
+        pairs.items(),
+        key=lambda item: (
+            people[item[0][0]]["email"],
+            vms[item[0][1]]["vm_name"],
+            vms[item[0][1]]["zone"],
+        ),
+    )
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     name = f"tpu-usage-{lab.slug}-{period.first:%Y%m%d}-{period.last:%Y%m%d}.csv"
     response["Content-Disposition"] = f'attachment; filename="{name}"'
     writer = csv.writer(response)
     writer.writerow(["email", "username", "vm", "zone", "jobs", "worker_hours", "from", "to"])
-    for row in usage.by_person_and_vm(jobs).iterator():
+    for (user_id, vm_id), figures in rows:
+        person, vm = people[user_id], vms[vm_id]
         writer.writerow(
             [
-                _cell(row["email"]),
-                _cell(row["username"] or ""),
-                _cell(row["vm_name"]),
-                _cell(row["zone"]),
-                row["jobs"],
-                f"{usage.hours(row['total']):.2f}",
+                _cell(person["email"]),
+                _cell(person["username"] or ""),
+                _cell(vm["vm_name"]),
+                _cell(vm["zone"]),
+                figures.jobs,
+                f"{usage.hours(figures.total):.2f}",
                 period.first.isoformat(),
                 period.last.isoformat(),
             ]
