@@ -237,6 +237,11 @@ PORTAL_SYNC_ALERT_SECONDS = env.integer("PORTAL_SYNC_ALERT_SECONDS", 600, minimu
 # (one GetGuestAttributes each, the least recently compared first) with the pinned
 # ones; VMs with a reason (new address, reboot, re-created) are compared on top.
 PORTAL_HOST_KEY_CHECKS_PER_SYNC = env.integer("PORTAL_HOST_KEY_CHECKS_PER_SYNC", 2, minimum=0)
+# A published host key that contradicts the pins is mailed to the lab's admins (the
+# worker keeps being provisioned); if it changes again, at most once per this long.
+PORTAL_HOST_KEY_ALERT_REPEAT_SECONDS = env.integer(
+    "PORTAL_HOST_KEY_ALERT_REPEAT_SECONDS", 3600, minimum=0
+)
 # How often stuck provisioning is picked up again; every VM is fully reconciled (and
 # checked for drift) at least every PORTAL_DRIFT_CHECK_SECONDS.
 PORTAL_RECONCILE_SWEEP_SECONDS = env.integer("PORTAL_RECONCILE_SWEEP_SECONDS", 300, minimum=10)

@@ -472,6 +472,7 @@ def repin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) ->
         host_keys_pinned_by=admin,
         host_key_mismatch_at=None,
         presented_host_key="",
+        host_key_alarm_published=False,
     )
     worker.refresh_from_db()
     audit.record(

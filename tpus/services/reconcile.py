@@ -347,22 +347,15 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
 def _why_skipped(worker: Worker) -> tuple[str, bool] | None:
     """Why the portal will not contact this worker now, and whether that can pass.
 
-    A worker whose host key alarm is up because it presented another key is still
-    contacted: the connection checks the host key before any credential is sent, so a
-    host with another key learns nothing and changes nothing, while the real host back
-    at its address (its key matches the pin again) clears the alarm by itself. One
-    whose alarm came from the keys the API publishes is not: the host may well still
-    present the pinned key, and that would not make the published change go away."""
+    A worker with a host key alarm is still contacted, whatever raised it: the
+    connection checks the pinned key before any credential is sent, so a host that
+    presents another key learns nothing and changes nothing (the run fails for it,
+    and the real host back at its address clears the alarm by itself), while one whose
+    alarm came only from the keys the API publishes (guest attributes, which any
+    process on the VM may write) and still presents its pinned key is the host the
+    portal knows: it keeps being reconciled, and revokes reach it."""
     if not worker.is_pinned:
         return "no pinned host key", False
-    if worker.host_key_mismatch_at and worker.published_key_changes():
-        # The API says the host has other keys now (a re-created VM, or a tampered
-        # guest attribute): nothing is sent until an admin re-pins or resumes it.
-        return (
-            "the Cloud TPU API publishes a host key for it that is not the pinned one; "
-            "an admin must review it",
-            False,
-        )
     if not worker.external_ip:
         return "no external IP (under maintenance?)", True
     return None
@@ -427,9 +420,11 @@ def _drift_found(worker: Worker, usernames: list[str]) -> None:
 def _host_key_matches_again(worker: Worker) -> None:
     """The worker presented its pinned key again (the impostor at its address is gone,
     or the address came back to the real host): the alarm ends, on the record."""
-    if Worker.objects.filter(pk=worker.pk, host_key_mismatch_at__isnull=False).update(
-        host_key_mismatch_at=None, presented_host_key=""
-    ):
+    # An alarm about the published keys stays: presenting the pinned key says nothing
+    # about what the API publishes; an admin resumes or re-pins.
+    if Worker.objects.filter(
+        pk=worker.pk, host_key_mismatch_at__isnull=False, host_key_alarm_published=False
+    ).update(host_key_mismatch_at=None, presented_host_key=""):
         audit.record(
             AuditAction.HOST_KEY_ALARM_CLEARED,
             lab=worker.vm.lab,

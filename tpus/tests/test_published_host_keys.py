@@ -1,6 +1,7 @@
 """A host key change published by the Cloud TPU API is noticed: the sync compares the
 published keys with the pins when there is a reason to, and a few more VMs each time,
-and a change is treated like a presented one (alarm, one email, nothing re-pinned)."""
+and a change raises the alarm and emails the admins (repeats rate-limited), nothing
+re-pinned; unlike a presented one, it does not stop the worker."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _sync(capture):
 
 
 def _alerts() -> list:
-    return [m for m in mail.outbox if "Host key of" in m.subject]
+    return [m for m in mail.outbox if "Host key" in m.subject]
 
 
 def test_a_published_key_change_raises_the_alarm_and_emails_the_admins_once(
@@ -89,7 +90,9 @@ def test_a_published_key_change_raises_the_alarm_and_emails_the_admins_once(
     assert Worker.objects.get(vm=tpu5, index=0).host_key_mismatch_at is None
     [alert] = _alerts()
     assert alert.to == ["admin@vision.example"] and "tpu5-w1" in alert.subject
+    assert "please review" in alert.subject and "stopped" not in alert.subject
     assert "Cloud TPU API now publishes" in alert.body and new in alert.body
+    assert "keeps provisioning it" in alert.body
     # The next syncs see the same published set: no second alarm, no second email.
     _sync(django_capture_on_commit_callbacks)
     _sync(django_capture_on_commit_callbacks)
@@ -225,3 +228,53 @@ def test_the_keys_page_shows_the_pinned_and_the_published_fingerprints(
     assert host_key_fingerprint(worker.host_keys[0]) in html
     assert host_key_fingerprint(new) in html
     assert "the Cloud TPU API published" in html and "differs from the pinned keys" in html
+
+
+def test_published_keys_changing_again_are_told_again_at_most_once_per_window(
+    tpu5, tpu_emulator, settings, django_capture_on_commit_callbacks
+):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    settings.PORTAL_HOST_KEY_ALERT_REPEAT_SECONDS = 3600
+    for _ in range(3):  # a process on the VM rewrites its guest attributes, again and again
+        tpu_emulator.controls.set_host_key("tpu5", 1, "ssh-ed25519", new_host_key())
+        _sync(django_capture_on_commit_callbacks)
+    worker = Worker.objects.get(vm=tpu5, index=1)
+    assert worker.host_key_alarm_published
+    assert len(_alerts()) == 1
+    assert AuditEvent.objects.filter(action="vm.host_key_changed").count() == 3  # each kept
+    # An hour on, the next change is mailed again.
+    Worker.objects.filter(pk=worker.pk).update(
+        host_key_alerted_at=timezone.now() - dt.timedelta(seconds=3601)
+    )
+    latest = new_host_key()
+    tpu_emulator.controls.set_host_key("tpu5", 1, "ssh-ed25519", latest)
+    _sync(django_capture_on_commit_callbacks)
+    assert len(_alerts()) == 2 and latest in _alerts()[-1].body
+
+
+def test_a_presented_key_on_a_worker_with_a_published_alarm_stops_it_and_is_told_at_once(
+    tpu5, tpu_emulator, django_capture_on_commit_callbacks
+):
+    from tpus.services.hostkey_alarms import raise_alarm
+    from tpus.services.reconcile import _host_key_matches_again
+
+    tpu_emulator.controls.set_host_key("tpu5", 1, "ssh-ed25519", new_host_key())
+    _sync(django_capture_on_commit_callbacks)
+    worker = Worker.objects.get(vm=tpu5, index=1)
+    # Presenting the pinned key says nothing about what the API publishes.
+    _host_key_matches_again(worker)
+    assert Worker.objects.get(pk=worker.pk).host_key_mismatch_at is not None
+    impostor = f"ssh-ed25519 {new_host_key()}"
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert raise_alarm(worker, impostor)
+
+    worker.refresh_from_db()
+    assert not worker.host_key_alarm_published and worker.presented_host_key == impostor
+    assert len(_alerts()) == 2 and "provisioning stopped" in _alerts()[-1].subject
+    with django_capture_on_commit_callbacks(execute=True):
+        assert not raise_alarm(worker, impostor)  # once per alarm
+    assert len(_alerts()) == 2
