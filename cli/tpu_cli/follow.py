@@ -66,6 +66,13 @@ def why(job: dict) -> list[str]:
     return lines
 
 
+def _started(job: dict) -> bool:
+    """Whether the job's command began on its workers (a rejected one never does)."""
+    if job["state"] in ("starting", "running", "cancelling"):
+        return True
+    return any(part.get("started_at") for part in job.get("parts", []))
+
+
 class Tailer:
     """One worker's log, followed over ssh."""
 
@@ -130,14 +137,7 @@ class Follow:
                 if seen != last:
                     self.say(self._status(job))
                     last = seen
-                if (
-                    self.logs
-                    and not self.tailers
-                    and (state not in WAITING)
-                    and (
-                        state not in ENDED or any(p.get("started_at") for p in job.get("parts", []))
-                    )
-                ):
+                if self.logs and not self.tailers and _started(job):
                     self._start_tails(job)
                 if state in ENDED:
                     break
@@ -180,10 +180,16 @@ class Follow:
         for tailer in self.tailers.values():
             tailer.wait(deadline - time.monotonic())
         show = len(self.tailers) > 1
+        started = {p["index"] for p in job.get("parts", []) if p.get("started_at")}
         for index, tailer in self.tailers.items():
+            stopped = tailer.proc.poll() is None
             tailer.stop()
-            if not tailer.printed and tailer.proc.returncode not in (0, None, -15):
+            if tailer.printed or stopped or tailer.proc.returncode == 0 or index not in started:
+                continue
+            try:
                 print_whole_log(self.api, self.path, index, remote.label_for(index, show))
+            except CliError as exc:
+                self.say(f"The log of worker {index} cannot be read: {exc.message}")
 
 
 def print_whole_log(api, job_path: str, index: int, label: str) -> None:

@@ -1,0 +1,210 @@
+"""Journey 8 from a laptop, with the real client against the live portal and the sshd
+fleet: milo signs in with a token, installs his ssh config into his home, runs a
+command on every worker of tpu5 (a 4-worker pod), runs a JAX psum there from a working
+directory (synced to every worker; on the second run only the changed file moves),
+follows the logs to the end and gets each job's exit code; bad input is refused with
+the portal's words; after Google moves a worker, any tpu command puts `ssh tpu5` back
+in working order; a revoked token says to log in again.
+
+The production way: the live server answers the client, a real Celery worker runs the
+VM's passes, Celery beat polls the jobs, and the workers run real JAX (the CPU build)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.db import transaction
+
+from accounts.keys import add_key
+from accounts.services import create_token, revoke_token
+from accounts.unix import choose_username
+from testfleet.fixtures import add_fleet_node, give_lab_key
+from tests.laptop import Laptop, new_key
+from tests.requirements import need
+from tests.test_journey_access import worker_env  # noqa: F401 (a fixture)
+from tests.test_journey_jobs import beat  # noqa: F401 (a fixture)
+from tpus.services import inventory
+from tpus.services.grants import grant_access
+from tpus.tests.test_jobs_host import JAX_ENV, POD_PY
+
+pytestmark = [pytest.mark.slow, pytest.mark.fleet]
+
+PROJECT, ZONE = "vision-lab-1", "us-central1-f"
+TPU = str(Path(sys.executable).parent / "tpu")
+XLA = "XLA_FLAGS=--xla_force_host_platform_device_count=4"
+
+
+class ClientLaptop(Laptop):
+    """Milo's laptop, where the client's own Python can run: when that Python lives in
+    the real home (pyenv under /root), it is bind-mounted at the same place in the
+    laptop's home, read-only, and nothing else of the real home is seen."""
+
+    _ENTER = (
+        'mkdir -p "$0/$3" && mount --bind -o ro "$1/$3" "$0/$3" && '
+        'mount --rbind "$0" "$1" && cd "$2" && shift 3 && exec "$@"'
+    )
+
+    def _argv(self, args, cwd):
+        base = Path(sys.base_prefix)
+        home = Path(self.real_home)
+        if not base.is_relative_to(home):
+            return super()._argv(args, cwd)
+        inside = str(base.relative_to(home))
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", self._ENTER,
+                str(self.root), self.real_home, cwd, inside, *args]  # fmt: skip
+
+
+@dataclass
+class Scene:
+    laptop: ClientLaptop
+    url: str
+    token: str
+    hosts: list
+    username: str
+    milo: object
+    token_row: object
+
+    def tpu(self, *args: str, timeout: float = 60, env: str = ""):
+        """``tpu …`` at milo's home, as he would type it."""
+        line = f"{env} {TPU} {shlex.join(args)}".strip()
+        return self.laptop.run(["sh", "-c", line], cwd=self.laptop.real_home, timeout=timeout)
+
+
+@pytest.fixture
+def scene(
+    worker_env, beat, live_server, tpu_emulator, fleet, fleet_hosts, fleet_username,  # noqa: F811
+    make_lab, make_user, add_member, tmp_path,
+) -> Scene:  # fmt: skip
+    need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
+    need(Path(TPU).exists(), "the client is not installed (bin/setup test: pip install -e cli)")
+    hosts = fleet_hosts(4)
+    lab = make_lab("Vision Lab", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
+    admin = make_user("boss@vision.example")
+    add_member(lab, admin, role="admin")
+    add_fleet_node(tpu_emulator.controls, fleet, hosts, PROJECT, ZONE, "tpu5")
+    give_lab_key(fleet, hosts, lab)
+    [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
+    milo = make_user("milo@uni.example")
+    add_member(lab, milo)
+    choose_username(milo, fleet_username)
+    laptop = ClientLaptop(tmp_path / "home")
+    add_key(milo, new_key(laptop))
+    from portal.celery import app
+
+    eager = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    try:
+        [grant] = grant_access(admin, lab, milo, [vm], sudo=False)
+    finally:
+        app.conf.task_always_eager = eager
+    grant.refresh_from_db()
+    assert grant.state == "active", grant.error
+    home = f"/home/{fleet_username}"
+    for host in hosts:
+        fleet.exec(host.name, ["sh", "-c", f"ln -sfn {JAX_ENV} {home}/jax && "
+                               f"chown -h {fleet_username}: {home}/jax"])  # fmt: skip
+    with transaction.atomic():
+        row, token = create_token(milo, "laptop")
+    return Scene(laptop, live_server.url, token, hosts, fleet_username, milo, row)
+
+
+def _ok(result):
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr)
+    return result
+
+
+def test_milo_runs_his_code_on_every_worker_of_a_pod_from_his_laptop(scene, fleet, tpu_emulator):
+    laptop = scene.laptop
+    # Signing in with a pasted token; the sign-in is private to him.
+    _ok(scene.laptop.run(["sh", "-c", f"printf '%s\\n' {scene.token} | {TPU} login "
+                          f"--with-token {scene.url}"], cwd=laptop.real_home))  # fmt: skip
+    saved = laptop.path("~/.config/tpu-portal/credentials.json")
+    assert stat.S_IMODE(saved.stat().st_mode) == 0o600
+    assert json.loads(saved.read_text())["email"] == "milo@uni.example"
+
+    # The ssh config goes where the page says; plain ssh works, no prompt.
+    laptop.path("~/.ssh/config").write_text("Host github.com\n    User git\n")
+    _ok(scene.tpu("config", "install"))
+    assert laptop.path("~/.ssh/config").read_text().startswith("Include config.d/*\n\nHost github")
+    assert laptop.path("~/.ssh/config.tpu-portal-backup").exists()
+    assert stat.S_IMODE(laptop.path("~/.ssh/config.d/tpu-portal").stat().st_mode) == 0o600
+    who = _ok(laptop.ssh("tpu5-w3", "id -un"))
+    assert who.stdout.strip() == scene.username
+
+    # podrun: every worker at once, each line after its worker.
+    ran = _ok(scene.tpu("exec", "tpu5", "--worker", "all", "--", "hostname"))
+    lines = ran.stdout.splitlines()
+    assert sorted(line.split(" ")[0] for line in lines) == ["(w0)", "(w1)", "(w2)", "(w3)"]
+    assert len({line.split(" ", 1)[1] for line in lines}) == 4, lines
+    failed = scene.tpu("exec", "tpu5", "--", "test -e /nonexistent")
+    assert failed.returncode == 1
+    assert "Failed on 4 of 4 worker(s): w0 (exit 1)" in failed.stderr
+
+    # A JAX psum across the pod, from a working directory synced to every worker.
+    work = laptop.path("~/proj")
+    (work / "data").mkdir(parents=True)
+    (work / "pod.py").write_text(POD_PY)
+    (work / ".gitignore").write_text("data/\n")
+    (work / "data" / "big.bin").write_bytes(b"x" * 100_000)
+    for n in range(20):
+        (work / f"notes{n}.txt").write_text(f"note {n}\n")
+    run = ["run", "tpu5", "--workdir", "proj", "--venv", "~/jax", "--env", XLA, "--",
+           "python", "pod.py"]  # fmt: skip
+    first = _ok(scene.tpu(*run, timeout=300, env="TPU_CLI_SHOW_SYNCED=1"))
+    for index in range(4):
+        assert f"(w{index}) process {index} devices 16 sum 120.0" in first.stdout, first
+    assert "Synced" in first.stderr and "on 4 worker(s): 22 changed file(s)" in first.stderr
+    assert re.search(r"Job \d+ succeeded", first.stderr)
+    home = f"/home/{scene.username}"
+    for host in scene.hosts:  # .gitignore kept the data out
+        assert fleet.exec(host.name, ["test", "-e", f"{home}/proj/data/big.bin"],
+                          check=False).returncode != 0  # fmt: skip
+        assert fleet.exec(host.name, ["test", "-f", f"{home}/proj/notes7.txt"]).returncode == 0
+
+    # One file changes: only it moves, to each worker once.
+    (work / "notes7.txt").write_text("changed\n")
+    second = _ok(scene.tpu(*run, timeout=300, env="TPU_CLI_SHOW_SYNCED=1"))
+    sent = re.findall(r"\(w(\d)\) sent (\S+)", second.stderr)
+    assert sorted(sent) == [(str(i), "notes7.txt") for i in range(4)], second.stderr
+    assert "1 changed file(s)" in second.stderr
+    assert "(w2) process 2 devices 16 sum 120.0" in second.stdout
+
+    # The job's own exit code, and why.
+    three = scene.tpu("run", "tpu5", "--venv", "~/jax", "--", "sh", "-c", "echo bye; exit 3",
+                      timeout=180)  # fmt: skip
+    assert three.returncode == 3, three
+    assert "(w1) bye" in three.stdout and "failed (exit code 3)" in three.stderr
+
+    # Bad input: the portal's own words, non-zero, nothing queued.
+    refused = scene.tpu("run", "tpu5", "--env", "PATH=/tmp", "--", "true")
+    assert refused.returncode == 2 and "PATH" in refused.stderr, refused
+    unknown = scene.tpu("run", "tpu9", "--", "true")
+    assert unknown.returncode == 4
+    assert "You have no access to a TPU VM named tpu9. Yours: vision/tpu5." in unknown.stderr
+    missing = scene.tpu("run", "tpu5", "--workdir", "nowhere", "--", "true")
+    assert missing.returncode == 2 and "The workdir nowhere does not exist" in missing.stderr
+
+    # Google moves worker 0; any tpu command refreshes the config, and ssh works again.
+    from tpus.services.sync import sync_inventory
+
+    new_ip = fleet.move(scene.hosts[0].name, fleet.free_ip())
+    tpu_emulator.controls.set_ip("tpu5", 0, new_ip)
+    sync_inventory()
+    listed = _ok(scene.tpu("ls", "--json"))
+    [row] = json.loads(listed.stdout)
+    assert (row["vm"], row["lab"], row["address"], row["workers"]) == ("tpu5", "vision", new_ip, 4)
+    assert "Updated your ssh config" in listed.stderr
+    assert _ok(laptop.ssh("tpu5", "id -un")).stdout.strip() == scene.username
+
+    # A revoked token: the client says to log in again.
+    revoke_token(scene.milo, scene.token_row)
+    ended = scene.tpu("ls")
+    assert ended.returncode == 3
+    assert f"Your sign-in to {scene.url} has ended; run `tpu login` again." in ended.stderr
