@@ -2,13 +2,14 @@
 
 Only this package imports ``google.cloud.tpu_v2`` (and ``tpu_v2alpha1``, for attaching
 disks). Everything it returns is a plain frozen record (``NodeInfo``, ``WorkerInfo``,
-``DiskInfo``, ``GuestHostKeys``), and every failure is a ``CloudError`` that says
-whether retrying can help. Get the configured client with ``cloud_tpu()``.
+``DiskInfo``, ``GuestHostKeys``, ``QueuedResourceInfo``), and every failure is a
+``CloudError`` that says whether retrying can help. Get the configured client with ``cloud_tpu()``.
 """
 
 from tpus.cloud.client import CloudConfig, CloudTPU
 from tpus.cloud.config import cloud_tpu
 from tpus.cloud.errors import CloudError
+from tpus.cloud.lifecycle import PROVISIONING, NodeRequest, QueuedResourceInfo
 from tpus.cloud.records import (
     DiskInfo,
     GuestHostKeys,
@@ -28,6 +29,9 @@ __all__ = [
     "KeyLine",
     "MetadataChange",
     "NodeInfo",
+    "NodeRequest",
+    "PROVISIONING",
+    "QueuedResourceInfo",
     "WorkerInfo",
     "cloud_tpu",
     "host_key_line",

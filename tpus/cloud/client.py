@@ -31,6 +31,7 @@ from google.oauth2 import service_account
 
 from tpus.cloud import convert, sshkeys
 from tpus.cloud.errors import CloudError, to_cloud_error
+from tpus.cloud.lifecycle import NodeLifecycle
 from tpus.cloud.records import GuestHostKeys, MetadataChange, NodeInfo
 from tpus.cloud.sshkeys import KeyLine
 
@@ -63,8 +64,9 @@ class CloudConfig:
     metadata_retry_pause: float = 1.0
 
 
-class CloudTPU:
-    """Reads a lab's TPU VMs and attaches their disks. Thread-safe; share one."""
+class CloudTPU(NodeLifecycle):
+    """Reads a lab's TPU VMs, attaches their disks, and makes, stops, starts and deletes
+    them (``NodeLifecycle``). Thread-safe; share one."""
 
     def __init__(self, config: CloudConfig):
         self.config = config
