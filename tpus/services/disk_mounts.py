@@ -119,6 +119,22 @@ def _recheck_in() -> dt.timedelta:
     return dt.timedelta(seconds=settings.PORTAL_DISK_RECHECK_SECONDS)
 
 
+def late_devices(disk_waits: dict) -> set[str]:
+    """The devices of a worker's ``disk_waits`` waited for longer than
+    PORTAL_DISK_DEVICE_WAIT_SECONDS: no longer looked for, shown as an error."""
+    now = timezone.now()
+    devices = (disk_waits or {}).get("devices", {})
+    return {d for d, since in devices.items() if now - _since(since) >= _device_wait()}
+
+
+def late_message(device: str) -> str:
+    return (
+        f"the disk's device (/dev/disk/by-id/google-{device}) did not appear within "
+        f"{settings.PORTAL_DISK_DEVICE_WAIT_SECONDS} s. Is the disk attached to this VM in "
+        "the Cloud TPU API? The portal looks again at the next reconcile."
+    )
+
+
 def after_run(vm_id: int, answered: list[int]) -> None:
     """Record, for each worker that answered (``answered``: worker indexes), which
     devices it waits for and since when (a new boot starts the wait again), and when
@@ -208,7 +224,6 @@ def disk_rows(vm, attachments: list[DiskAttachment] | None = None) -> list[DiskR
         return []
     workers = list(vm.workers.select_related("sync").order_by("index"))
     problems = wanted(attachments, shared=len(workers) > 1).problems
-    now = timezone.now()
     rows = []
     for attachment in sorted(attachments, key=lambda a: a.disk.name):
         device = attachment.disk.name
@@ -229,8 +244,7 @@ def disk_rows(vm, attachments: list[DiskAttachment] | None = None) -> list[DiskR
                 if name == device
             ]
             if device in report.get("waiting_device", []):
-                since = (sync.disk_waits or {}).get("devices", {}).get(device)
-                if since and now - _since(since) >= _device_wait():
+                if device in late_devices(sync.disk_waits):
                     late.append(worker.alias)
                 else:
                     waiting.append(worker.alias)
@@ -241,12 +255,7 @@ def disk_rows(vm, attachments: list[DiskAttachment] | None = None) -> list[DiskR
             rows.append(DiskRow(attachment, "failed" if details else "pending", state, details))
             continue
         if late:
-            seconds = settings.PORTAL_DISK_DEVICE_WAIT_SECONDS
-            details.append(
-                f"{', '.join(late)}: the disk's device (/dev/disk/by-id/google-{device}) did "
-                f"not appear within {seconds} s. Is the disk attached to this VM in the "
-                "Cloud TPU API? The portal looks again at the next reconcile."
-            )
+            details.append(f"{', '.join(late)}: {late_message(device)}")
         if details:
             rows.append(DiskRow(attachment, "failed", "not mounted everywhere", details))
         elif waiting:

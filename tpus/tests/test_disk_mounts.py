@@ -243,6 +243,8 @@ def test_a_device_that_is_not_there_yet_is_looked_for_again_then_reported(
     client.force_login(scene.admin)
     page = client.get(reverse("vm_detail", args=["vision", scene.vm.pk])).content.decode()
     assert "waiting for the device" in page
+    progress = client.get(reverse("vm_progress", args=["vision", scene.vm.pk])).content.decode()
+    assert "waiting for the device of disk imagenet" in progress
 
     # Past the wait: no more looks, and the page says what went wrong.
     long_ago = (timezone.now() - dt.timedelta(seconds=121)).isoformat()
@@ -256,6 +258,11 @@ def test_a_device_that_is_not_there_yet_is_looked_for_again_then_reported(
     assert (
         "tpu1-w0: the disk&#x27;s device (/dev/disk/by-id/google-imagenet) did not appear within "
         "120 s" in page
+    )
+    progress = client.get(reverse("vm_progress", args=["vision", scene.vm.pk])).content.decode()
+    assert "waiting for the device" not in progress
+    assert "disk imagenet: the disk&#x27;s device (/dev/disk/by-id/google-imagenet) did not" in (
+        progress
     )
 
 

@@ -76,6 +76,7 @@ def vm_progress_context(vm) -> dict:
 SYNC_ROW = (
     "vm_id", "index", "host_keys", "host_key_mismatch_at", "sync__applied_version",
     "sync__last_error", "sync__last_error_retryable", "sync__last_success_at", "sync__last_report",
+    "sync__disk_waits",
 )  # fmt: skip
 
 
@@ -155,10 +156,17 @@ def _sync_row(vm, worker, *, running: bool, stalled_since) -> SyncRow:
         changed = str(report["values"].get("changed") or "0")
         row.answer = "in step" if changed == "0" else f"{changed} change{pluralize(changed)} made"
         row.drift = tuple(report.get("drift_user") or ())
-        row.waiting = tuple(report.get("waiting_device") or ())
-        row.disk_errors = tuple(f"disks: {e}" for e in report.get("disk_error") or ()) + tuple(
-            f"disk {device}: {reason}"
-            for device, _, reason in (e.partition(":") for e in report.get("mount_error") or ())
+        # A device waited for past its bound is an error, no longer "waiting".
+        late = disk_mounts.late_devices(sync.disk_waits)
+        waiting = tuple(report.get("waiting_device") or ())
+        row.waiting = tuple(d for d in waiting if d not in late)
+        row.disk_errors = (
+            tuple(f"disks: {e}" for e in report.get("disk_error") or ())
+            + tuple(
+                f"disk {device}: {reason}"
+                for device, _, reason in (e.partition(":") for e in report.get("mount_error") or ())
+            )
+            + tuple(f"disk {d}: {disk_mounts.late_message(d)}" for d in waiting if d in late)
         )
     return row
 
