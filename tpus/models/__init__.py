@@ -5,6 +5,7 @@ from tpus.models.inventory import DataDisk, DiskAttachment, HostKeyScan, TpuVm, 
 from tpus.models.jobs import Job, JobState, JobWorker
 from tpus.models.labs import Invite, Lab, LabKey, Membership
 from tpus.models.network import ConfigFeed, IpChange, IpChangeNotice, PortForward
+from tpus.models.provisioning import LabAllowance, Provisioning, VmRequest, VmRequestState
 from tpus.models.sync import ZoneSync
 from tpus.models.usage import UsageDay
 
@@ -24,12 +25,16 @@ __all__ = [
     "IpChange",
     "IpChangeNotice",
     "Lab",
+    "LabAllowance",
     "LabKey",
     "Membership",
     "PortForward",
+    "Provisioning",
     "TpuVm",
     "UsageDay",
     "VmConnection",
+    "VmRequest",
+    "VmRequestState",
     "Worker",
     "WorkerSync",
     "ZoneSync",

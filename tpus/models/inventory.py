@@ -62,6 +62,7 @@ class NodeHealth(models.TextChoices):
 class VmSource(models.TextChoices):
     IMPORTED = "imported", "Imported from the Cloud TPU API"
     MANUAL = "manual", "Registered by hand"
+    CREATED = "created", "Created by the portal"
 
 
 class DiskMode(models.TextChoices):
