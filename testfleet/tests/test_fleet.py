@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from testfleet import Fleet
+from testfleet import Fleet, cgroups
 from testfleet.system import list_links, list_netns, run
 
 pytestmark = pytest.mark.fleet
@@ -108,6 +108,28 @@ def test_reboot_kills_every_process_of_the_host_and_changes_its_boot_id(fleet, f
     assert ssh(fleet, fleet_host, "true").returncode == 0
 
 
+def test_a_hosts_processes_run_in_its_own_cgroups_mounted_where_a_worker_has_them(
+    fleet, fleet_host
+):
+    dirs = fleet.host(fleet_host.name).cgroups["dirs"]
+    assert str(fleet_host.init.pid) in Path(dirs["unified"], "init", "cgroup.procs").read_text()
+    inside = fleet.exec(fleet_host.name, ["sh", "-c", "grep cgroup /proc/self/mountinfo"])
+    points = {line.split()[4]: line.split(" - ")[1].split()[0] for line in
+              inside.stdout.decode().splitlines()}  # fmt: skip
+    expected = {"/sys/fs/cgroup/unified": "cgroup2"} if "pids" in dirs else {}
+    expected |= {f"/sys/fs/cgroup/{kind}": "cgroup" for kind in ("pids", "memory") if kind in dirs}
+    assert expected.items() <= points.items() or points.get("/sys/fs/cgroup") == "cgroup2"
+    # What the host makes there is the fleet's directory's; a reboot removes it.
+    mount = "/sys/fs/cgroup/unified" if "pids" in dirs else "/sys/fs/cgroup"
+    fleet.exec(fleet_host.name, ["mkdir", "-p", f"{mount}/tpu-portal/job-x"])
+    below = Path(dirs["unified"], "tpu-portal", "job-x")
+    assert below.is_dir()
+    fleet.reboot(fleet_host.name)
+    assert not below.exists()
+    dirs = fleet.host(fleet_host.name).cgroups["dirs"]
+    assert Path(dirs["unified"], "init").is_dir()
+
+
 def _is_zombie(pid: str) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
@@ -141,9 +163,12 @@ def test_teardown_leaves_no_namespace_link_mount_process_or_file(fleet):
         netns = [h.netns for h in hosts]
         inner = [int(p) for ns in netns for p in run(["ip", "netns", "pids", ns]).stdout.split()]
         assert all(os.path.exists(f"/proc/{p.pid}") for p in pids)
+        groups = [d for h in hosts for d in h.cgroups["dirs"].values()]
+        assert groups and all(os.path.isdir(d) for d in groups)
     finally:
         state_dir, name, bridge = other.state_dir, other.name, other.bridge
         other.destroy()
+    assert not [d for d in groups if os.path.exists(d)]
     assert not [ns for ns in list_netns() if ns.startswith(f"{name}-")]
     assert not [link for link in list_links() if link.startswith(name)]
     assert bridge not in list_links()
@@ -159,10 +184,15 @@ def test_the_next_run_removes_what_a_crashed_run_left(fleet):
     slot = crashed.slot
     hosts = crashed.up(2)
     crashed.close()  # the process "dies": nothing torn down, the lock released
+    groups = [d for h in hosts for d in h.cgroups["dirs"].values()]
+    # A host whose record is lost too: its cgroups are found by their names.
+    stray = cgroups.create(f"tf{slot}", "h9")
+    assert stray is not None
 
     again = Fleet.open(slot)
     assert set(again.hosts) == {h.name for h in hosts}
     again.destroy()
+    assert not [d for d in [*groups, *stray.dirs.values()] if os.path.exists(d)]
     assert not [ns for ns in list_netns() if ns.startswith(f"tf{slot}-")]
     assert f"tf{slot}br" not in list_links()
     for host in hosts:
