@@ -35,7 +35,7 @@ PROJECT, ZONE = "vision-lab-1", "us-central1-f"
 @dataclass
 class Scene:
     fleet: object
-    host: object
+    hosts: list
     lab: object
     admin: object
     milo: object
@@ -43,8 +43,14 @@ class Scene:
     key: Path
     emulator: object
 
-    def sh(self, script: str) -> str:
-        return self.fleet.exec(self.host.name, ["sh", "-c", script]).stdout.decode()
+    @property
+    def host(self):
+        return self.hosts[0]
+
+    def sh(self, script: str, host=None) -> str:
+        """A shell snippet as root inside a host (worker 0 unless given); its stdout."""
+        done = self.fleet.exec((host or self.host).name, ["sh", "-c", script])
+        return done.stdout.decode()
 
     def ssh(self, user: str) -> int:
         known = self.key.with_name("known_hosts")
@@ -59,23 +65,44 @@ class Scene:
             capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
         ).returncode  # fmt: skip
 
-    def mounted_at(self, point: str) -> str:
-        return self.sh(f"findmnt -n -o SOURCE {point}; true").strip()
+    def mounted_at(self, point: str, host=None) -> str:
+        return self.sh(f"findmnt -n -o SOURCE {point}; true", host).strip()
 
     def cloud_disks(self) -> list[str]:
         return [d.name for d in self.emulator.client.get_node(PROJECT, ZONE, "tpu9").data_disks]
 
 
 @pytest.fixture
-def scene(
-    tpu_emulator, fleet, fleet_host, fleet_settings, fleet_username, fleet_uids, settings,
+def make_scene(
+    tpu_emulator, fleet, fleet_hosts, fleet_settings, fleet_username, fleet_uids, settings,
     tmp_path, make_lab, make_user, add_member,
+):  # fmt: skip
+    """``make_scene(n)``: a lab with an emulated TPU VM tpu9 whose n workers are fleet
+    hosts, and milo (a member with a key, no access yet)."""
+
+    def make(workers: int) -> Scene:
+        return _scene(
+            tpu_emulator, fleet, fleet_hosts(workers), fleet_username, settings, tmp_path,
+            make_lab, make_user, add_member,
+        )  # fmt: skip
+
+    return make
+
+
+@pytest.fixture
+def scene(make_scene) -> Scene:
+    return make_scene(1)
+
+
+def _scene(
+    tpu_emulator, fleet, hosts, fleet_username, settings, tmp_path, make_lab, make_user,
+    add_member,
 ) -> Scene:  # fmt: skip
     lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
     admin = make_user("boss@vision.example")
     add_member(lab, admin, role="admin")
-    add_fleet_node(tpu_emulator.controls, fleet, [fleet_host], PROJECT, ZONE, "tpu9")
-    give_lab_key(fleet, [fleet_host], lab)
+    add_fleet_node(tpu_emulator.controls, fleet, hosts, PROJECT, ZONE, "tpu9")
+    give_lab_key(fleet, hosts, lab)
     [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu9"])
     milo = make_user("milo@uni.example")
     add_member(lab, milo)
@@ -86,12 +113,12 @@ def scene(
     milo = User.objects.select_related("unix_account").get(pk=milo.pk)
     # Looked for again every second in these tests, not every five.
     settings.PORTAL_DISK_RECHECK_SECONDS = 1
-    return Scene(fleet, fleet_host, lab, admin, milo, vm, key, tpu_emulator)
+    return Scene(fleet, hosts, lab, admin, milo, vm, key, tpu_emulator)
 
 
 class LoopDisk:
-    """An ext4 disk for one fleet host: a loop device of this machine whose node and
-    ``/dev/disk/by-id/google-<name>`` link appear in the host's /dev on ``plug()``."""
+    """An ext4 disk for the scene's hosts: a loop device of this machine whose node and
+    ``/dev/disk/by-id/google-<name>`` link appear in each host's /dev on ``plug()``."""
 
     def __init__(self, scene: Scene, tmp_path: Path):
         self.scene = scene
@@ -106,10 +133,13 @@ class LoopDisk:
 
     def plug(self) -> None:
         rdev = os.stat(self.loop).st_rdev
-        self.scene.sh(
-            f"[ -e {self.loop} ] || mknod -m 660 {self.loop} b {os.major(rdev)} {os.minor(rdev)}; "
-            f"mkdir -p /dev/disk/by-id && ln -sf {self.loop} /dev/disk/by-id/google-{self.name}"
-        )
+        for host in self.scene.hosts:
+            self.scene.sh(
+                f"[ -e {self.loop} ] || "
+                f"mknod -m 660 {self.loop} b {os.major(rdev)} {os.minor(rdev)}; mkdir -p "
+                f"/dev/disk/by-id && ln -sf {self.loop} /dev/disk/by-id/google-{self.name}",
+                host,
+            )
 
     def plug_later(self, seconds: float) -> threading.Timer:
         timer = threading.Timer(seconds, self.plug)
@@ -118,14 +148,24 @@ class LoopDisk:
 
 
 @pytest.fixture
-def loop_disk(scene, tmp_path):
-    disk = LoopDisk(scene, tmp_path)
-    try:
-        yield disk
-    finally:
+def make_loop_disk(tmp_path):
+    made = []
+
+    def make(scene: Scene) -> LoopDisk:
+        made.append(LoopDisk(scene, tmp_path))
+        return made[-1]
+
+    yield make
+    for disk in made:
         # A fresh /dev and no mounts; then the loop device can go.
-        scene.fleet.reboot(scene.host.name)
+        for host in disk.scene.hosts:
+            disk.scene.fleet.reboot(host.name)
         subprocess.run(["losetup", "-d", disk.loop], check=False)
+
+
+@pytest.fixture
+def loop_disk(scene, make_loop_disk) -> LoopDisk:
+    return make_loop_disk(scene)
 
 
 def _register(scene: Scene, name: str, point: str) -> DataDisk:
@@ -198,41 +238,46 @@ def test_a_revoke_goes_through_on_a_vm_whose_disks_share_a_mount_point(
 # --- detach: every worker unmounts first ----------------------------------------------
 
 
-def test_a_detach_unmounts_first_and_waits_while_the_disk_is_busy(
-    scene, loop_disk, client, django_capture_on_commit_callbacks, monkeypatch
+def test_a_detach_unmounts_on_every_worker_first_and_waits_while_one_holds_the_disk(
+    make_scene, make_loop_disk, client, django_capture_on_commit_callbacks, monkeypatch
 ):
+    scene = make_scene(2)
+    loop_disk = make_loop_disk(scene)
+    first, second = scene.hosts
     point = f"/mnt/disks/{loop_disk.name}"
     disk = _register(scene, loop_disk.name, point)
     loop_disk.plug()
     with django_capture_on_commit_callbacks(execute=True):
         disk_operations.request_operation(scene.admin, disk, scene.vm, "attach")
-    assert scene.mounted_at(point) == loop_disk.loop
+    assert [scene.mounted_at(point, h) for h in scene.hosts] == [loop_disk.loop] * 2
     # What the workers had mounted when the API was asked to detach.
     seen_at_detach = []
     real_detach = CloudTPU.detach_disk
 
     def detach_disk(self, *args, **kwargs):
-        seen_at_detach.append(scene.mounted_at(point))
+        seen_at_detach.append([scene.mounted_at(point, h) for h in scene.hosts])
         return real_detach(self, *args, **kwargs)
 
     monkeypatch.setattr(CloudTPU, "detach_disk", detach_disk)
-    busy = scene.sh(f"cd {point} && sleep 300 </dev/null >/dev/null 2>&1 & echo $!").strip()
+    # Someone works in the disk's folder on the second worker.
+    busy = scene.sh(f"cd {point} && sleep 300 </dev/null >/dev/null 2>&1 & echo $!", second)
+    busy = busy.strip()
 
     with django_capture_on_commit_callbacks(execute=True):
         operation = disk_operations.request_operation(scene.admin, disk, scene.vm, "detach")
 
     operation.refresh_from_db()
-    alias = scene.vm.workers.get().alias
     assert operation.state == DiskOperationState.UNMOUNTING
-    assert operation.error.startswith(f"{alias}: cannot unmount {point}")
+    assert operation.error.startswith(f"tpu9-w1: cannot unmount {point}")
     assert f"(held by pid {busy} sleep of root)" in operation.error
     assert seen_at_detach == [] and scene.cloud_disks() == [loop_disk.name]
-    assert scene.mounted_at(point) == loop_disk.loop
+    assert scene.mounted_at(point, first) == ""  # the free worker let go at once
+    assert scene.mounted_at(point, second) == loop_disk.loop
     page = _vm_page(client, scene)
     assert "being detached: unmounting on the workers" in page
     assert f"held by pid {busy} sleep of root" in page
 
-    scene.sh(f"kill -KILL {busy}")
+    scene.sh(f"kill -KILL {busy}", second)
 
     def beat():
         with django_capture_on_commit_callbacks(execute=True):
@@ -244,9 +289,10 @@ def test_a_detach_unmounts_first_and_waits_while_the_disk_is_busy(
         "the detach did not finish once the disk was free",
         beat=beat,
     )
-    assert seen_at_detach == [""]  # unmounted on the worker before the API detached it
+    assert seen_at_detach == [["", ""]]  # unmounted everywhere before the API detached it
     assert scene.cloud_disks() == []
-    assert scene.sh("grep tpu-portal /etc/fstab; true") == ""
+    for host in scene.hosts:
+        assert scene.sh("grep tpu-portal /etc/fstab; true", host) == ""
     assert not DiskAttachment.objects.filter(disk=disk).exists()
 
 
