@@ -11,11 +11,13 @@ forgetting to ask is not.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
-from django.db.models import F
+from django.db.models import F, Q
 
 from tpus import queue
 from tpus.models import TpuVm, Worker
+from tpus.models.inventory import worker_alias
 from tpus.remote import HostKeyPins, Login
 from tpus.remote import Worker as RemoteWorker
 
@@ -31,6 +33,45 @@ def hosts_must_change(vm: TpuVm, reason: str) -> int:
     log.info("%s must change (version %s): %s", vm, vm.desired_version, reason)
     queue.reconcile_vm(vm.pk)
     return vm.desired_version
+
+
+@dataclass(frozen=True)
+class StoppedWorker:
+    """A worker the portal cannot provision now: ``why`` for the lab's admins,
+    ``what`` in a few words for the people who use the VM."""
+
+    alias: str
+    what: str
+    why: str
+
+
+def stopped_workers(vm: TpuVm) -> list[StoppedWorker]:
+    """The workers of ``vm`` whose provisioning is stopped, in one query: one that
+    presented a host key other than the pinned one (nothing is sent to it until it
+    presents the pinned key again or an admin re-pins), and one whose last reconcile
+    failed for a reason a retry does not mend (its grants fail with it). A worker
+    that is only unreachable for now, or whose alarm is about published keys only, is
+    still provisioned."""
+    rows = (
+        Worker.objects.filter(vm_id=vm.pk)
+        .filter(
+            Q(host_key_mismatch_at__isnull=False, host_key_alarm_published=False)
+            | Q(sync__last_error_retryable=False, sync__last_error__gt="")
+        )
+        .order_by("index")
+        .values("index", "host_key_mismatch_at", "host_key_alarm_published", "sync__last_error")
+    )
+    stopped = []
+    for row in rows:
+        alias = worker_alias(vm.name, row["index"])
+        if row["host_key_mismatch_at"] and not row["host_key_alarm_published"]:
+            what = "host key alarm"
+            why = "it presented a host key that is not the pinned one; review it"
+        else:
+            what = "provisioning failed"
+            why = row["sync__last_error"] or "its last reconcile failed"
+        stopped.append(StoppedWorker(alias, what, why))
+    return stopped
 
 
 def remote_worker(worker: Worker, login: Login) -> RemoteWorker:

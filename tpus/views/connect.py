@@ -10,11 +10,18 @@ from django.views.decorators.http import require_POST
 
 from tpus import access
 from tpus.services import connect
+from tpus.services.hosts import stopped_workers
 
 
 def connection_context(vm) -> dict:
-    """The connection state and the manual route, for the VM page and its live part."""
-    return {"connection": connect.connection_of(vm), "manual": connect.manual_route(vm)}
+    """The connection state, the workers whose provisioning is stopped (a connection
+    line that says "Connected" must not hide them) and the manual route, for the VM
+    page and its live part."""
+    return {
+        "connection": connect.connection_of(vm),
+        "stopped": stopped_workers(vm),
+        "manual": connect.manual_route(vm),
+    }
 
 
 @login_required

@@ -32,6 +32,7 @@ from tpus.services import (
     sync_health,
 )
 from tpus.services import jobs as job_services
+from tpus.services.hosts import stopped_workers
 from tpus.services.inventory import InventoryError
 from tpus.views.connect import connection_context
 from tpus.views.grants import grant_summary
@@ -173,6 +174,7 @@ def vm_detail(request, slug, vm_id):
     else:
         my_grant = vm.grants.filter(user=request.user).first()
         may_run = job_services.state_runs_jobs(my_grant and my_grant.state)
+        context["stopped"] = stopped_workers(vm)
         prefetch_related_objects([vm], "workers")  # one query for the table and the snippet
         workers = sorted(vm.workers.all(), key=lambda w: w.index)
         aliases = {w.pk: w.alias for w in workers}
@@ -194,6 +196,7 @@ ADDRESS_CHANGES_SHOWN = 20
 WORKER_ROW = (
     "id", "index", "external_ip", "internal_ip", "host_keys", "host_keys_source",
     "host_keys_pinned_at", "host_key_mismatch_at", "presented_host_key",
+    "host_key_alarm_published",
 )  # fmt: skip
 
 
