@@ -257,3 +257,54 @@ def test_destructive_buttons_look_unlike_the_primary_one(page, live_server, scen
         assert destructive["background"] == "rgb(255, 255, 255)"
         assert destructive["border"] == "1px solid rgb(179, 38, 30)"
         assert destructive["color"] == "rgb(179, 38, 30)"
+
+
+# Where each named element is, and the window's width.
+_BOXES = """(selectors) => ({
+  width: document.documentElement.clientWidth,
+  boxes: Object.fromEntries(selectors.map(s => {
+    const el = document.querySelector(s);
+    const r = el ? el.getBoundingClientRect() : null;
+    return [s, r && {left: r.left, right: r.right, top: r.top, bottom: r.bottom}];
+  })),
+})"""
+
+
+def test_on_a_phone_approve_and_reject_are_on_screen_and_dates_sit_with_their_labels(
+    page, live_server, scene
+):
+    lab = scene["lab"]
+    _sign_in(page, "boss@vision.example")
+    page.set_viewport_size({"width": 375, "height": 800})
+    page.goto(f"/labs/{lab.slug}/admin/")
+    request = "#request-list tbody tr[id^=membership-]"
+    found = page.evaluate(
+        _BOXES, [f"{request} button:not(.danger)", f"{request} button.danger", request]
+    )
+    approve, reject, row = found["boxes"].values()
+    for button in (approve, reject):
+        assert button and 0 <= button["left"] and button["right"] <= found["width"], found
+    assert row["right"] <= found["width"] + 1, found
+
+    milo = lab.memberships.get(user=scene["milo"])
+    for url in (f"/labs/{lab.slug}/memberships/{milo.pk}/grant/",
+                f"/labs/{lab.slug}/vms/{scene['vm'].pk}/access/"):  # fmt: skip
+        page.goto(url)
+        found = page.evaluate(_BOXES, ["label[for=id_expires_on]", "input#id_expires_on"])
+        label, field = found["boxes"].values()
+        # On one line: the field's box spans the label's middle, to its right.
+        middle = (label["top"] + label["bottom"]) / 2
+        assert field["top"] <= middle <= field["bottom"], (url, found)
+        assert label["right"] <= field["left"] and field["right"] <= found["width"], (url, found)
+
+
+def test_the_authenticator_page_an_admin_is_sent_to_says_why_and_passes_axe(
+    page, live_server, scene, settings
+):
+    settings.PORTAL_REQUIRE_ADMIN_MFA = True
+    _sign_in(page, "boss@vision.example")
+    assert page.url.endswith("/accounts/2fa/totp/activate/"), page.url
+    assert "authenticator app" in page.locator("#why-totp").inner_text()
+    assert page.locator("form[action$='/totp/activate/'] [name=csrfmiddlewaretoken]").count() == 1
+    problems = _check_pages(page, "admin", {"two-factor-activate": "/accounts/2fa/totp/activate/"})
+    assert not problems, "\n".join(problems)
