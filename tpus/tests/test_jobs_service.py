@@ -416,6 +416,7 @@ def test_a_pre_flight_that_outlasts_the_script_timeout_rejects_the_job_and_leave
 def test_a_cancel_while_the_workers_run_the_checks_ends_the_job_before_it_starts(
     jobs_pod, django_capture_on_commit_callbacks, monkeypatch
 ):
+    before = [processes(jobs_pod, h) for h in jobs_pod.hosts]
     job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"])
     after = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"])
     answered = []
@@ -439,6 +440,8 @@ def test_a_cancel_while_the_workers_run_the_checks_ends_the_job_before_it_starts
         assert job.host_id not in sh(jobs_pod, host, "ls /var/lib/tpu-portal/jobs/ || true")
     assert report.started == [after.pk]
     drive(jobs_pod.vm, after, lambda j: j.has_ended, timeout=30)
+    for host, seen in zip(jobs_pod.hosts, before, strict=True):
+        assert settled(jobs_pod, host, seen) == seen
 
 
 # --- before anything is queued ----------------------------------------------------------

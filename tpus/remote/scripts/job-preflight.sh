@@ -70,10 +70,12 @@ describe_pid() {
 }
 
 work=$(mktemp -d)
-# Every probe carries this in its environment, and so does whatever it starts (a
-# process that left the probe's group with setsid as well): the sweep finds them by it.
-marker=$$-$(od -An -N8 -tx8 /dev/urandom | tr -d ' ')
+# The person's own code (their python) runs with this in its environment, and so does
+# whatever it starts (a process that left the probe's group with setsid as well): the
+# sweep finds them by it. Made only when their code runs (the versions are often kept).
+marker=""
 sweep() {
+    [ -n "$marker" ] || return 0
     # shellcheck disable=SC2046 # one pid a word
     set -- $(grep -l -s -z -x -F "TPU_PORTAL_PROBE=$marker" /proc/[0-9]*/environ | cut -d/ -f3)
     [ "$#" -eq 0 ] || kill -KILL "$@" 2>/dev/null || true
@@ -133,17 +135,23 @@ IFS=: read -r _ _ uid gid _ home _ <<EOF
 $entry
 EOF
 [ "$uid" -ge 1000 ] || die "jobs never run as a system account ($user has uid $uid)"
-# probe <name> <command...>: runs the command as the user with a clean environment,
-# stdin from /dev/null, stdout in $work/<name>.out and stderr in $work/<name>.err;
-# its status, or 124 when it did not end within probe_seconds. timeout makes its own
-# process group: what is left in it is killed too, and the sweep gets the rest.
+# probe code|tool <name> <command...>: runs the command as the user, stdin from
+# /dev/null, stdout in $work/<name>.out and stderr in $work/<name>.err; its status, or
+# 124 when it did not end within probe_seconds. "code" is the person's own program:
+# a clean environment carrying the marker. A "tool" is a system program that starts
+# nothing (test, realpath, sha256sum), which may still hang on a file (a FIFO, a dead
+# mount). timeout makes its own process group: what is left in it is killed too, and
+# the sweep gets the rest.
 probe() {
-    name=$1
-    shift
+    kind=$1 name=$2
+    shift 2
+    if [ "$kind" = code ]; then
+        [ -n "$marker" ] || marker=$$-$(od -An -N8 -tx8 /dev/urandom | tr -d ' ')
+        set -- env -i "HOME=$home" PATH=/usr/local/bin:/usr/bin:/bin LC_ALL=C \
+            "TPU_PORTAL_PROBE=$marker" "$@"
+    fi
     timeout -k "$KILL_AFTER" "$probe_seconds" \
-        setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- \
-        env -i "HOME=$home" PATH=/usr/local/bin:/usr/bin:/bin LC_ALL=C \
-        "TPU_PORTAL_PROBE=$marker" "$@" \
+        setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- "$@" \
         </dev/null >"$work/$name.out" 2>"$work/$name.err" &
     group=$!
     status=0
@@ -237,7 +245,7 @@ python_versions() {
     if [ -f "$PYCACHE/$key" ] && IFS= read -r versions <"$PYCACHE/$key"; then
         return 0
     fi
-    probe python "$python" -E -c "$PYCODE" || return
+    probe code python "$python" -E -c "$PYCODE" || return
     versions=$(first_line python)
     # shellcheck disable=SC2174 # /run is there: -m is for /run/tpu-portal, as job-start.sh makes it
     if [ -d "$PYCACHE" ] || { mkdir -p -m 0755 "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
@@ -255,7 +263,7 @@ case $python in
     /*[![:print:]]* | [!/]*) check python fail "the environment path must be absolute and printable" ;;
     *)
         status=0
-        probe can_run test -x "$python" || status=$?
+        probe tool can_run test -x "$python" || status=$?
         if [ "$status" = 124 ]; then
             check python fail "$python $late (looking for it)"
         elif [ "$status" != 0 ]; then
@@ -282,7 +290,7 @@ if [ -n "$script_b64" ]; then
     script=$(decode "$script_b64")
     real_home=$(realpath -e -- "$home" 2>/dev/null || echo "$home")
     status=0
-    probe resolve realpath -e -- "$script" || status=$?
+    probe tool resolve realpath -e -- "$script" || status=$?
     resolved=$(first_line resolve)
     if [ "$status" = 124 ]; then
         check script fail "$script $late (resolving it)"
@@ -292,10 +300,10 @@ if [ -n "$script_b64" ]; then
         case $resolved in
             "$real_home"/*)
                 status=0 step=regular sum=""
-                probe regular test -f "$resolved" || status=$?
+                probe tool regular test -f "$resolved" || status=$?
                 if [ "$status" = 0 ]; then
                     step=sum
-                    probe sum sha256sum -- "$resolved" || status=$?
+                    probe tool sum sha256sum -- "$resolved" || status=$?
                     sum=$(first_line sum)
                 fi
                 if [ "$status" = 124 ]; then
