@@ -121,8 +121,8 @@ def set_up_demo(fleet: Fleet, controls: Controls) -> str:
     if repinned:
         notes.append(
             f"Note: the test fleet was built anew since the last run (its sshd hosts have new"
-            f" host keys), so {vm.name}'s workers {', '.join(repinned)} were re-pinned to"
-            " them: download known_hosts again (step 2) before you ssh."
+            f" host keys), so {', '.join(repinned)} {'was' if len(repinned) == 1 else 'were'}"
+            " re-pinned to them: download known_hosts again (step 2) before you ssh."
         )
     if not (Path(jax_env) / "bin" / "python").exists():
         notes.append(
