@@ -53,7 +53,7 @@ fi
 # Every line passed the pattern above: read them with the shell's own read (a last
 # line without its newline is not read, so "end" must be the last line read).
 job="" user="" python_b64="" cwd_b64="" first_b64="" last=""
-n_line=0 n_job=0 n_user=0 n_arg=0 n_python=0 n_cwd=0 n_pod=0
+n_line=0 n_job=0 n_user=0 n_arg=0 n_python=0 n_cwd=0 n_pod=0 seen_limits=" "
 # The lab's limits for each job on each worker, unless the input says otherwise.
 tasks_max=4096 memory_max_mb=0 log_max_bytes=104857600 keep_days=0
 : >"$work/env"
@@ -68,10 +68,13 @@ while read -r key value _; do
         python) python_b64=$value n_python=$((n_python + 1)) ;;
         cwd) cwd_b64=$value n_cwd=$((n_cwd + 1)) ;;
         pod) n_pod=$((n_pod + 1)) ;;
-        tasks_max) tasks_max=$value ;;
-        memory_max_mb) memory_max_mb=$value ;;
-        log_max_bytes) log_max_bytes=$value ;;
-        keep_days) keep_days=$value ;;
+        tasks_max | memory_max_mb | log_max_bytes | keep_days)
+            case $seen_limits in
+                *" $key "*) die "$key is given more than once" ;;
+            esac
+            seen_limits="$seen_limits$key "
+            eval "$key=\$value" # the name is one of the four above, the value digits
+            ;;
         env) echo "$value" >>"$work/env" ;;
         arg)
             [ -n "$first_b64" ] || first_b64=$value
@@ -86,9 +89,6 @@ done <"$input"
 [ "$n_python" -le 1 ] || die "python is given more than once"
 [ "$n_cwd" -le 1 ] || die "cwd is given more than once"
 [ "$n_pod" -le 1 ] || die "pod is given more than once"
-for key in tasks_max memory_max_mb log_max_bytes keep_days; do
-    [ "$(grep -c "^$key " "$input")" -le 1 ] || die "$key is given more than once"
-done
 # Leading zeros would read as octal numbers below.
 tasks_max=${tasks_max#"${tasks_max%%[!0]*}"} memory_max_mb=${memory_max_mb#"${memory_max_mb%%[!0]*}"}
 log_max_bytes=${log_max_bytes#"${log_max_bytes%%[!0]*}"} keep_days=${keep_days#"${keep_days%%[!0]*}"}
@@ -228,66 +228,75 @@ trap 'cleanup_cgroups "$cgroup" "$pids_dir" "$memory_dir"; rm -f "$HOLDER"; rm -
 #     v2 where its controllers are offered and in the v1 pids and memory hierarchies
 #     where those are what the worker has (a hybrid layout). Either way the job's
 #     processes leave the portal account's session before the command runs.
+# (Read by the shell itself: a start forks as few programs as it can.)
 memory_bytes=$((memory_max_mb * 1048576))
 if [ "$memory_bytes" = 0 ]; then
-    total=$(sed -n 's/^MemTotal: *\([0-9]*\) kB$/\1/p' /proc/meminfo)
-    memory_bytes=$((total * 1024 * 9 / 10))
+    while read -r key total _; do
+        if [ "$key" = MemTotal: ]; then
+            memory_bytes=$((total * 1024 * 9 / 10))
+            break
+        fi
+    done </proc/meminfo
 fi
-awk '{ for (i = 7; i <= NF && $i != "-"; i++) {}
-       type = $(i + 1); options = "," $(i + 3) ","
-       if (type == "cgroup2" && !v2) { v2 = 1; print "unified", $5 }
-       else if (type == "cgroup" && options ~ /,pids,/ && !p) { p = 1; print "pids", $5 }
-       else if (type == "cgroup" && options ~ /,memory,/ && !m) { m = 1; print "memory", $5 } }' \
-    /proc/self/mountinfo >"$work/mounts"
+# The hierarchies, from /proc/self/mountinfo: "... <mount point> <options> [optional
+# fields] - <type> <source> <super options>".
 v2_mount="" pids_mount="" memory_mount=""
-while read -r kind path; do
-    case $kind in
-        unified) v2_mount=$path ;;
-        pids) pids_mount=$path ;;
-        memory) memory_mount=$path ;;
+while read -r _ _ _ _ point _ rest; do
+    case " $rest" in
+        *" - cgroup2 "*) [ -n "$v2_mount" ] || v2_mount=$point ;;
+        *" - cgroup "*)
+            case ",${rest##* }," in
+                *,pids,*) [ -n "$pids_mount" ] || pids_mount=$point ;;
+                *,memory,*) [ -n "$memory_mount" ] || memory_mount=$point ;;
+            esac
+            ;;
     esac
-done <"$work/mounts"
+done </proc/self/mountinfo
 [ -n "$v2_mount" ] || die "this worker has no cgroup v2 hierarchy (jobs run in cgroups)"
 tasks_where=none memory_where=none
 read -r init_comm </proc/1/comm || init_comm=""
 if [ "$init_comm" = systemd ] && [ -d /run/systemd/system ] && command -v systemd-run >/dev/null; then
     unit=$UNIT_PREFIX$job.scope
-    printf 'systemd %s user-%s.slice %s %s %s\n' "$unit" "$uid" "$tasks_max" "$memory_bytes" \
-        "$v2_mount" >"$work/cgroup"
+    plan=$(printf 'systemd %s user-%s.slice %s %s %s' "$unit" "$uid" "$tasks_max" \
+        "$memory_bytes" "$v2_mount")
     tasks_where=$tasks_max memory_where=$memory_bytes
 else
     base=$v2_mount/tpu-portal
-    mkdir -p "$base"
+    cgroup=$base/job-$job
+    read -r offered <"$v2_mount/cgroup.controllers" || offered=""
+    case " $offered " in *" pids "*) ;; *) [ -z "$pids_mount" ] || pids_dir=$pids_mount/tpu-portal/job-$job ;; esac
+    case " $offered " in *" memory "*) ;; *) [ -z "$memory_mount" ] || memory_dir=$memory_mount/tpu-portal/job-$job ;; esac
+    # shellcheck disable=SC2086 # the v1 directories, those that are wanted
+    mkdir -p "$cgroup" $pids_dir $memory_dir
     # The controllers this hierarchy offers are enabled down to the portal's subtree.
     for controller in pids memory; do
-        grep -qw "$controller" "$v2_mount/cgroup.controllers" || continue
+        case " $offered " in *" $controller "*) ;; *) continue ;; esac
         for parent in "$v2_mount" "$base"; do
-            grep -qw "$controller" "$parent/cgroup.subtree_control" ||
-                echo "+$controller" >"$parent/cgroup.subtree_control" 2>/dev/null || true
+            read -r enabled <"$parent/cgroup.subtree_control" || enabled=""
+            case " $enabled " in
+                *" $controller "*) ;;
+                *) echo "+$controller" >"$parent/cgroup.subtree_control" 2>/dev/null || true ;;
+            esac
         done
     done
-    cgroup=$base/job-$job
-    mkdir -p "$cgroup"
-    echo "v2 $cgroup" >"$work/cgroup"
+    plan="v2 $cgroup"
     if [ -f "$cgroup/pids.max" ]; then
         echo "$tasks_max" >"$cgroup/pids.max"
         tasks_where=$tasks_max
-    elif [ -n "$pids_mount" ]; then
-        pids_dir=$pids_mount/tpu-portal/job-$job
-        mkdir -p "$pids_dir"
+    elif [ -n "$pids_dir" ]; then
         echo "$tasks_max" >"$pids_dir/pids.max"
-        echo "pids $pids_dir" >>"$work/cgroup"
+        plan="$plan
+pids $pids_dir"
         tasks_where=$tasks_max
     fi
     if [ -f "$cgroup/memory.max" ]; then
         echo "$memory_bytes" >"$cgroup/memory.max"
         [ ! -f "$cgroup/memory.swap.max" ] || echo 0 >"$cgroup/memory.swap.max"
         memory_where=$memory_bytes
-    elif [ -n "$memory_mount" ]; then
-        memory_dir=$memory_mount/tpu-portal/job-$job
-        mkdir -p "$memory_dir"
+    elif [ -n "$memory_dir" ]; then
         echo "$memory_bytes" >"$memory_dir/memory.limit_in_bytes"
-        echo "memory $memory_dir" >>"$work/cgroup"
+        plan="$plan
+memory $memory_dir"
         memory_where=$memory_bytes
     fi
 fi
@@ -306,12 +315,18 @@ umask 027
     grep -E '^(user|python|cwd|pod|env|arg) ' "$input"
 } >"$dir.new/spec"
 : >"$dir.new/log"
-cp "$work/cgroup" "$dir.new/cgroup.plan"
+# Where the job's cgroup is (cgroup), or where systemd runs the scope to make
+# (cgroup.plan; the supervisor writes cgroup once systemd made it).
+if [ -n "$cgroup" ]; then
+    printf '%s\n' "$plan" >"$dir.new/cgroup"
+else
+    printf '%s\n' "$plan" >"$dir.new/cgroup.plan"
+fi
 cat >"$dir.new/supervise.sh" <<'SUPERVISOR'
 # The supervisor of one job (root, its own session, fd 9 = the TPU's lock, fd 3 = the
 # pipe job-start.sh waits on). Arguments: the folder, uid, gid, user, home, cwd, python,
-# the log's cap in bytes. cgroup.plan says where the job's cgroup is (or, where systemd
-# runs, which scope to make); the cgroup file says where it is once the command runs.
+# the log's cap in bytes. The cgroup file says where the job's cgroup is; where systemd
+# runs, cgroup.plan says which scope to make, and the cgroup file is written once it is.
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
@@ -407,13 +422,14 @@ mkfifo -m 600 log.pipe
 ) <log.pipe &
 writer=$!
 exec 5>log.pipe
-rm -f log.pipe
 
 # The command: in its own session and process group (pgid = its pid), as the user with
 # no way back to root, without the lock's descriptor or the pipe, in the job's cgroup
 # before it runs (so nothing of it is left in the portal account's session).
-mode="" unit="" slice="" tasks="" bytes="" v2_mount=""
-read -r mode unit slice tasks bytes v2_mount <cgroup.plan
+mode=delegated
+if [ -f cgroup.plan ]; then
+    read -r mode unit slice tasks bytes v2_mount <cgroup.plan
+fi
 if [ "$mode" = systemd ]; then
     setsid systemd-run --scope --quiet --collect --unit="$unit" --slice="$slice" \
         --property=TasksMax="$tasks" --property=MemoryMax="$bytes" -- "$@" \
@@ -433,24 +449,39 @@ if [ "$mode" = systemd ]; then
         sleep 0.01
     done
     { [ -z "$cgroup" ] || echo "v2 $cgroup"; } >cgroup.new
+    mv -f cgroup.new cgroup
 else
     (
         while read -r _ where; do
             echo 0 >"$where/cgroup.procs" || exit 125
-        done <cgroup.plan
+        done <"$dir/cgroup"
         exec setsid "$@"
     ) </dev/null >&5 2>&5 9>&- 3>&- 5>&- &
     child=$!
-    cp cgroup.plan cgroup.new
+    read -r _ cgroup <"$dir/cgroup"
 fi
 exec 5>&-
-mv -f cgroup.new cgroup
-cgroup=$(sed -n 's/^v2 //p' cgroup)
+# The answer waits until the command runs as the user (it has joined its cgroup and
+# left root's side), or is gone already.
+tries=0
+while [ "$tries" -lt 400 ]; do
+    now_uid=""
+    while read -r key real _; do
+        if [ "$key" = Uid: ]; then
+            now_uid=$real
+            break
+        fi
+    done <"/proc/$child/status" 2>/dev/null || break
+    [ "$now_uid" != "$uid" ] || break
+    tries=$((tries + 1))
+    sleep 0.005
+done
 echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid.new
 mv -f pid.new pid
 # What job-start.sh answers; it returns once the pipe is closed.
 echo "$child $boot $started $cgroup" >&3
 exec 3>&-
+rm -f log.pipe
 set +e
 wait "$child"
 status=$?
