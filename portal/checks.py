@@ -21,27 +21,31 @@ _COLLECT = (
 )
 
 
-@register(Tags.staticfiles, deploy=True)
-def static_files_manifest_exists(app_configs, **kwargs) -> list[Error]:
-    """A storage that serves hashed names needs the manifest that collectstatic writes."""
+def manifest_problem() -> tuple[str, str] | None:
+    """Why pages cannot link their static files, as (message, check id), or None.
+    Only a storage that serves hashed names needs the manifest collectstatic writes."""
     backend = settings.STORAGES["staticfiles"]["BACKEND"]
-    hint = _COLLECT.format(root=settings.STATIC_ROOT)
     try:
         storage = storages["staticfiles"]
     except ValueError as exc:  # the manifest exists but is not one
-        return [
-            Error(f"The static files manifest cannot be read: {exc}", hint=hint, id="portal.E002")
-        ]
+        return f"The static files manifest cannot be read: {exc}", "portal.E002"
     if not isinstance(storage, ManifestFilesMixin):
-        return []
+        return None
     if storage.manifest_storage.exists(storage.manifest_name):
-        return []
+        return None
     manifest = storage.manifest_storage.path(storage.manifest_name)
-    return [
-        Error(
-            f"The static files manifest {manifest} is missing: with {backend}, every "
-            "page would answer HTTP 500.",
-            hint=hint,
-            id="portal.E001",
-        )
-    ]
+    return (
+        f"The static files manifest {manifest} is missing: with {backend}, every "
+        "page would answer HTTP 500.",
+        "portal.E001",
+    )
+
+
+@register(Tags.staticfiles, deploy=True)
+def static_files_manifest_exists(app_configs, **kwargs) -> list[Error]:
+    """A storage that serves hashed names needs the manifest that collectstatic writes."""
+    problem = manifest_problem()
+    if problem is None:
+        return []
+    message, check_id = problem
+    return [Error(message, hint=_COLLECT.format(root=settings.STATIC_ROOT), id=check_id)]

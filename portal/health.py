@@ -2,7 +2,10 @@
 
 Answers without signing in and shows no secret: for each part, whether it answered
 and how long it took. The web process is useless without its database and its broker
-(nothing after a commit would happen), so either failing is HTTP 503. A stale
+(nothing after a commit would happen), without the static files manifest (every page
+would be HTTP 500) and with lab SSH keys the configured PORTAL_SECRETS_KEY cannot
+decrypt (no reconcile, revoke or job of those labs could log in), so any of these
+failing is HTTP 503, with the reason (never a key, a path or a lab's name). A stale
 heartbeat of beat and the workers is reported as "degraded" with HTTP 200 — pages
 still work, and taking the web servers out of rotation would not bring a worker
 back — unless ``?strict=1`` asks for 503 on anything (for monitoring).
@@ -20,8 +23,11 @@ from django.views.decorators.http import require_GET
 from kombu import Connection
 
 from portal import heartbeat
+from portal.checks import manifest_problem
+from tpus.services import labkeys
 
 BROKER_TIMEOUT = 3.0
+ESSENTIAL = ("database", "broker", "lab_keys", "static_files")
 
 
 def _timed(check) -> dict:
@@ -48,6 +54,24 @@ def _broker() -> None:
         conn.ensure_connection(max_retries=1, timeout=BROKER_TIMEOUT)
 
 
+def _lab_keys() -> None:
+    unreadable = labkeys.unreadable_keys()
+    if unreadable:
+        raise RuntimeError(
+            f"the SSH private key of {unreadable} lab(s) {labkeys.UNREADABLE_ADVICE}"
+        )
+
+
+def _static_files() -> None:
+    if manifest_problem() is not None:
+        # The check's message names the file; the public answer does not.
+        raise RuntimeError(
+            "the static files manifest is missing or unreadable, so every page would "
+            "answer HTTP 500: run `manage.py collectstatic --noinput` with the server's "
+            "STATIC_ROOT (`manage.py check --deploy` says more)"
+        )
+
+
 def _background() -> dict:
     interval = settings.PORTAL_HEARTBEAT_SECONDS
     seen = heartbeat.last_seen()
@@ -66,9 +90,11 @@ def healthz(request):
     checks = {
         "database": _timed(_database),
         "broker": _timed(_broker),
+        "lab_keys": _timed(_lab_keys),
+        "static_files": _timed(_static_files),
         "beat_and_workers": _timed(_background),
     }
-    essential = checks["database"]["ok"] and checks["broker"]["ok"]
+    essential = all(checks[name]["ok"] for name in ESSENTIAL)
     everything = essential and checks["beat_and_workers"]["ok"]
     status = "ok" if everything else ("degraded" if essential else "failing")
     strict = request.GET.get("strict") in {"1", "true", "yes"}

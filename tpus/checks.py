@@ -1,5 +1,6 @@
-"""System checks for the settings that keep the portal's SSH inside its own
-networks. ``manage.py check --deploy`` runs the deploy ones."""
+"""System checks for the settings that keep the portal's SSH inside its own networks,
+and for the key that opens the labs' SSH keys. ``manage.py check --deploy`` runs the
+deploy ones."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import ipaddress
 
 from django.conf import settings
 from django.core.checks import Error, Tags, register
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError
 
 
 def _networks() -> tuple[list, list[str]]:
@@ -59,3 +62,27 @@ def check_remote_networks_set(app_configs, **kwargs):
             )
         ]
     return []
+
+
+@register(Tags.security, deploy=True)
+def check_lab_keys_readable(app_configs, **kwargs):
+    """Every lab's SSH private key opens with the configured keys: a changed
+    PORTAL_SECRETS_KEY without the old one in PORTAL_SECRETS_OLD_KEYS would fail every
+    reconcile, revoke and job of those labs. A deploy check, because it reads the
+    database (and ``rotate_secrets``, the way out, must never be refused)."""
+    from tpus.services import labkeys
+
+    try:
+        unreadable = labkeys.unreadable_keys()
+    except ImproperlyConfigured as exc:
+        return [Error(str(exc), id="tpus.E005")]
+    except DatabaseError:
+        return []  # no database yet (or not migrated): nothing stored to read
+    if not unreadable:
+        return []
+    return [
+        Error(
+            f"The SSH private key of {unreadable} lab(s) {labkeys.UNREADABLE_ADVICE}",
+            id="tpus.E004",
+        )
+    ]

@@ -44,3 +44,19 @@ def test_a_500_is_a_page_of_the_site(db, settings):
 def test_browsers_asking_for_favicon_ico_get_the_icon(client, db):
     response = client.get("/favicon.ico")
     assert response.status_code == 301 and response["Location"].endswith(".svg")
+
+
+def test_the_500_page_needs_no_static_files_even_when_their_manifest_is_missing(
+    db, settings, tmp_path
+):
+    settings.STATIC_ROOT = tmp_path / "static"  # collectstatic never ran here
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+    }
+    # The sign-in page links the stylesheet through the manifest: it cannot render.
+    response = Client(raise_request_exception=False).get(reverse("account_login"))
+    assert response.status_code == 500
+    body = response.content.decode()
+    assert "Something went wrong on our side" in body
+    assert "<style>" in body and "/static/" not in body

@@ -116,6 +116,28 @@ def is_lab_public_key(fingerprint_sha256: str) -> bool:
     return LabKey.objects.filter(fingerprint=fingerprint_sha256).exists()
 
 
+def unreadable_keys() -> int:
+    """How many labs' stored private keys neither PORTAL_SECRETS_KEY nor any of
+    PORTAL_SECRETS_OLD_KEYS decrypts: the portal cannot log in to those labs' workers
+    (the key was changed without listing the old one). ImproperlyConfigured when the
+    configured keys are missing or malformed."""
+    unreadable = 0
+    for token in LabKey.objects.values_list("private_key_encrypted", flat=True).iterator():
+        try:
+            secrets.decrypt(token)
+        except secrets.SecretUnreadable:
+            unreadable += 1
+    return unreadable
+
+
+UNREADABLE_ADVICE = (
+    "cannot be decrypted with PORTAL_SECRETS_KEY or any of PORTAL_SECRETS_OLD_KEYS, so "
+    "the portal cannot log in to those labs' TPU VMs: restore the key they were "
+    "encrypted with, or list it in PORTAL_SECRETS_OLD_KEYS (then run "
+    "`manage.py rotate_secrets`)."
+)
+
+
 def reencrypt_all() -> int:
     """Encrypt every stored private key again with the current PORTAL_SECRETS_KEY;
     returns how many were rewritten. Run after rotating the key."""
