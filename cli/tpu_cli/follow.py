@@ -67,8 +67,9 @@ def why(job: dict) -> list[str]:
 
 
 def _started(job: dict) -> bool:
-    """Whether the job's command began on its workers (a rejected one never does)."""
-    if job["state"] in ("starting", "running", "cancelling"):
+    """Whether the job's command began on its workers (a rejected one never does, nor
+    one cancelled while its pre-flight ran, which shows ``cancelling`` until it ends)."""
+    if job["state"] in ("starting", "running"):
         return True
     return any(part.get("started_at") for part in job.get("parts", []))
 
