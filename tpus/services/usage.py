@@ -9,7 +9,7 @@ import datetime as dt
 import functools
 from dataclasses import dataclass
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import (
     Case,
     Count,
@@ -369,7 +369,7 @@ def count_ended_jobs(limit: int = COUNT_BATCH) -> int:
             ) != len(ids):
                 raise _Raced
             _add_to_days(jobs)
-    except _Raced:
+    except (_Raced, IntegrityError):
         return 0
     return len(jobs)
 
@@ -410,6 +410,8 @@ def day_pieces(started: dt.datetime, ended: dt.datetime, workers: int) -> dict:
 
 
 def _add_to_days(jobs: list[Job]) -> None:
+    """Add the jobs' day pieces to their rows: one query to read (and lock) the rows
+    that exist, one to update them, one to make the others."""
     sums: dict[tuple, list] = {}
     for job in jobs:
         for day, (started, carried, time) in day_pieces(
@@ -419,17 +421,28 @@ def _add_to_days(jobs: list[Job]) -> None:
             row[0] += started
             row[1] += carried
             row[2] += time
-    for (lab_id, day, user_id, vm_id), (started, carried, time) in sums.items():
-        row, created = UsageDay.objects.get_or_create(
-            lab_id=lab_id,
-            day=day,
-            user_id=user_id,
-            vm_id=vm_id,
-            defaults={"started": started, "carried": carried, "worker_time": time},
+    existing = {
+        (row.lab_id, row.day, row.user_id, row.vm_id): row
+        for row in UsageDay.objects.select_for_update().filter(
+            lab_id__in={key[0] for key in sums},
+            day__in={key[1] for key in sums},
+            user_id__in={key[2] for key in sums},
+            vm_id__in={key[3] for key in sums},
         )
-        if not created:
-            UsageDay.objects.filter(pk=row.pk).update(
-                started=F("started") + started,
-                carried=F("carried") + carried,
-                worker_time=F("worker_time") + time,
-            )
+    }
+    changed, made = [], []
+    for key, (started, carried, time) in sums.items():
+        row = existing.get(key)
+        if row is None:
+            lab_id, day, user_id, vm_id = key
+            made.append(UsageDay(lab_id=lab_id, day=day, user_id=user_id, vm_id=vm_id,
+                                 started=started, carried=carried, worker_time=time))  # fmt: skip
+        else:
+            row.started += started
+            row.carried += carried
+            row.worker_time += time
+            changed.append(row)
+    UsageDay.objects.bulk_update(changed, ["started", "carried", "worker_time"], batch_size=500)
+    # Two runs making the same new row at once: the second's unique constraint fails,
+    # its transaction rolls back whole, and the next poll counts its jobs again.
+    UsageDay.objects.bulk_create(made, batch_size=500)
