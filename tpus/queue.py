@@ -73,6 +73,11 @@ def scan_host_keys(scan_id: int) -> None:
     _on_commit("tpus.tasks.scan_worker_host_keys", scan_id)
 
 
+def send_vm_request(request_id: int) -> None:
+    """Ask Google Cloud for a requested TPU VM, or look again how the request goes."""
+    _on_commit("tpus.tasks.send_vm_request", request_id)
+
+
 def advance_jobs(vm_id: int) -> None:
     """One pass over the VM's jobs: poll the running one, start the next in line."""
     _on_commit("tpus.tasks.advance_jobs", vm_id)

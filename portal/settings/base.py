@@ -260,6 +260,9 @@ PORTAL_DISK_RECHECK_SECONDS = env.integer("PORTAL_DISK_RECHECK_SECONDS", 5, mini
 PORTAL_DISK_DEVICE_WAIT_SECONDS = env.integer("PORTAL_DISK_DEVICE_WAIT_SECONDS", 120, minimum=0)
 PORTAL_DISK_UNMOUNT_WAIT_SECONDS = env.integer("PORTAL_DISK_UNMOUNT_WAIT_SECONDS", 120, minimum=0)
 PORTAL_EXPIRY_CHECK_SECONDS = env.integer("PORTAL_EXPIRY_CHECK_SECONDS", 600, minimum=10)
+# How often each open request for a TPU VM (waiting for capacity, provisioning) is
+# looked at: one GetQueuedResource (and a GetNode once it is provisioned) each.
+PORTAL_VM_REQUEST_POLL_SECONDS = env.integer("PORTAL_VM_REQUEST_POLL_SECONDS", 30, minimum=2)
 # One reconcile per VM at a time (and one worker per disk operation). Its claim is a
 # lease the running work renews
 # every third of this; if the process holding it dies (or loses the database), the

@@ -38,6 +38,7 @@ def test_the_heartbeat_is_scheduled_in_code():
         "release-stalled-claims": "tpus.tasks.release_stalled_claims",
         "expire-grants": "tpus.tasks.expire_grants",
         "poll-jobs": "tpus.tasks.poll_jobs",
+        "follow-vm-requests": "tpus.tasks.follow_vm_requests",
         "look-at-idle-chips": "tpus.tasks.look_at_idle_chips",
         "send-mail": "portal.tasks.send_mail",
     }

@@ -124,17 +124,8 @@ def connect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:
         change = client.add_ssh_key(*_node(vm), key)
     except CloudError as error:
         raise ConnectError(_explain(error, vm)) from error
-    workers = {str(w.index): {"state": WAITING, "detail": ""} for w in vm.workers.all()}
     with transaction.atomic():
-        connection, _ = VmConnection.objects.select_for_update().get_or_create(vm=vm)
-        connection.state = ConnectionState.CONNECTING
-        connection.reason = ""
-        connection.workers = workers
-        connection.requested_by = admin
-        connection.started_at = timezone.now()
-        connection.finished_at = None
-        connection.attempt += 1
-        connection.save()
+        connection = wait_for_workers(vm, admin)
         audit.record(
             AuditAction.VM_CONNECT_REQUESTED,
             actor=admin,
@@ -144,7 +135,23 @@ def connect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:
             data={"vm": vm.pk, "attempts": change.attempts, "changed": change.changed},
             request=request,
         )
-        queue.check_vm_connection(connection.pk, connection.attempt)
+    return connection
+
+
+def wait_for_workers(vm: TpuVm, by) -> VmConnection:
+    """The lab's key line is in the node's metadata (just added, or there since the
+    node was made): mark the VM connecting and queue the check that waits until every
+    worker accepts the key. Call inside a transaction."""
+    connection, _ = VmConnection.objects.select_for_update().get_or_create(vm=vm)
+    connection.state = ConnectionState.CONNECTING
+    connection.reason = ""
+    connection.workers = {str(w.index): {"state": WAITING, "detail": ""} for w in vm.workers.all()}
+    connection.requested_by = by
+    connection.started_at = timezone.now()
+    connection.finished_at = None
+    connection.attempt += 1
+    connection.save()
+    queue.check_vm_connection(connection.pk, connection.attempt)
     return connection
 
 

@@ -230,13 +230,22 @@ def import_vms(admin, lab: Lab, keys: list[str], *, request=None) -> list[TpuVm]
     return imported
 
 
-def _import_one(admin, lab: Lab, node: NodeInfo, *, request=None) -> TpuVm:
+def register_created(lab: Lab, node: NodeInfo, *, requested_by=None) -> TpuVm:
+    """Put a node the portal made for the lab into it, as an import does (workers,
+    host keys pinned from guest attributes, disks); a VM of that name that was made
+    before (brought back after a preemption) keeps its row, grants and pins."""
+    return _import_one(requested_by, lab, node, source=VmSource.CREATED)
+
+
+def _import_one(
+    admin, lab: Lab, node: NodeInfo, *, request=None, source: str = VmSource.IMPORTED
+) -> TpuVm:
     with transaction.atomic():
         vm, created = TpuVm.objects.select_for_update().get_or_create(
-            lab=lab, zone=node.zone, name=node.name, defaults={"source": VmSource.IMPORTED}
+            lab=lab, zone=node.zone, name=node.name, defaults={"source": source}
         )
         apply_node(vm, node)
-        vm.source = VmSource.IMPORTED
+        vm.source = source
         vm.last_seen_at = timezone.now()
         vm.missing_since = None
         vm.save()
@@ -251,6 +260,8 @@ def _import_one(admin, lab: Lab, node: NodeInfo, *, request=None) -> TpuVm:
         log.warning("guest attributes of %s unavailable: %s", vm, exc)
     if vm.attachments.exists() or vm.grants.exists():
         hosts_must_change(vm, "imported again")
+    if source == VmSource.CREATED:
+        return vm  # the request that made it says so in the audit log
     audit.record(
         AuditAction.VM_IMPORTED,
         actor=admin,

@@ -5,7 +5,9 @@ each is ``tpus.tasks.<function>`` whichever module here holds it.
 - ``periodic``: what beat runs (inventory sync, sweeps, expiry, the heartbeat);
 - ``hosts``: work on a VM's workers (reconcile, connect, disk operations, scans);
 - ``emails``: the messages, stored in the outbox by ``tpus.services.emails``;
-- ``jobs``: moving jobs along, and looking at who holds a VM's chips.
+- ``jobs``: moving jobs along, and looking at who holds a VM's chips;
+- ``provisioning``: asking Google Cloud for the TPU VMs a lab requests, and following
+  the requests until the VMs are up.
 """
 
 from tpus.tasks.emails import (
@@ -33,12 +35,14 @@ from tpus.tasks.periodic import (
     sync_inventory,
     sync_lab_inventory,
 )
+from tpus.tasks.provisioning import follow_vm_requests, send_vm_request
 
 __all__ = [
     "advance_jobs",
     "check_tpu_usage",
     "check_vm_connection",
     "expire_grants",
+    "follow_vm_requests",
     "look_at_idle_chips",
     "poll_jobs",
     "reconcile_sweep",
@@ -55,6 +59,7 @@ __all__ = [
     "send_job_email",
     "send_membership_email",
     "send_sync_alert",
+    "send_vm_request",
     "sync_inventory",
     "sync_lab_inventory",
 ]

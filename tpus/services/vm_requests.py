@@ -1,0 +1,411 @@
+"""TPU VMs a lab admin asks the portal to make: checked before any call, made directly
+(``CreateNode``) or queued until Google has capacity (a queued resource), followed until
+the node is up, then registered in the lab already connected: the lab's key line is in
+the node's ``ssh-keys`` metadata from its creation, its host keys are pinned from its
+guest attributes, and the usual connection check confirms every worker takes the key.
+
+A request is a ``VmRequest`` row. ``request_vm`` stores it and queues ``send``; a
+queued one is then followed by ``follow`` (the ``follow-vm-requests`` pass every
+``PORTAL_VM_REQUEST_POLL_SECONDS``) until it is up, failed or cancelled.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from portal import audit
+from tpus import access, queue
+from tpus.cloud import CloudError, NodeInfo, NodeRequest
+from tpus.cloud.config import cloud_tpu
+from tpus.cloud.sshkeys import KeyLine
+from tpus.models import AuditAction, Lab, TpuVm
+from tpus.models.inventory import NodeState, validate_node_name
+from tpus.models.provisioning import (
+    OPEN_REQUEST_STATES,
+    LabAllowance,
+    Provisioning,
+    VmRequest,
+    VmRequestState,
+    chips_of,
+)
+from tpus.services import connect, inventory, leases
+from tpus.services.labkeys import lab_key
+
+log = logging.getLogger(__name__)
+
+# Node states in which a VM holds none of the lab's allowance.
+NOT_HOLDING = {NodeState.PREEMPTED, NodeState.TERMINATED, NodeState.STOPPED}
+
+
+@dataclass(frozen=True)
+class VmSpec:
+    """What the admin's form or API call asks for."""
+
+    name: str
+    zone: str
+    accelerator_type: str
+    runtime_version: str
+    provisioning: str = Provisioning.ON_DEMAND
+    queued: bool = False
+    valid_after: dt.datetime | None = None
+    valid_until: dt.datetime | None = None
+    keep_alive: bool = False
+
+
+# --- what a lab holds ----------------------------------------------------------------
+
+
+def holding(lab: Lab, generation: str, provisioning: str) -> int:
+    """Chips of a generation and kind the lab holds or has asked for now: its VMs that
+    are up (or coming up) and its open requests."""
+    spot_like = provisioning != Provisioning.ON_DEMAND
+    used = 0
+    for accelerator_type, preemptible in (
+        TpuVm.objects.filter(lab=lab, missing_since__isnull=True)
+        .exclude(state__in=NOT_HOLDING)
+        .exclude(requests__state__in=OPEN_REQUEST_STATES)  # counted as a request below
+        .values_list("accelerator_type", "preemptible")
+    ):
+        kind_matches = preemptible if spot_like else not preemptible
+        found, chips = chips_of(accelerator_type)
+        if found == generation and kind_matches:
+            used += chips
+    for accelerator_type in VmRequest.objects.filter(
+        lab=lab, provisioning=provisioning, state__in=OPEN_REQUEST_STATES
+    ).values_list("accelerator_type", flat=True):
+        found, chips = chips_of(accelerator_type)
+        if found == generation:
+            used += chips
+    return used
+
+
+def check_allowance(lab: Lab, accelerator_type: str, provisioning: str) -> None:
+    """ValidationError with the numbers when one more VM of this type and kind would
+    take the lab past its allowance (or past its grant's end)."""
+    if lab.grant_end_date and timezone.localdate() > lab.grant_end_date:
+        raise ValidationError(
+            f"The lab's TPU grant ended on {lab.grant_end_date:%-d %B %Y}; no VM can be made."
+        )
+    generation, chips = chips_of(accelerator_type)
+    kind = Provisioning(provisioning).label.lower()
+    allowance = LabAllowance.objects.filter(
+        lab=lab, generation=generation, provisioning=provisioning
+    ).first()
+    if allowance is None:
+        raise ValidationError(
+            f"The lab has no allowance for {kind} {generation} chips; a site admin sets the "
+            "lab's allowance from its TPU grant."
+        )
+    used = holding(lab, generation, provisioning)
+    if used + chips > allowance.chips:
+        raise ValidationError(
+            f"A {accelerator_type} is {chips} {generation} chips; the lab holds {used} {kind} "
+            f"{generation} chips of its {allowance.chips}, so {allowance.chips - used} are left."
+        )
+
+
+# --- asking ---------------------------------------------------------------------------
+
+
+def check_spec(lab: Lab, spec: VmSpec) -> VmSpec:
+    """The spec, or ValidationError naming each bad field. Asks the API what the zone
+    offers (types and versions); a refused spec has made no other call."""
+    errors: dict[str, list[str]] = {}
+
+    def add(field: str, message: str) -> None:
+        errors.setdefault(field, []).append(message)
+
+    name = spec.name.strip()
+    try:
+        validate_node_name(name)
+    except ValidationError as exc:
+        add("name", exc.messages[0])
+    if spec.zone not in lab.zones:
+        add("zone", f"Choose one of the lab's zones: {', '.join(lab.zones) or 'none yet'}.")
+    if spec.provisioning not in Provisioning.values:
+        add("provisioning", "Choose on-demand, spot or preemptible.")
+    now = timezone.now()
+    if not spec.queued and (spec.valid_after or spec.valid_until):
+        add("valid_until", "A start or end time applies to a queued request only.")
+    if spec.valid_until and spec.valid_until <= now:
+        add("valid_until", "The end of the window is in the past.")
+    if spec.valid_after and spec.valid_until and spec.valid_until <= spec.valid_after:
+        add("valid_until", "The window ends before it starts.")
+    if not errors:
+        if TpuVm.objects.filter(lab=lab, zone=spec.zone, name=name).exists():
+            add("name", f"The lab already has a TPU VM named {name} in {spec.zone}.")
+        elif VmRequest.objects.filter(
+            lab=lab, zone=spec.zone, name=name, state__in=OPEN_REQUEST_STATES
+        ).exists():
+            add("name", f"A request for {name} in {spec.zone} is already under way.")
+    if not errors:
+        try:
+            _check_offered(lab, spec, add)
+        except CloudError as exc:
+            add("zone", f"The Cloud TPU API could not say what {spec.zone} offers: {exc}")
+    if not errors:
+        try:
+            check_allowance(lab, spec.accelerator_type, spec.provisioning)
+        except ValidationError as exc:
+            add("accelerator_type", exc.messages[0])
+    if errors:
+        raise ValidationError(errors)
+    return VmSpec(**{**spec.__dict__, "name": name})
+
+
+def _check_offered(lab: Lab, spec: VmSpec, add) -> None:
+    client = cloud_tpu()
+    types = client.accelerator_types(lab.gcp_project_id, spec.zone)
+    if spec.accelerator_type not in types:
+        add("accelerator_type", f"{spec.zone} offers {', '.join(types) or 'no TPU types'}.")
+    versions = client.runtime_versions(lab.gcp_project_id, spec.zone)
+    if spec.runtime_version not in versions:
+        add(
+            "runtime_version",
+            f"{spec.zone} has no runtime version {spec.runtime_version}; it has "
+            f"{', '.join(versions) or 'none'}.",
+        )
+
+
+def request_vm(admin, lab: Lab, spec: VmSpec, *, request=None) -> VmRequest:
+    """Ask for a TPU VM for ``lab``. Raises PermissionDenied for a non-admin and
+    ValidationError (nothing stored, nothing asked of Google) for a bad spec."""
+    if not access.is_lab_admin(admin, lab):
+        raise PermissionDenied("Only the lab's admins can make TPU VMs.")
+    if not lab.gcp_project_id:
+        raise ValidationError("The lab has no GCP project yet; a site admin sets it.")
+    spec = check_spec(lab, spec)
+    try:
+        with transaction.atomic():
+            made = VmRequest.objects.create(
+                lab=lab,
+                requested_by=admin,
+                **spec.__dict__,
+            )
+            audit.record(
+                AuditAction.VM_REQUESTED,
+                actor=admin,
+                lab=lab,
+                summary=f"{made.name} in {made.zone}: {made.accelerator_type} "
+                f"{made.get_provisioning_display().lower()}"
+                + (", queued" if made.queued else "")
+                + (", kept alive" if made.keep_alive else ""),
+                data={"request": made.pk},
+                request=request,
+            )
+            queue.send_vm_request(made.pk)
+    except IntegrityError:  # the same name asked for at the same moment
+        raise ValidationError(
+            {"name": [f"A request for {spec.name} in {spec.zone} is already under way."]}
+        ) from None
+    return made
+
+
+def cancel_request(admin, made: VmRequest, *, request=None) -> VmRequest:
+    """Stop waiting for a VM: the queued resource is deleted at Google (a node it made
+    meanwhile goes with it). A request that is up or over is left as it is."""
+    if not access.is_lab_admin(admin, made.lab):
+        raise PermissionDenied("Only the lab's admins can cancel a TPU VM request.")
+    made = VmRequest.objects.select_related("lab").get(pk=made.pk)
+    if not made.is_open:
+        return made
+    if made.cloud_id:
+        try:
+            cloud_tpu().delete_queued_resource(
+                made.lab.gcp_project_id, made.zone, made.cloud_id, with_node=True
+            )
+        except CloudError as exc:
+            if exc.code != "NOT_FOUND":
+                raise ValidationError(f"Google Cloud did not cancel the request: {exc}") from exc
+    with transaction.atomic():
+        updated = VmRequest.objects.filter(pk=made.pk, state__in=OPEN_REQUEST_STATES).update(
+            state=VmRequestState.CANCELLED, changed_at=timezone.now()
+        )
+        if updated:
+            audit.record(
+                AuditAction.VM_REQUEST_CANCELLED,
+                actor=admin,
+                lab=made.lab,
+                summary=f"{made.name} in {made.zone}",
+                data={"request": made.pk},
+                request=request,
+            )
+    made.refresh_from_db()
+    return made
+
+
+# --- the work behind a request --------------------------------------------------------
+
+
+def _claim(request_id: int) -> bool:
+    now = timezone.now()
+    return bool(
+        VmRequest.objects.filter(pk=request_id, state__in=OPEN_REQUEST_STATES)
+        .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
+        .update(claimed_until=now + leases.length())
+    )
+
+
+def _release(request_id: int) -> None:
+    VmRequest.objects.filter(pk=request_id).update(claimed_until=None)
+
+
+def key_metadata(lab: Lab) -> dict[str, str]:
+    """The node's metadata at creation: the lab's key line, as Connect would add it."""
+    return {"ssh-keys": KeyLine(settings.PORTAL_LAB_SSH_USER, lab_key(lab).public_line).text}
+
+
+def send(request_id: int) -> None:
+    """Make the call a stored request stands for (once), then follow it."""
+    if not _claim(request_id):
+        return
+    try:
+        made = VmRequest.objects.select_related("lab").get(pk=request_id)
+        if made.state == VmRequestState.REQUESTED:
+            _send(made)
+        else:
+            _follow(made)
+    finally:
+        _release(request_id)
+
+
+def _wanted(made: VmRequest) -> NodeRequest:
+    return NodeRequest(
+        name=made.name,
+        zone=made.zone,
+        accelerator_type=made.accelerator_type,
+        runtime_version=made.runtime_version,
+        provisioning=made.provisioning,
+        metadata=key_metadata(made.lab),
+        valid_after=made.valid_after,
+        valid_until=made.valid_until,
+    )
+
+
+def _send(made: VmRequest) -> None:
+    client = cloud_tpu()
+    project = made.lab.gcp_project_id
+    now = timezone.now()
+    try:
+        if made.queued:
+            cloud_id = made.cloud_id or f"{made.name}-{made.pk}"
+            # Recorded before the call: a worker that dies after it never asks twice.
+            VmRequest.objects.filter(pk=made.pk).update(cloud_id=cloud_id)
+            made.cloud_id = cloud_id
+            try:
+                client.create_queued_resource(project, cloud_id, _wanted(made))
+            except CloudError as exc:
+                if exc.code != "ALREADY_EXISTS":
+                    raise
+            _set(made, VmRequestState.WAITING, sent_at=now, waiting_since=now)
+            _follow(made)
+            return
+        node = client.create_node(project, _wanted(made))
+    except CloudError as exc:
+        if exc.code == "RESOURCE_EXHAUSTED" and not made.queued:
+            _fail(
+                made,
+                exc.code,
+                f"Google Cloud has no {made.accelerator_type} capacity in {made.zone} now. "
+                "Ask again as a queued request, which waits until capacity comes.",
+            )
+        elif exc.retryable:
+            log.warning("request %s: %s; the pass tries again", made.pk, exc)
+        else:
+            _fail(made, exc.code, str(exc))
+        return
+    _set(made, VmRequestState.PROVISIONING, sent_at=now)
+    _arrived(made, node)
+
+
+def follow_open() -> int:
+    """The periodic pass: every sent request that is still open gets a look."""
+    ids = list(VmRequest.objects.filter(state__in=OPEN_REQUEST_STATES).values_list("pk", flat=True))
+    for request_id in ids:
+        queue.send_vm_request(request_id)
+    return len(ids)
+
+
+def _follow(made: VmRequest) -> None:
+    client = cloud_tpu()
+    project = made.lab.gcp_project_id
+    if made.queued and made.cloud_id:
+        try:
+            info = client.get_queued_resource(project, made.zone, made.cloud_id)
+        except CloudError as exc:
+            if exc.code == "NOT_FOUND":
+                _fail(made, exc.code, "Google Cloud no longer knows the request (deleted?).")
+            else:
+                log.warning("request %s: %s", made.pk, exc)
+            return
+        if info.state == "FAILED":
+            _fail(made, info.error_code, _failure_text(made, info.error_code, info.error_message))
+            return
+        if info.state in ("ACCEPTED", "WAITING_FOR_RESOURCES", "CREATING"):
+            return
+    try:
+        node = client.get_node(project, made.zone, made.name)
+    except CloudError as exc:
+        if exc.code != "NOT_FOUND":
+            log.warning("request %s: %s", made.pk, exc)
+        return
+    if made.state == VmRequestState.WAITING:
+        _set(made, VmRequestState.PROVISIONING)
+    _arrived(made, node)
+
+
+def _failure_text(made: VmRequest, code: str, message: str) -> str:
+    why = {
+        "RESOURCE_EXHAUSTED": "Google Cloud ran out of capacity or quota for it",
+        "DEADLINE_EXCEEDED": "capacity did not come before the end of its window",
+        "INVALID_ARGUMENT": "Google Cloud refused what it asks for",
+        "PERMISSION_DENIED": "the portal's service account may not create TPU VMs in the "
+        "lab's project (it needs roles/tpu.admin)",
+    }.get(code, "Google Cloud failed it")
+    return f"{made.name} was not made: {why}. {message}".strip()
+
+
+def _arrived(made: VmRequest, node: NodeInfo) -> None:
+    """A node is there: once READY, put it in the lab, connected, pinned, reconciled."""
+    if node.state != NodeState.READY or not all(w.external_ip for w in node.workers):
+        return
+    vm = inventory.register_created(made.lab, node, requested_by=made.requested_by)
+    with transaction.atomic():
+        connect.wait_for_workers(vm, made.requested_by)
+        VmRequest.objects.filter(pk=made.pk).update(
+            state=VmRequestState.READY, vm=vm, ready_at=timezone.now(), changed_at=timezone.now()
+        )
+        audit.record(
+            AuditAction.VM_CREATED,
+            lab=made.lab,
+            summary=f"{vm.name} ({vm.accelerator_type}, {vm.workers.count()} workers) is up",
+            data={"request": made.pk, "vm": vm.pk},
+        )
+
+
+def _set(made: VmRequest, state: str, **fields) -> None:
+    VmRequest.objects.filter(pk=made.pk).update(state=state, changed_at=timezone.now(), **fields)
+    made.state = state
+
+
+def _fail(made: VmRequest, code: str, text: str) -> None:
+    with transaction.atomic():
+        updated = VmRequest.objects.filter(pk=made.pk, state__in=OPEN_REQUEST_STATES).update(
+            state=VmRequestState.FAILED, error_code=code, error=text, changed_at=timezone.now()
+        )
+        if updated:
+            audit.record(
+                AuditAction.VM_REQUEST_FAILED,
+                lab=made.lab,
+                summary=f"{made.name} in {made.zone}: {text[:300]}",
+                data={"request": made.pk, "code": code},
+            )
+    made.state = VmRequestState.FAILED

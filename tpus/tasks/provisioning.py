@@ -1,0 +1,25 @@
+"""TPU VMs the portal makes: the call behind a request, and the pass that follows the
+requests still open until their VM is up (or they failed or were cancelled)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+from portal.celery import every
+from tpus.models import VmRequest
+from tpus.services import vm_requests
+from tpus.tasks.naming import task
+
+
+@task(ignore_result=True)
+def send_vm_request(request_id: int) -> None:
+    """Ask Google Cloud for the VM (once), or look how the request goes."""
+    if VmRequest.objects.filter(pk=request_id).exists():
+        vm_requests.send(request_id)
+
+
+@every(settings.PORTAL_VM_REQUEST_POLL_SECONDS, name="follow-vm-requests")
+@task(ignore_result=True)
+def follow_vm_requests() -> None:
+    """Every open request gets a look of its own."""
+    vm_requests.follow_open()

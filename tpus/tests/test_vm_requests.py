@@ -1,0 +1,184 @@
+"""A lab admin asks the portal for a TPU VM, against the emulator: every bad request is
+refused before anything is asked of Google, the allowance is kept with its numbers,
+a direct create and a queued one (in a stockout, until capacity comes) both end with
+the VM in the lab, connected from its creation and pinned; failures and cancels show."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.utils import timezone
+
+from tpus.models import AuditEvent, LabAllowance, TpuVm, VmConnection, VmRequest
+from tpus.services import vm_requests
+from tpus.services.vm_requests import VmSpec
+
+PROJECT = "vision-project"
+ZONE = "us-central2-b"
+CALLS = ("CreateNode", "CreateQueuedResource")
+
+
+@pytest.fixture
+def lab(cast, tpu_emulator):
+    cast.lab.gcp_project_id = PROJECT
+    cast.lab.zones = [ZONE]
+    cast.lab.save()
+    LabAllowance.objects.create(lab=cast.lab, generation="v4", provisioning="spot", chips=16)
+    LabAllowance.objects.create(lab=cast.lab, generation="v4", provisioning="on-demand", chips=8)
+    return cast.lab
+
+
+def spec(**fields) -> VmSpec:
+    values = dict(
+        name="tpu5",
+        zone=ZONE,
+        accelerator_type="v4-32",
+        runtime_version="tpu-ubuntu2204-base",
+        provisioning="spot",
+    )
+    values.update(fields)
+    return VmSpec(**values)
+
+
+def refusal(cast, lab, tpu_emulator, **fields) -> dict:
+    with pytest.raises(ValidationError) as refused:
+        vm_requests.request_vm(cast.admin, lab, spec(**fields))
+    assert not VmRequest.objects.exists()
+    assert not any(tpu_emulator.requests[c] for c in CALLS)
+    return refused.value.message_dict
+
+
+@pytest.mark.parametrize(
+    "fields, field, text",
+    [
+        ({"name": "Tpu_5"}, "name", "lowercase letters"),
+        ({"zone": "europe-west4-a"}, "zone", "Choose one of the lab's zones: us-central2-b"),
+        ({"accelerator_type": "v4-31"}, "accelerator_type", "offers"),
+        ({"runtime_version": "tpu-vm-tf-9"}, "runtime_version", "has no runtime version"),
+        ({"provisioning": "reserved"}, "provisioning", "on-demand, spot or preemptible"),
+        (
+            {"valid_until": timezone.now() + dt.timedelta(days=1)},
+            "valid_until",
+            "queued request only",
+        ),
+    ],
+)
+def test_a_bad_request_is_refused_with_its_field_and_asks_google_for_nothing(
+    cast, lab, tpu_emulator, fields, field, text
+):
+    assert text in " ".join(refusal(cast, lab, tpu_emulator, **fields)[field])
+
+
+def test_a_request_past_the_allowance_is_refused_with_the_numbers(cast, lab, tpu_emulator):
+    errors = refusal(cast, lab, tpu_emulator, provisioning="on-demand")
+    assert errors["accelerator_type"] == [
+        "A v4-32 is 16 v4 chips; the lab holds 0 on-demand v4 chips of its 8, so 8 are left."
+    ]
+    errors = refusal(cast, lab, tpu_emulator, provisioning="preemptible")
+    assert "no allowance for preemptible v4 chips" in errors["accelerator_type"][0]
+
+
+def test_an_open_request_counts_against_the_allowance(cast, lab, tpu_emulator):
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+    with pytest.raises(ValidationError) as refused:
+        vm_requests.request_vm(cast.admin, lab, spec(name="tpu6", queued=True))
+    assert "holds 16 spot v4 chips of its 16, so 0 are left" in str(refused.value)
+
+
+def test_after_the_grant_ends_nothing_can_be_made(cast, lab, tpu_emulator):
+    lab.grant_end_date = timezone.localdate() - dt.timedelta(days=1)
+    lab.save()
+    assert "grant ended" in refusal(cast, lab, tpu_emulator)["accelerator_type"][0]
+
+
+def test_only_the_labs_admins_may_ask(cast, lab, tpu_emulator):
+    with pytest.raises(PermissionDenied):
+        vm_requests.request_vm(cast.member, lab, spec())
+    with pytest.raises(PermissionDenied):
+        vm_requests.request_vm(cast.outsider, lab, spec())
+    assert not VmRequest.objects.exists()
+
+
+def test_a_direct_create_puts_the_vm_in_the_lab_connected_and_pinned(cast, lab, tpu_emulator):
+    made = vm_requests.request_vm(cast.admin, lab, spec())
+    assert made.state == "requested"
+    vm_requests.send(made.pk)
+
+    made.refresh_from_db()
+    assert made.state == "ready" and made.vm is not None
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    assert (vm.source, vm.accelerator_type, vm.workers.count()) == ("created", "v4-32", 4)
+    assert all(w.is_pinned for w in vm.workers.all())
+    assert VmConnection.objects.get(vm=vm).state == "connecting"
+    # The lab's key line is in the node's metadata from its creation: no Connect step.
+    metadata = tpu_emulator.controls.metadata("tpu5")
+    assert metadata["ssh-keys"] == vm_requests.key_metadata(lab)["ssh-keys"]
+    assert tpu_emulator.requests["UpdateNode"] == 0
+    actions = list(AuditEvent.objects.filter(lab=lab).values_list("action", flat=True))
+    assert "vm.requested" in actions and "vm.created" in actions
+
+
+def test_a_direct_create_in_a_stockout_fails_and_says_to_queue_it(cast, lab, tpu_emulator):
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec())
+    vm_requests.send(made.pk)
+    made.refresh_from_db()
+    assert made.state == "failed" and made.error_code == "RESOURCE_EXHAUSTED"
+    assert "Ask again as a queued request" in made.error
+    assert not TpuVm.objects.filter(lab=lab).exists()
+
+
+def test_a_queued_request_waits_in_a_stockout_and_the_vm_arrives_with_capacity(
+    cast, lab, tpu_emulator
+):
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+    vm_requests.send(made.pk)
+    made.refresh_from_db()
+    assert made.state == "waiting" and made.waiting_since is not None
+    assert made.cloud_id == f"tpu5-{made.pk}"
+    vm_requests.send(made.pk)  # another look: still waiting, nothing asked twice
+    assert tpu_emulator.requests["CreateQueuedResource"] == 1
+    assert not TpuVm.objects.filter(lab=lab).exists()
+
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", None)
+    vm_requests.send(made.pk)
+    made.refresh_from_db()
+    assert made.state == "ready"
+    assert TpuVm.objects.get(lab=lab, name="tpu5").source == "created"
+
+
+def test_a_request_google_fails_shows_why(cast, lab, tpu_emulator):
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+    vm_requests.send(made.pk)
+    made.refresh_from_db()
+    tpu_emulator.controls.fail_request(
+        made.cloud_id, "RESOURCE_EXHAUSTED", "Quota 'TPUV4sPodPerProjectPerZone' exceeded."
+    )
+    vm_requests.send(made.pk)
+    made.refresh_from_db()
+    assert made.state == "failed"
+    assert made.error.startswith("tpu5 was not made: Google Cloud ran out of capacity or quota")
+    assert "TPUV4sPodPerProjectPerZone" in made.error
+    assert AuditEvent.objects.filter(action="vm.request_failed").exists()
+
+
+def test_a_waiting_request_is_cancelled_at_google_too(cast, lab, tpu_emulator):
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+    vm_requests.send(made.pk)
+    vm_requests.cancel_request(cast.admin, made)
+    made.refresh_from_db()
+    assert made.state == "cancelled"
+    assert tpu_emulator.controls.queued_resources() == {}
+    # Cancelled, it no longer counts: the same name can be asked for again.
+    vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+
+
+def test_a_name_the_lab_has_or_asked_for_is_refused(cast, lab, tpu_emulator):
+    TpuVm.objects.create(lab=lab, name="tpu5", zone=ZONE, source="manual")
+    assert "already has a TPU VM named tpu5" in refusal(cast, lab, tpu_emulator)["name"][0]
