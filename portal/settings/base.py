@@ -267,8 +267,9 @@ PORTAL_VM_REQUEST_POLL_SECONDS = env.integer("PORTAL_VM_REQUEST_POLL_SECONDS", 3
 # lease the running work renews
 # every third of this; if the process holding it dies (or loses the database), the
 # lease lapses after this long and the next stalled-claims check (every
-# PORTAL_STALLED_CHECK_SECONDS) runs the VM again. So a dead run holds a VM (a revoke
-# included) for at most about the sum of the two, whatever the script timeout is.
+# PORTAL_STALLED_CHECK_SECONDS) runs the VM again. So a dead run holds a VM for at most
+# about the sum of the two, whatever the script timeout is. A revoke does not wait for
+# it: it takes the VM over from any run that does not carry it (docs/reconcile.md).
 PORTAL_RECONCILE_CLAIM_SECONDS = env.integer("PORTAL_RECONCILE_CLAIM_SECONDS", 30, minimum=1)
 PORTAL_STALLED_CHECK_SECONDS = env.integer("PORTAL_STALLED_CHECK_SECONDS", 20, minimum=1)
 # A grant a worker refused for a reason the host may get over (a local account holding
