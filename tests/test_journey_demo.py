@@ -26,7 +26,7 @@ from django.core.management import call_command
 from playwright.sync_api import expect
 
 from tests.e2e import ARTIFACTS, ROOT, expect_every_worker_up_to_date, screenshots
-from tests.laptop import Laptop
+from tests.laptop import Laptop, new_key
 from tests.requirements import need
 from tests.test_journey_jobs import beat  # noqa: F401 (a fixture)
 from tpus.management.commands.demo_lab import set_up_demo
@@ -245,3 +245,128 @@ def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_a_jax_job_on_t
     expect(page.locator("#usage-total")).not_to_have_text("0")
     screenshots(page, shots, "8-usage")
     context.close()
+
+
+def test_a_newcomer_on_the_demo_signs_up_joins_is_added_to_tpu5_and_runs_the_job(
+    printed,
+    beat,  # noqa: F811 (the fixture imported above)
+    browser,
+    live_server,
+    fleet,
+    smtp_sink,
+    tmp_path,
+):
+    """The demo's lab with someone who was not made for it: sign up, verify, add a key,
+    ask to join; the site admin approves (on a phone) and adds them to tpu5 as step 1
+    says for milo; then the ssh config, plain ``ssh tpu5`` and step 4's job."""
+    shots = ARTIFACTS / "demo" / "newcomer"
+    admin_email, admin_password = _one(r"^Site admin login: (\S+) / (\S+)$", printed)
+    steps = dict(re.findall(r"^(\d)\. (.+)$", printed, re.M))
+    lines = printed.splitlines()
+    job_command = lines[lines.index(f"4. {steps['4']}") + 1]
+    access_url = _one(r"^Open (\S+) and sign in as the site admin", steps["1"])[0]
+    vm_url = _one(r"open (\S+), paste the line below", steps["4"])[0]
+    workers = sorted(fleet.hosts.values(), key=lambda h: h.index)[:4]
+    email, password = "nina@uni.example", "a long passphrase 42"
+
+    def new_page():
+        context = browser.new_context(base_url=live_server.url, accept_downloads=True)
+        context.set_default_timeout(15_000)
+        return context, context.new_page()
+
+    nina_context, nina = new_page()
+    # Sign up and verify the emailed link.
+    nina.goto("/accounts/signup/")
+    nina.fill("input[name=email]", email)
+    nina.fill("input[name=password1]", password)
+    nina.fill("input[name=password2]", password)
+    nina.click("form button[type=submit]")
+    expect(nina.get_by_role("heading", name="Verify Your Email Address")).to_be_visible()
+    screenshots(nina, shots, "1-verify-your-email")
+    message = smtp_sink.wait_for(email, "Confirm")
+    nina.goto(smtp_sink.link(message, r"http://[^\s]+/accounts/confirm-email/\S+"))
+    nina.click("form button[type=submit]")
+    expect(nina.get_by_role("heading", name="Hello, nina")).to_be_visible()
+    screenshots(nina, shots, "2-signed-in")
+
+    # A key of her laptop's, and her unix username.
+    laptop = Laptop(tmp_path / "nina")
+    public_key = new_key(laptop)
+    nina.goto("/account/keys/")
+    nina.fill("textarea[name=key_text]", public_key)
+    nina.get_by_role("button", name="Add key").click()
+    expect(nina.locator("body")).to_contain_text("Key added")
+    nina.fill("input[name=username]", "nina")
+    nina.click("form[action='/account/keys/username/'] button")
+    expect(nina.locator("body")).to_contain_text("Your unix username is nina")
+    screenshots(nina, shots, "3-key-and-username")
+
+    # She asks to join the Demo Lab and accepts its policy.
+    nina.get_by_role("link", name="Labs", exact=True).click()
+    nina.get_by_role("link", name="Ask to join").click()
+    nina.fill("textarea[name=purpose]", "Trying JAX on a pod.")
+    nina.check("input[name=accept_policy]")
+    screenshots(nina, shots, "4-ask-to-join")
+    nina.get_by_role("button", name="Send request").click()
+    expect(nina.get_by_text("Request pending").first).to_be_visible()
+
+    # The site admin approves her on a phone: the buttons are on screen.
+    admin_context, admin = new_page()
+    admin.goto(access_url.split("/vms/")[0] + "/admin/")
+    _sign_in(admin, admin_email, admin_password)
+    admin.set_viewport_size({"width": 375, "height": 900})
+    row = admin.locator("#request-list tr", has_text=email)
+    approve = row.get_by_role("button", name="Approve")
+    reject = row.get_by_role("button", name="Reject")
+    for button in (approve, reject):
+        box = button.bounding_box()
+        assert box and 0 <= box["x"] and box["x"] + box["width"] <= 375, box
+    screenshots(admin, shots, "5-requests-to-join")
+    admin.set_viewport_size({"width": 375, "height": 900})
+    approve.click()
+    expect(row.locator(".badge")).to_have_text("Approved")
+
+    # … and adds her to tpu5, as step 1 says for milo.
+    admin.set_viewport_size({"width": 1280, "height": 900})
+    admin.goto(access_url)
+    admin.wait_for_load_state("load")
+    admin.get_by_role("combobox", name="Member", exact=True).fill("nina")
+    admin.get_by_role("button", name="Add to tpu5", exact=True).click()
+    admin.wait_for_url(access_url)
+    expect(admin.get_by_text("nina can now use tpu5.", exact=True)).to_be_visible(timeout=90_000)
+    expect_every_worker_up_to_date(admin.locator("#vm-progress"), len(workers))
+    # One state for her grant, live, everywhere on the page.
+    expect(admin.locator("#vm-access tr", has_text=email).locator(".badge")).to_have_text("Active")
+    screenshots(admin, shots, "6-nina-added")
+    admin_context.close()
+
+    # Her ssh config and host keys, then plain `ssh tpu5` with her default key.
+    nina.goto("/ssh/")
+    config = _download(nina, "Download config", laptop.path("~/Downloads"))
+    known = _download(nina, "Download known_hosts", laptop.path("~/Downloads"))
+    card = nina.locator("section", has=nina.get_by_role("link", name="Download config"))
+    commands = card.locator("pre").first.inner_text()
+    assert config.name in commands and known.name in commands
+    installed = laptop.shell(commands)
+    assert installed.returncode == 0, (commands, installed.stderr)
+    result = laptop.ssh("tpu5", "id -un; hostname")
+    assert result.returncode == 0, result.stderr
+    first = fleet.exec(workers[0].name, ["hostname"]).stdout.decode().strip()
+    assert result.stdout.split() == ["nina", first]
+
+    # Step 4's job, from tpu5's page; every worker's log has its part of the psum.
+    nina.goto(vm_url)
+    form = nina.locator("#job-run")
+    form.get_by_label("Command", exact=True).fill(job_command)
+    form.get_by_label("Python environment", exact=True).fill("~/venv")
+    form.get_by_role("button", name="Queue on tpu5", exact=True).click()
+    nina.wait_for_url(re.compile(r"/jobs/\d+/$"))
+    for index in range(len(workers)):
+        expect(nina.locator(f"#job-log-{index}")).to_contain_text(
+            f"worker {index} of {len(workers)} psum over {len(workers)} devices = "
+            f"{float(len(workers))}",
+            timeout=120_000,
+        )
+    expect(nina.locator("#job-state .badge")).to_have_text("Succeeded", timeout=60_000)
+    screenshots(nina, shots, "7-job")
+    nina_context.close()
