@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -13,6 +13,8 @@ from tpus.remote.errors import RemoteError
 from tpus.remote.ssh import ScriptResult, Worker
 
 Data = bytes | str | Callable[[Worker], bytes | str]
+# How often ``Sessions.begin`` asks whether to give up while workers have not answered.
+GIVE_UP_LOOK_SECONDS = 0.5
 
 
 @dataclass
@@ -111,11 +113,16 @@ class Sessions:
         then: str | scripts.Script,
         *,
         dry_run: bool | None = None,
+        give_up: Callable[[], bool] | None = None,
     ) -> Held:
         """Run ``first`` on every worker in parallel, each in one exec that then waits
         for the word to run ``then`` (``ssh.Connection.begin``). The Held answer has
         every worker's first outcome; its ``go`` runs ``then`` everywhere, and leaving
-        its ``with`` block without ``go`` stops every worker with nothing more done."""
+        its ``with`` block without ``go`` stops every worker with nothing more done.
+
+        ``give_up`` is asked about twice a second while workers have not answered;
+        once it says yes, the connections are closed (each worker's exec sees the end
+        of its stdin and does nothing more) and those workers' outcomes are errors."""
         first, then = _script(first), _script(then)
 
         def one(worker: Worker):
@@ -128,7 +135,16 @@ class Sessions:
             except RemoteError as exc:
                 return WorkerOutcome(worker, error=exc), None
 
-        answers = self._map(one, self.workers)
+        if give_up is None or self.pool is None:
+            answers = self._map(one, self.workers)
+        else:
+            futures = {self.pool.submit(one, worker): worker for worker in self.workers}
+            while pending := wait(futures, timeout=GIVE_UP_LOOK_SECONDS).not_done:
+                if give_up():
+                    for future in pending:
+                        self.connections[id(futures[future])].interrupt()
+                    break
+            answers = [future.result() for future in futures]
         return Held(self, [o for o, _ in answers], [s for _, s in answers], then)
 
     def _map(self, one, chosen):

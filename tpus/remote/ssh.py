@@ -163,6 +163,14 @@ class Connection:
             self.client.close()
             self.client = None
 
+    def interrupt(self) -> None:
+        """From another thread: end the run in progress (it raises RemoteError, and its
+        exec on the host sees the end of its stdin). The next run connects anew."""
+        client = self.client
+        transport = client.get_transport() if client is not None else None
+        if transport is not None:
+            transport.close()
+
     def run(
         self, script: Script, data: bytes = b"", *, dry_run: bool | None = None
     ) -> ScriptResult:
@@ -230,7 +238,9 @@ class Connection:
                 retryable=False,
                 worker=str(worker),
             )
-        if self.client is None:
+        transport = self.client.get_transport() if self.client is not None else None
+        if transport is None or not transport.is_active():
+            self.close()
             self.client = _connect(worker, cfg)
         return cfg
 

@@ -208,10 +208,11 @@ class _Hosts:
         remote = [r for w in chosen for r in self.remote if self.model[id(r)] is w]
         return self.sessions.run(script, self.payload(data), only=remote)
 
-    def begin(self, first: str, data, then: str) -> Held:
+    def begin(self, first: str, data, then: str, *, give_up=None) -> Held:
         """``first`` on every worker, each held until ``go`` runs ``then`` (give it
-        ``payload(data)``) or the ``with`` block is left without it."""
-        return self.sessions.begin(first, self.payload(data), then)
+        ``payload(data)``) or the ``with`` block is left without it. ``give_up``: see
+        ``Sessions.begin``."""
+        return self.sessions.begin(first, self.payload(data), then, give_up=give_up)
 
     def payload(self, data):
         """Data for the door: a function of the model worker, of the remote one."""
@@ -301,10 +302,14 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
             )
         )
 
+    def cancelled() -> bool:
+        return Job.objects.filter(pk=job.pk, cancel_requested_at__isnull=False).exists()
+
     # The pre-flight and the start are one exec per worker: each worker answers its
     # checks and waits; only when every worker passed does each get the word to start.
-    # Leaving this block otherwise (a failed check, a cancel, an error) stops them all.
-    with hosts.begin("job-preflight.sh", preflight, "job-start.sh") as held:
+    # Leaving this block otherwise (a failed check, a cancel, an error) stops them all;
+    # a cancel while workers still check stops waiting for them at once.
+    with hosts.begin("job-preflight.sh", preflight, "job-start.sh", give_up=cancelled) as held:
         return _judge_and_start(job, vm, workers, hosts, held, report)
 
 
@@ -328,8 +333,9 @@ def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, re
     _record_holders(vm, reports)
     rows.update(_rows(reports, judged))
     job.preflight = {str(i): rows[i] for i in sorted(rows)}
-    # A cancel asked for while the workers ran their checks: nothing starts.
-    if _ended_by_cancel(job, job.preflight, report):
+    # A cancel asked for while the workers ran their checks: nothing starts. (The
+    # workers that had not answered were cut off by it: only the others' rows stay.)
+    if _ended_by_cancel(job, {str(i): rows[i] for i in sorted(reports)}, report):
         return True
     if unreachable and len(unreachable) == len(failures):
         # Only workers that could not be reached: wait for them.

@@ -444,6 +444,49 @@ def test_a_cancel_while_the_workers_run_the_checks_ends_the_job_before_it_starts
         assert settled(jobs_pod, host, seen) == seen
 
 
+# Answers, but only after a while: a pre-flight still running when the cancel comes.
+SLOW = f"""#!/bin/sh
+case "$*" in *importlib*) sleep 6; echo "{VERSIONS}"; exit 0 ;; esac
+exec /usr/bin/python3 "$@"
+"""
+
+
+def test_a_cancel_while_the_workers_still_check_stops_the_pass_waiting_for_them(
+    jobs_pod, django_capture_on_commit_callbacks, monkeypatch
+):
+    from tpus.remote import fanout
+
+    before = [processes(jobs_pod, h) for h in jobs_pod.hosts]
+    python = fake_python(jobs_pod, "slow", SLOW)
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"],
+                 python=python)  # fmt: skip
+    after = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"])
+    real_wait, answered = fanout.wait, []
+
+    def wait(futures, timeout=None):
+        if not answered:  # the workers are in their checks: the owner cancels now
+            with django_capture_on_commit_callbacks(execute=False):
+                answered.append(jobs.cancel_job(job, jobs_pod.milo).state)
+        return real_wait(futures, timeout=timeout)
+
+    monkeypatch.setattr(fanout, "wait", wait)
+    began = time.monotonic()
+    report = job_engine.advance(jobs_pod.vm.pk)
+    job.refresh_from_db()
+    assert answered == [JobState.CANCELLING]
+    assert job.state == JobState.CANCELLED and job.reason == "Cancelled before it started."
+    # The pass did not wait for the slow checks (6 s) to end it, and the next job in
+    # line started in the same pass, over new connections.
+    assert report.ended[0] == job.pk and report.started == [after.pk]
+    assert time.monotonic() - began < 5
+    for host in jobs_pod.hosts:
+        assert job.host_id not in sh(jobs_pod, host, "ls /var/lib/tpu-portal/jobs/ || true")
+    drive(jobs_pod.vm, after, lambda j: j.has_ended, timeout=30)
+    # The cut-off pre-flights end by themselves once their probe is done.
+    for host, seen in zip(jobs_pod.hosts, before, strict=True):
+        assert settled(jobs_pod, host, seen, timeout=20) == seen
+
+
 # --- before anything is queued ----------------------------------------------------------
 
 

@@ -322,3 +322,34 @@ def test_a_first_step_that_fails_reports_it_and_leaves_nothing_waiting(
             [second] = held.go(b"")
     assert first.error.kind == RemoteError.SCRIPT and not first.error.retryable
     assert second.error is first.error
+
+
+def test_a_first_step_given_up_on_stops_waiting_for_the_slow_hosts_only(
+    fleet, fleet_settings, fleet_hosts
+):
+    hosts = fleet_hosts(2)
+    marker = f"/tmp/second-{time.monotonic_ns()}"
+    # Host 0 answers at once, host 1 only after 5 s.
+    slow = Script("slow.sh", b'set -eu\n[ "$(hostname)" != "' + hosts[1].hostname.encode()
+                  + b'" ] || sleep 5\necho answered=1\n')  # fmt: skip
+    second = Script("touches.sh", f"set -eu\ntouch {marker}\necho touched=1\n".encode())
+    calls = []
+
+    def give_up() -> bool:
+        calls.append(time.monotonic())
+        return True
+
+    with Sessions([worker_for(fleet, h) for h in hosts]) as sessions:
+        began = time.monotonic()
+        with sessions.begin(slow, b"", second, give_up=give_up) as held:
+            took = time.monotonic() - began
+            fast, cut = held.first
+        assert took < 3 and calls, took
+        assert fast.ok and fast.result.values["answered"] == "1"
+        assert cut.error is not None and cut.error.retryable
+        # The cut connection is made anew by the next run on it.
+        again = sessions.run("whoami.sh", b"")
+    assert all(o.ok for o in again), [str(o.error) for o in again]
+    time.sleep(0.3)
+    for host in hosts:
+        assert fleet.exec(host.name, ["test", "-e", marker], check=False).returncode != 0
