@@ -47,11 +47,13 @@ def _keys(lines: list[str]) -> list[dict]:
 
 
 def host_key_state(worker) -> str:
-    """``alarm``: provisioning stopped because the worker presented (or the Cloud TPU
-    API published) another key; ``unpinned``: no keys confirmed yet, so the portal
-    does not connect; ``pinned``: the portal connects with its pinned keys."""
+    """``alarm``: provisioning stopped because the worker presented another key;
+    ``published_alarm``: the Cloud TPU API publishes another key, for an admin to
+    review, while the worker (which presents its pinned key) is still provisioned;
+    ``unpinned``: no keys confirmed yet, so the portal does not connect; ``pinned``:
+    the portal connects with its pinned keys."""
     if worker.host_key_mismatch_at is not None:
-        return "alarm"
+        return "published_alarm" if worker.host_key_alarm_published else "alarm"
     return "pinned" if worker.is_pinned else "unpinned"
 
 

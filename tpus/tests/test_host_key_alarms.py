@@ -64,3 +64,22 @@ def test_a_member_cannot_resume_a_worker(client, cast, alarmed):
     assert client.post(url, HTTP_AUTHORIZATION=f"Bearer {token}").status_code == 403
     alarmed.refresh_from_db()
     assert alarmed.host_key_mismatch_at is not None
+
+
+def test_the_api_tells_an_alarm_that_stops_a_worker_from_one_about_published_keys(
+    client, cast, alarmed
+):
+    token = create_token(cast.admin, "t")[1]
+    vm = alarmed.vm.pk
+    progress = f"/api/v1/labs/{cast.lab.slug}/vms/{vm}/progress"
+    keys = f"/api/v1/labs/{cast.lab.slug}/vms/{vm}/workers/0/host-keys"
+
+    def state() -> str:
+        auth = {"HTTP_AUTHORIZATION": f"Bearer {token}"}
+        [worker] = client.get(progress, **auth).json()["workers"]
+        assert client.get(keys, **auth).json()["state"] == worker["host_keys"]
+        return worker["host_keys"]
+
+    assert state() == "alarm"
+    Worker.objects.filter(pk=alarmed.pk).update(host_key_alarm_published=True)
+    assert state() == "published_alarm"
