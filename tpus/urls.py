@@ -1,6 +1,6 @@
 from django.urls import path
 
-from tpus.views import connect, grants, hostkeys, inventory, jobs, labs, ssh
+from tpus.views import connect, grants, hostkeys, inventory, jobs, labs, provisioning, ssh
 
 urlpatterns = [
     path("", labs.dashboard, name="dashboard"),
@@ -56,6 +56,13 @@ urlpatterns = [
     path("ssh/feed/<str:token>/known_hosts", ssh.ssh_feed_known_hosts, name="ssh_feed_known_hosts"),
     path("labs/<slug:slug>/vms/", inventory.vm_list, name="vm_list"),
     path("labs/<slug:slug>/vms/import/", inventory.vm_import, name="vm_import"),
+    path("labs/<slug:slug>/vms/new/", provisioning.vm_create, name="vm_create"),
+    path("labs/<slug:slug>/allowances/", provisioning.allowance_set, name="allowance_set"),
+    path(
+        "labs/<slug:slug>/vm-requests/<int:request_id>/cancel/",
+        provisioning.vm_request_cancel,
+        name="vm_request_cancel",
+    ),
     path("labs/<slug:slug>/vms/register/", inventory.vm_register, name="vm_register"),
     path("labs/<slug:slug>/vms/sync/", inventory.vm_sync, name="vm_sync"),
     path("labs/<slug:slug>/vms/search/", grants.vm_search, name="vm_search"),

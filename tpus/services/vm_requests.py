@@ -112,6 +112,96 @@ def check_allowance(lab: Lab, accelerator_type: str, provisioning: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class AllowanceUse:
+    generation: str
+    provisioning: str
+    chips: int
+    used: int
+
+    @property
+    def left(self) -> int:
+        return max(0, self.chips - self.used)
+
+
+def allowance_use(lab: Lab) -> list[AllowanceUse]:
+    """Each of the lab's allowances with the chips it holds against it now."""
+    return [
+        AllowanceUse(
+            a.generation, a.provisioning, a.chips, holding(lab, a.generation, a.provisioning)
+        )
+        for a in LabAllowance.objects.filter(lab=lab)
+    ]
+
+
+ALLOWANCE_SITE_ADMIN_ONLY = (
+    "Only a site admin sets what a lab may hold: it comes from the lab's TPU grant."
+)
+GENERATIONS = ("v2", "v3", "v4", "v5litepod", "v5p", "v6e")
+
+
+def set_allowance(
+    site_admin, lab: Lab, generation: str, provisioning: str, chips: int, *, request=None
+):
+    """How many chips of a generation and kind the lab may hold at once; 0 removes the
+    allowance. Site admins only (it is what the lab's TPU grant says)."""
+    if not getattr(site_admin, "is_site_admin", False):
+        raise PermissionDenied(ALLOWANCE_SITE_ADMIN_ONLY)
+    errors = {}
+    if generation not in GENERATIONS:
+        errors["generation"] = [f"Choose one of {', '.join(GENERATIONS)}."]
+    if provisioning not in Provisioning.values:
+        errors["provisioning"] = ["Choose on-demand, spot or preemptible."]
+    if not isinstance(chips, int) or not 0 <= chips <= 100_000:
+        errors["chips"] = ["A number of chips, 0 to 100000 (0 removes the allowance)."]
+    if errors:
+        raise ValidationError(errors)
+    with transaction.atomic():
+        if chips == 0:
+            LabAllowance.objects.filter(
+                lab=lab, generation=generation, provisioning=provisioning
+            ).delete()
+        else:
+            LabAllowance.objects.update_or_create(
+                lab=lab, generation=generation, provisioning=provisioning, defaults={"chips": chips}
+            )
+        audit.record(
+            AuditAction.ALLOWANCE_SET,
+            actor=site_admin,
+            lab=lab,
+            summary=f"{chips} {provisioning} {generation} chips"
+            if chips
+            else f"no {provisioning} {generation} chips",
+            data={"generation": generation, "provisioning": provisioning, "chips": chips},
+            request=request,
+        )
+
+
+@dataclass(frozen=True)
+class Offered:
+    """What each of the lab's zones offers, as the API lists it, and the zones that
+    could not be read (with why)."""
+
+    zones: dict[str, dict[str, list[str]]]
+    errors: dict[str, str]
+
+
+def offered(lab: Lab) -> Offered:
+    zones, errors = {}, {}
+    if not lab.gcp_project_id:
+        return Offered({}, {})
+    client = cloud_tpu()
+    for zone in lab.zones:
+        try:
+            zones[zone] = {
+                "types": client.accelerator_types(lab.gcp_project_id, zone),
+                "versions": client.runtime_versions(lab.gcp_project_id, zone),
+            }
+        except CloudError as exc:
+            errors[zone] = str(exc)
+    return Offered(zones, errors)
+
+
 # --- asking ---------------------------------------------------------------------------
 
 

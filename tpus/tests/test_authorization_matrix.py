@@ -24,7 +24,7 @@ def _urls(cast):
     from accounts.models import User
     from accounts.services import create_token
     from accounts.tests.keydata import ECDSA_384, ED25519
-    from tpus.models import DataDisk, Grant, Membership, TpuVm, Worker
+    from tpus.models import DataDisk, Grant, Membership, TpuVm, VmRequest, Worker
     from tpus.models.inventory import DiskOperation
     from tpus.services.labs import create_invite
 
@@ -43,6 +43,14 @@ def _urls(cast):
     grant = Grant.objects.create(user=cast.member, vm=vm, state="failed")
     operation = DiskOperation.objects.create(disk=disk, vm=vm, action="attach")
     job = _ended_job(vm, cast.member)
+    vm_request = VmRequest.objects.create(
+        lab=cast.lab,
+        name="tpu7",
+        zone="us-central1-f",
+        accelerator_type="v4-8",
+        runtime_version="tpu-ubuntu2204-base",
+        state="failed",
+    )
     jobs = f"labs/{lab}/vms/{vm.pk}/jobs/{job.pk}"
     token, _ = create_token(cast.admin, "admin's token")
     key = add_key(cast.member, ED25519, "member's laptop")
@@ -313,6 +321,25 @@ def _urls(cast):
             "get",
             reverse("vm_import", args=[lab]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "vm_create",
+            "get",
+            reverse("vm_create", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "vm_request_cancel",
+            "post",
+            reverse("vm_request_cancel", args=[lab, vm_request.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            # Only a site admin sets what the lab may hold (its TPU grant says so).
+            "allowance_set",
+            "post",
+            reverse("allowance_set", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, FORBIDDEN, REDIRECT],
         ),
         (
             "vm_register",
