@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.requirements import need
@@ -74,3 +75,24 @@ def new_key(laptop: Laptop) -> str:
         check=True,
     )
     return path.with_suffix(".pub").read_text().strip()
+
+
+class ClientLaptop(Laptop):
+    """A laptop where programs of this checkout's Python run too (the ``tpu`` client):
+    when that Python lives in the real home (pyenv under /root), it is bind-mounted
+    read-only at the same place in the laptop's home, and nothing else of the real
+    home is seen."""
+
+    _ENTER_WITH_PYTHON = (
+        'mkdir -p "$0/$3" && mount --bind -o ro "$1/$3" "$0/$3" && '
+        'mount --rbind "$0" "$1" && cd "$2" && shift 3 && exec "$@"'
+    )
+
+    def _argv(self, args: list[str], cwd: str) -> list[str]:
+        base, home = Path(sys.base_prefix), Path(self.real_home)
+        if not base.is_relative_to(home):
+            return super()._argv(args, cwd)
+        inside = str(base.relative_to(home))
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                self._ENTER_WITH_PYTHON, str(self.root), self.real_home, cwd, inside,
+                *args]  # fmt: skip

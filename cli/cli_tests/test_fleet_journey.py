@@ -12,10 +12,14 @@ VM's passes, Celery beat polls the jobs, and the workers run real JAX (the CPU b
 from __future__ import annotations
 
 import json
+import queue
 import re
 import shlex
+import signal
 import stat
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +30,7 @@ from accounts.keys import add_key
 from accounts.services import create_token, revoke_token
 from accounts.unix import choose_username
 from testfleet.fixtures import add_fleet_node, give_lab_key
-from tests.laptop import Laptop, new_key
+from tests.laptop import ClientLaptop, new_key
 from tests.requirements import need
 from tests.test_journey_access import worker_env  # noqa: F401 (a fixture)
 from tests.test_journey_jobs import beat  # noqa: F401 (a fixture)
@@ -39,26 +43,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.fleet]
 PROJECT, ZONE = "vision-lab-1", "us-central1-f"
 TPU = str(Path(sys.executable).parent / "tpu")
 XLA = "XLA_FLAGS=--xla_force_host_platform_device_count=4"
-
-
-class ClientLaptop(Laptop):
-    """Milo's laptop, where the client's own Python can run: when that Python lives in
-    the real home (pyenv under /root), it is bind-mounted at the same place in the
-    laptop's home, read-only, and nothing else of the real home is seen."""
-
-    _ENTER = (
-        'mkdir -p "$0/$3" && mount --bind -o ro "$1/$3" "$0/$3" && '
-        'mount --rbind "$0" "$1" && cd "$2" && shift 3 && exec "$@"'
-    )
-
-    def _argv(self, args, cwd):
-        base = Path(sys.base_prefix)
-        home = Path(self.real_home)
-        if not base.is_relative_to(home):
-            return super()._argv(args, cwd)
-        inside = str(base.relative_to(home))
-        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", self._ENTER,
-                str(self.root), self.real_home, cwd, inside, *args]  # fmt: skip
 
 
 @dataclass
@@ -113,6 +97,29 @@ def scene(
     with transaction.atomic():
         row, token = create_token(milo, "laptop")
     return Scene(laptop, live_server.url, token, hosts, fleet_username, milo, row)
+
+
+def _login(scene) -> None:
+    _ok(scene.laptop.run(["sh", "-c", f"printf '%s\\n' {scene.token} | {TPU} login "
+                          f"--with-token {scene.url}"], cwd=scene.laptop.real_home))  # fmt: skip
+
+
+def _lines(stream) -> queue.Queue:
+    found: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [found.put(line) for line in stream], daemon=True).start()
+    return found
+
+
+def _wait_for(lines: queue.Queue, text: str, timeout: float = 120) -> list:
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            seen.append(lines.get(timeout=1))
+        except queue.Empty:
+            continue
+        if text in seen[-1]:
+            return seen
+    raise AssertionError(f"no {text!r} in {seen}")
 
 
 def _ok(result):
@@ -208,3 +215,61 @@ def test_milo_runs_his_code_on_every_worker_of_a_pod_from_his_laptop(scene, flee
     ended = scene.tpu("ls")
     assert ended.returncode == 3
     assert f"Your sign-in to {scene.url} has ended; run `tpu login` again." in ended.stderr
+
+
+def test_milo_syncs_through_worker_0_detaches_cancels_follows_again_and_signs_out(scene):
+    from accounts.models import ApiToken
+    from tpus.models import Job
+
+    laptop, home = scene.laptop, scene.laptop.real_home
+    _login(scene)
+    _ok(scene.tpu("config", "install"))
+
+    # --sync via-worker0: the laptop sends to worker 0, which sends to the others as
+    # milo (his agent forwarded), checking their pinned host keys.
+    work = laptop.path("~/proj2")
+    work.mkdir()
+    for n in range(5):
+        (work / f"f{n}.txt").write_text(f"file {n} on every worker\n")
+    line = (f"ssh-add -q ~/.ssh/id_ed25519 && {TPU} run tpu5 --workdir proj2 --sync via-worker0 "
+            "--venv ~/jax -- cat f3.txt")  # fmt: skip
+    relayed = _ok(laptop.run(["ssh-agent", "sh", "-c", line], cwd=home, timeout=240))
+    for index in range(4):
+        assert f"(w{index}) file 3 on every worker" in relayed.stdout, relayed
+    assert "Synced from worker 0 to 3 worker(s): 15 file copies" in relayed.stderr
+
+    # Ctrl-C detaches; the job goes on.
+    follow = laptop.start([TPU, "run", "tpu5", "--venv", "~/jax", "--", "sh", "-c",
+                           "echo start; sleep 300"], cwd=home)  # fmt: skip
+    try:
+        _wait_for(_lines(follow.stdout), "(w3) start")
+        follow.send_signal(signal.SIGINT)
+        assert follow.wait(timeout=30) == 130
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    said = follow.stderr.read()
+    number = re.search(r"Detached; job (\d+) goes on\. Follow it again: tpu logs -f \1", said)
+    assert number, said
+    job = Job.objects.get(pk=int(number.group(1)))
+    assert job.state == "running"
+
+    # Cancel it, follow it again to its end: the whole log, then a non-zero exit.
+    cancelled = _ok(scene.tpu("cancel", str(job.pk)))
+    assert f"Job {job.pk} on vision/tpu5: cancel" in cancelled.stderr
+    again = scene.tpu("logs", "-f", str(job.pk), timeout=120)
+    assert again.returncode == 1, again
+    assert "(w0) start" in again.stdout and f"Job {job.pk} cancelled" in again.stderr
+    one = _ok(scene.tpu("logs", str(job.pk), "--worker", "2"))
+    assert one.stdout == "start\n"
+    listed = json.loads(_ok(scene.tpu("jobs", "tpu5", "--json")).stdout)
+    assert {j["id"]: j["state"] for j in listed}[job.pk] == "cancelled"
+    [report] = json.loads(_ok(scene.tpu("usage", "--json")).stdout)
+    assert report["lab"] == "vision" and report["jobs"] >= 1
+
+    # Signing out revokes the token on the portal and forgets it here.
+    gone = _ok(scene.tpu("logout"))
+    assert "the token is revoked" in gone.stderr
+    assert ApiToken.objects.get(pk=scene.token_row.pk).revoked_at is not None
+    assert not laptop.path("~/.config/tpu-portal/credentials.json").exists()
+    assert scene.tpu("ls").returncode == 3

@@ -17,11 +17,15 @@ ENDED = ("succeeded", "failed", "cancelled", "lost", "rejected")
 WAITING = ("queued", "blocked")
 _HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 
-# Waits for the job's folder (a job that starts a moment later), then prints the log
-# from its first byte and follows it until the job's supervisor has ended.
+# Waits for the job's supervisor and log (a job that starts a moment later), then
+# prints the log from its first byte and follows it until the supervisor has ended; a
+# job that has ended already (its `exit` is there) is printed whole.
 _TAIL = (
     "d=/var/lib/tpu-portal/jobs/{id}; i=0; "
-    'while [ ! -s "$d/supervisor" ] && [ $i -lt 600 ]; do sleep 0.2; i=$((i+1)); done; '
+    'while {{ [ ! -s "$d/supervisor" ] || [ ! -e "$d/log" ]; }} && [ ! -e "$d/exit" ] '
+    "&& [ $i -lt 600 ]; do sleep 0.2; i=$((i+1)); done; "
+    '[ -e "$d/log" ] || exit 3; '
+    '[ ! -e "$d/exit" ] || exec cat "$d/log"; '
     'read -r sup _ < "$d/supervisor" || exit 3; '
     'exec tail -c +1 -s 0.2 -F --pid="$sup" "$d/log" 2>/dev/null'
 )
@@ -183,9 +187,8 @@ class Follow:
         show = len(self.tailers) > 1
         started = {p["index"] for p in job.get("parts", []) if p.get("started_at")}
         for index, tailer in self.tailers.items():
-            stopped = tailer.proc.poll() is None
             tailer.stop()
-            if tailer.printed or stopped or tailer.proc.returncode == 0 or index not in started:
+            if tailer.printed or index not in started:
                 continue
             try:
                 print_whole_log(self.api, self.path, index, remote.label_for(index, show))

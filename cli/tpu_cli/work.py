@@ -43,6 +43,15 @@ def remote_folder(local: Path) -> str:
         return local.name
 
 
+def worker_path(path: str) -> str:
+    """A path on the workers as the person meant it: a shell that expanded ``~/venv``
+    to this machine's home gets it back as ``~/venv`` (the workers' home)."""
+    mine = str(paths.home())
+    if path == mine or path.startswith(mine.rstrip("/") + "/"):
+        return "~" + path[len(mine.rstrip("/")) :]
+    return path
+
+
 # --- run ------------------------------------------------------------------------------
 
 
@@ -69,7 +78,7 @@ def run(args) -> int:
     if local is not None:
         folder = remote_folder(local)
         sync(vm, local, folder, args.sync)
-    body = {"args": command, "cwd": folder, "python": args.venv or "", "env": env,
+    body = {"args": command, "cwd": folder, "python": worker_path(args.venv or ""), "env": env,
             "time_limit_minutes": args.time_limit, "notify": args.notify}  # fmt: skip
     job = session.api.post(f"{vm.api_path}/jobs", body)
     session.remember_job(job, vm)
@@ -129,7 +138,8 @@ def _report_sync(results, hosts, local, folder, seconds) -> None:
                        + "\n".join(lines), FAILED)  # fmt: skip
     moved = sorted({len(r.files) for r in results.values()})
     counts = "/".join(str(n) for n in moved)
-    say(f"Synced {local} to ~/{folder} on {len(results)} worker(s): {counts} changed file(s), "
+    where = "worker 0" if list(results) == [0] and len(hosts) > 1 else f"{len(results)} worker(s)"
+    say(f"Synced {local} to ~/{folder} on {where}: {counts} changed file(s), "
         f"{seconds:.1f} s.")  # fmt: skip
     if os.environ.get("TPU_CLI_SHOW_SYNCED"):
         for i, r in sorted(results.items()):

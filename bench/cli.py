@@ -1,0 +1,208 @@
+"""The command-line client on pods of 4 and 32 workers, beside the plain loops a
+person would write:
+
+    sudo-capable root shell, from the repository root (PostgreSQL and Redis running):
+    .venv/bin/python -m bench.cli [--sizes 4,32] [--reps 3]
+
+1. `tpu run VM --workdir W --detach -- sleep 600` with W = 500 files, 50 MB: the
+   first sync (a new folder on the workers) and a re-run after one file changed, from
+   the command's start to the job RUNNING in the database (the client syncs every
+   worker at once, then submits; a real Celery worker runs the job's pass). Beside it,
+   a serial loop from the same laptop: `rsync` of W to each worker in turn, then `ssh`
+   to each worker in turn starting the command (no pre-flight: the loop's figure is a
+   floor for doing it by hand).
+2. `tpu exec VM --worker all true` beside `for w in workers: ssh w true`.
+
+Everything runs as the collaborator from a laptop of his own (tests.laptop: a home of
+its own for the real ssh client), with the ssh config `tpu config install` wrote, a
+live portal (gunicorn on 127.0.0.1) and the sshd fleet; nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import PYTHON, ROOT, machine, median, table
+from bench.jobs import Bench
+
+TPU = str(Path(PYTHON).parent / "tpu")
+FILES, SIZE = 500, 50 * 1024 * 1024
+
+
+class CliBench(Bench):
+    def start(self) -> None:
+        super().start()
+        from django.db import transaction
+
+        from accounts.services import create_token
+        from tests.laptop import ClientLaptop
+
+        self.laptop = ClientLaptop(self.dir / "home")
+        key = self.dir / f"id_{self.user.email.split('@')[0]}"
+        shutil.copy(key, self.laptop.path("~/.ssh/id_ed25519"))
+        with transaction.atomic():
+            _, self.token = create_token(self.user, "bench laptop")
+        self.stack.start_worker()
+        self.stack.start_beat()
+        self.url = self._start_portal()
+        self.tpu_ok("sh", "-c", f"echo {self.token} | {TPU} login --with-token {self.url}")
+        self.tpu_ok(TPU, "config", "install")
+        self.workdir = self.laptop.path("~/work")
+        self.workdir.mkdir()
+        for n in range(FILES):
+            (self.workdir / f"part{n:03d}.bin").write_bytes(os.urandom(SIZE // FILES))
+
+    def _start_portal(self) -> str:
+        from tests.e2e import free_port
+
+        port = free_port()
+        log = open(self.dir / "gunicorn.log", "w")
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "gunicorn", "portal.wsgi", "-b", f"127.0.0.1:{port}", "-w", "2",
+             "--access-logfile", "-"],
+            cwd=ROOT, env={**os.environ, **self.stack.env}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        self.stack.processes.append(("gunicorn", proc, log))
+        url = f"http://127.0.0.1:{port}"
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(url + "/api/v1/openapi.json", timeout=2)
+                return url
+            except httpx.HTTPError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((self.dir / "gunicorn.log").read_text()[-2000:]) from None
+                time.sleep(0.2)
+
+    def tpu_ok(self, *argv: str, timeout: float = 600):
+        done = self.laptop.run(list(argv), cwd=self.laptop.real_home, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{argv}: {done.returncode}\n{done.stdout}\n{done.stderr}")
+        return done
+
+    # --- 1. tpu run ------------------------------------------------------------------------
+
+    def tpu_run(self, size: int, folder: str) -> float:
+        from tpus.models import Job
+        from tpus.services import jobs
+
+        began = time.perf_counter()
+        done = self.tpu_ok(TPU, "run", f"jobs{size}", "--workdir", folder, "--venv", "~/jax",
+                           "--detach", "--json", "--", "sleep", "600")  # fmt: skip
+        job = Job.objects.get(pk=json.loads(done.stdout)["id"])
+        while job.state != "running":
+            if job.has_ended:
+                raise RuntimeError(f"job {job.pk}: {job.state} {job.reason}")
+            time.sleep(0.01)
+            job.refresh_from_db(fields=["state", "reason", "ended_at"])
+        took = time.perf_counter() - began
+        jobs.cancel_job(job, self.user)
+        deadline = time.monotonic() + 120
+        while not job.has_ended and time.monotonic() < deadline:
+            time.sleep(0.2)
+            job.refresh_from_db(fields=["state"])
+        return took
+
+    def serial_run(self, size: int, folder: str) -> float:
+        ssh = "ssh -o BatchMode=yes"
+        hosts = [f"jobs{size}-w{i}" for i in range(size)]
+        local = shlex.quote(str(self.laptop.real_home) + f"/{folder}/")
+        script = "\n".join(
+            [f"rsync -a -e {shlex.quote(ssh)} {local} {h}:{folder}/ || exit 1" for h in hosts]
+            + [f"{ssh} {h} 'cd {folder} && (nohup sleep 1 >/dev/null 2>&1 &)' || exit 1"
+               for h in hosts]
+        )  # fmt: skip
+        began = time.perf_counter()
+        self.tpu_ok("sh", "-c", script)
+        return time.perf_counter() - began
+
+    def touch_one(self, folder: str) -> None:
+        changed = self.laptop.path(f"~/{folder}/part250.bin")
+        changed.write_bytes(os.urandom(SIZE // FILES))
+
+    def part_run(self) -> list[str]:
+        rows = []
+        for size in self.args.sizes:
+            first, again, s_first, s_again = [], [], [], []
+            for rep in range(self.args.reps):
+                for runner, firsts, agains, name in (
+                    (self.tpu_run, first, again, f"tpu{size}r{rep}"),
+                    (self.serial_run, s_first, s_again, f"ser{size}r{rep}"),
+                ):
+                    self.tpu_ok("cp", "-a", str(self.laptop.real_home) + "/work",
+                                str(self.laptop.real_home) + f"/{name}")  # fmt: skip
+                    firsts.append(runner(size, name))
+                    self.touch_one(name)
+                    agains.append(runner(size, name))
+                print(f"  {size} workers, repetition {rep + 1}: tpu {first[-1]:.2f}/"
+                      f"{again[-1]:.2f} s, serial {s_first[-1]:.2f}/{s_again[-1]:.2f} s",
+                      flush=True)  # fmt: skip
+            first_ratio = median(first) / median(s_first)
+            again_ratio = median(again) / median(s_again)
+            rows.append([size, median(first), median(s_first), first_ratio,
+                         median(again), median(s_again), again_ratio])  # fmt: skip
+        headers = ["workers", "tpu run: first sync → running", "serial rsync+ssh", "ratio",
+                   "tpu run: 1 file changed → running", "serial", "ratio"]  # fmt: skip
+        return table(headers, rows)
+
+    # --- 2. tpu exec -----------------------------------------------------------------------
+
+    def part_exec(self) -> list[str]:
+        rows = []
+        for size in self.args.sizes:
+            mine, serial = [], []
+            loop = "; ".join(f"ssh -o BatchMode=yes jobs{size}-w{i} true || exit 1"
+                             for i in range(size))  # fmt: skip
+            for _ in range(self.args.reps):
+                began = time.perf_counter()
+                self.tpu_ok(TPU, "exec", f"jobs{size}", "--worker", "all", "--", "true")
+                mine.append(time.perf_counter() - began)
+                began = time.perf_counter()
+                self.tpu_ok("sh", "-c", loop)
+                serial.append(time.perf_counter() - began)
+            rows.append([size, median(mine), median(serial), median(mine) / median(serial)])
+        return table(["workers", "tpu exec --worker all true", "serial ssh loop", "ratio"], rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="4,32", help="workers per pod (default 4,32)")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions per size (1..10)")
+    args = parser.parse_args(argv)
+    args.sizes = sorted({int(s) for s in args.sizes.split(",")})
+    args.reps = max(1, min(args.reps, 10))
+    args.poll, args.grace = 1, 2
+    if os.geteuid() != 0:
+        print("the fleet needs root (network namespaces)", file=sys.stderr)
+        return 2
+    bench = CliBench(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        bench.start()
+        print("1. tpu run, first sync and one file changed → running …", flush=True)
+        runs = bench.part_run()
+        print("2. tpu exec on every worker …", flush=True)
+        execs = bench.part_exec()
+        print()
+        print(f"machine: {machine()}")
+        print(f"{FILES} files, {SIZE // 2**20} MB; sizes {args.sizes}; {args.reps} repetitions")
+        print("\n".join(["", *runs, "", *execs]))
+    finally:
+        bench.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
