@@ -45,6 +45,12 @@ class StoppedWorker:
     why: str
 
 
+# Workers whose provisioning is stopped (see ``stopped_workers``), as a filter.
+STOPPED = Q(host_key_mismatch_at__isnull=False, host_key_alarm_published=False) | Q(
+    sync__last_error_retryable=False, sync__last_error__gt=""
+)
+
+
 def stopped_workers(vm: TpuVm) -> list[StoppedWorker]:
     """The workers of ``vm`` whose provisioning is stopped, in one query: one that
     presented a host key other than the pinned one (nothing is sent to it until it
@@ -54,10 +60,7 @@ def stopped_workers(vm: TpuVm) -> list[StoppedWorker]:
     still provisioned."""
     rows = (
         Worker.objects.filter(vm_id=vm.pk)
-        .filter(
-            Q(host_key_mismatch_at__isnull=False, host_key_alarm_published=False)
-            | Q(sync__last_error_retryable=False, sync__last_error__gt="")
-        )
+        .filter(STOPPED)
         .order_by("index")
         .values("index", "host_key_mismatch_at", "host_key_alarm_published", "sync__last_error")
     )

@@ -99,3 +99,14 @@ def test_a_worker_that_is_only_unreachable_for_now_is_not_called_stopped(client,
     )
     admin, live, member = _pages(client, cast, tpu5)
     assert "Provisioning stopped" not in admin and "cannot set up" not in member
+
+
+def test_the_vm_list_marks_a_vm_with_a_stopped_worker(client, cast, tpu5):
+    client.force_login(cast.admin)
+    url = reverse("vm_list", args=[cast.lab.slug])
+    assert "provisioning stopped" not in client.get(url).content.decode()
+    _presented_alarm(tpu5)
+    _failed_for_good(tpu5)  # the same worker: counted once
+    page = client.get(url).content.decode()
+    assert '<span class="badge failed">Ready</span>' in page
+    assert "provisioning stopped on 1 worker<" in page

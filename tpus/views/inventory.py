@@ -32,7 +32,7 @@ from tpus.services import (
     sync_health,
 )
 from tpus.services import jobs as job_services
-from tpus.services.hosts import stopped_workers
+from tpus.services.hosts import STOPPED, stopped_workers
 from tpus.services.inventory import InventoryError
 from tpus.views.connect import connection_context
 from tpus.views.grants import grant_summary
@@ -60,6 +60,7 @@ VM_ROW_FIELDS = (
     "missing_since",
     "worker_count",
     "people",
+    "stopped",
 )
 
 
@@ -83,6 +84,7 @@ def vm_list(request, slug):
         directory.vms(lab, **chosen)
         .annotate(
             worker_count=_count(Worker.objects.filter(vm=OuterRef("pk"))),
+            stopped=_count(Worker.objects.filter(STOPPED, vm=OuterRef("pk"))),
             people=_count(Grant.objects.filter(vm=OuterRef("pk"), state__in=WANTED_STATES)),
         )
         .values(*VM_ROW_FIELDS)
