@@ -765,8 +765,9 @@ def check_usage(vm_id: int) -> list[dict] | None:
     for worker, outcome in zip(workers, outcomes, strict=True):
         if not outcome.ok:
             return None
-        found = wire.parse_status(outcome.result.pairs).holders
-        holders += _outside(worker.index, found, own_group=running.get(worker.index))
+        status = wire.parse_status(outcome.result.pairs)
+        disk_mounts.boot_seen(worker, status.boot_id)  # an idle VM's reboot is seen here
+        holders += _outside(worker.index, status.holders, own_group=running.get(worker.index))
     _set_holders(vm, holders)
     return holders
 

@@ -24,7 +24,7 @@ from testfleet.fixtures import add_fleet_node, give_lab_key
 from tpus.cloud import CloudTPU
 from tpus.models import DataDisk, DiskAttachment, Grant, TpuVm
 from tpus.models.inventory import DiskOperation, DiskOperationState
-from tpus.services import disk_mounts, disk_operations, inventory
+from tpus.services import disk_mounts, disk_operations, inventory, job_engine
 from tpus.services.grants import grant_access, revoke_access
 
 pytestmark = pytest.mark.fleet
@@ -321,13 +321,13 @@ def test_a_device_that_appears_after_the_attach_is_mounted_and_again_after_a_reb
     assert "mounted on every worker" in _vm_page(client, scene)
 
     # A reboot: no mount, a fresh /dev, and the device comes back late again. The
-    # portal sees the new boot id (here in a job's status) and looks again.
+    # portal sees the new boot id (here in the scheduled look at who holds an idle
+    # VM's chips, which reads each worker's job status) and looks again.
     scene.fleet.reboot(scene.host.name)
     assert scene.mounted_at(point) == ""
     timer = loop_disk.plug_later(3)
-    worker = scene.vm.workers.get()
     with django_capture_on_commit_callbacks(execute=True):
-        disk_mounts.boot_seen(worker, scene.sh("cat /proc/sys/kernel/random/boot_id").strip())
+        assert job_engine.check_usage(scene.vm.pk) == []
 
     assert "waiting for the device" in _vm_page(client, scene)
     _until(lambda: scene.mounted_at(point), 30, "the disk was not mounted again", beat=beat)
