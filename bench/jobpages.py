@@ -112,11 +112,14 @@ def usage_lab() -> dict:
 
 def add_jobs(lab: dict, first: int, count: int, tag: str, *, live: bool) -> None:
     """``count`` ended jobs with their parts, numbered from ``first``; with ``live``,
-    one running and four queued per VM too. Then ANALYZE, as autovacuum would have."""
+    one running and four queued per VM too. Then the ended ones are counted into the
+    per-day usage rows (as the job poll does when they end) and ANALYZE runs, as
+    autovacuum would have."""
     from django.db import connection
     from django.utils import timezone
 
     from tpus.models import Job
+    from tpus.services import usage
 
     now = timezone.now()
     members = lab["members"]
@@ -151,6 +154,7 @@ def add_jobs(lab: dict, first: int, count: int, tag: str, *, live: bool) -> None
                 for q in range(4)
             ]
         _with_parts(jobs, workers)
+    usage.count_all_ended_jobs()
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
 

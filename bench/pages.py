@@ -1,14 +1,14 @@
 """Every page and API list of a big lab, alone and under 32 concurrent clients.
 
 Builds a lab through the models with bulk_create on a throw-away PostgreSQL database
-(5,000 users, 500 TPU VMs with about 4,000 workers, 5,000 grants, 20,000 IP changes,
-50,000 audit events by default), runs gunicorn with the production settings on
-loopback, signs in over HTTP (the lab admin with a TOTP code computed by allauth's own
-helpers), and prints per page: the median of single requests one after another, p50
-and p95 with 32 clients at once, the response size, the queries the page makes
-(counted in this process with Django's test client and CaptureQueriesContext on the
-same database, not by the server), and the page's p95 over the p95 of
-``/api/v1/me/grants`` in the same run.
+(5,000 users, 500 TPU VMs with about 4,000 workers, 5,000 grants, 5,000 jobs in the last
+30 days, 20,000 IP changes, 50,000 audit events by default), runs gunicorn with the
+production settings on loopback, signs in over HTTP (the lab admin with a TOTP code
+computed by allauth's own helpers), and prints per page: the median of single requests
+one after another, p50 and p95 with 32 clients at once, the response size, the queries
+the page makes (counted in this process with Django's test client and
+CaptureQueriesContext on the same database, not by the server), and the page's p95 over
+the p95 of ``/api/v1/me/grants`` in the same run.
 
     .venv/bin/python -m bench.pages            # full scale, ~5 min
     .venv/bin/python -m bench.pages --small    # a 1/20 lab, a quick check
@@ -132,6 +132,7 @@ def build_lab(scale: float) -> dict:
             for u, v in sorted(pairs)
         ]
     )
+    n_jobs, counted_in = add_jobs(rng, vms, sorted(pairs), int(5000 * scale), now)
     target_workers = [w for w in workers if w.vm_id == target.pk]
     IpChange.objects.bulk_create(
         [
@@ -170,7 +171,8 @@ def build_lab(scale: float) -> dict:
     seconds = time.monotonic() - started
     print(
         f"Built the lab in {seconds:.1f} s: {len(users)} users, {len(vms)} TPU VMs with "
-        f"{len(workers)} workers, {len(pairs)} grants, {n_ips} IP changes, "
+        f"{len(workers)} workers, {len(pairs)} grants, {n_jobs} jobs in the last 30 days "
+        f"(counted into the per-day usage rows in {counted_in:.1f} s), {n_ips} IP changes, "
         f"{n_audit} audit events.\n"
     )
     return {
@@ -182,6 +184,44 @@ def build_lab(scale: float) -> dict:
         "member_membership": Membership.objects.get(lab=lab, user=member).pk,
         "totp_secret": secret,
     }
+
+
+def add_jobs(rng: random.Random, vms, pairs, count: int, now) -> tuple[int, float]:
+    """``count`` jobs over the last 30 days by people with access, on the VMs they may
+    use (a pod's job on all 32 workers): most ended, one running on every tenth VM, a
+    few queued. Then the ended ones are counted into the per-day usage rows, as the
+    job poll does as they end. Returns the jobs made and the seconds the count took."""
+    from tpus.models import Job
+    from tpus.services import usage
+
+    workers = {vm.pk: 32 if vm.accelerator_type == "v4-256" else 1 for vm in vms}
+    jobs = []
+    for i in range(count):
+        user_id, vm_id = pairs[rng.randrange(len(pairs))]
+        ended = now - timedelta(seconds=rng.uniform(60, 30 * 86400))
+        started = ended - timedelta(seconds=rng.uniform(600, 8 * 3600))
+        state = rng.choice(["succeeded"] * 8 + ["failed", "cancelled"])
+        jobs.append(Job(user_id=user_id, vm_id=vm_id, host_id=f"bench-{i}", state=state,
+                        args=["python3", "train.py", f"--seed={i}"], queued_at=started,
+                        begun_at=started, started_at=started, ended_at=ended, changed_at=ended,
+                        worker_count=workers[vm_id]))  # fmt: skip
+    granted = {vm_id: user_id for user_id, vm_id in pairs}
+    for n, vm in enumerate(vms[::10]):
+        user_id = granted.get(vm.pk)
+        if user_id is None:
+            continue
+        started = now - timedelta(minutes=rng.uniform(5, 300))
+        jobs.append(Job(user_id=user_id, vm_id=vm.pk, host_id=f"bench-run-{n}",
+                        state="running", args=["python3", "train.py"], queued_at=started,
+                        begun_at=started, started_at=started, changed_at=started,
+                        worker_count=workers[vm.pk]))  # fmt: skip
+        for q in range(n % 3):
+            jobs.append(Job(user_id=user_id, vm_id=vm.pk, host_id=f"bench-q-{n}-{q}",
+                            args=["python3", "train.py"], queued_at=now))  # fmt: skip
+    Job.objects.bulk_create(jobs, batch_size=5000)
+    began = time.monotonic()
+    usage.count_all_ended_jobs()
+    return len(jobs), time.monotonic() - began
 
 
 def host_keys(rng: random.Random) -> list[str]:
@@ -209,6 +249,8 @@ def pages(lab: dict) -> list[tuple[str, str, str]]:
         ("member", "api keys", "/api/v1/keys"),
         ("member", "api tokens", "/api/v1/tokens"),
         ("member", "api ip-history (member)", f"/api/v1/labs/{s}/vms/{mvm}/ip-history"),
+        ("member", "lab usage (member)", f"/labs/{s}/usage/"),
+        ("member", "api labs/{slug}/usage (member)", f"/api/v1/labs/{s}/usage"),
         ("admin", "dashboard (admin)", "/"),
         ("admin", "lab page (admin)", f"/labs/{s}/"),
         ("admin", "lab admin page", f"/labs/{s}/admin/"),
@@ -225,6 +267,10 @@ def pages(lab: dict) -> list[tuple[str, str, str]]:
         ("admin", "api labs/{slug}/vms", f"/api/v1/labs/{s}/vms"),
         ("admin", "api labs/{slug}/disks", f"/api/v1/labs/{s}/disks"),
         ("admin", "api ip-history, 32 workers", f"/api/v1/labs/{s}/vms/{vm}/ip-history"),
+        ("admin", "lab usage (admin)", f"/labs/{s}/usage/"),
+        ("admin", "api labs/{slug}/usage", f"/api/v1/labs/{s}/usage"),
+        ("admin", "api labs/{slug}/usage/people", f"/api/v1/labs/{s}/usage/people"),
+        ("admin", "api labs/{slug}/usage/now", f"/api/v1/labs/{s}/usage/now"),
     ]
 
 
@@ -408,6 +454,9 @@ def main() -> None:
     parser.add_argument("--each", type=int, help="requests per client per page (default 4)")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per page at most")
     parser.add_argument("--web-workers", type=int, default=4)
+    parser.add_argument(
+        "--only", help="drive only the pages whose name has this text (and the reference)"
+    )
     args = parser.parse_args()
     scale = args.scale or (0.05 if args.small else 1.0)
     each = args.each or (2 if args.small else 4)
@@ -417,6 +466,8 @@ def main() -> None:
         stack.setup_django()
         lab = build_lab(scale)
         rows = pages(lab)
+        if args.only:
+            rows = [rows[0], *(row for row in rows[1:] if args.only in row[1])]
         queries = count_queries(lab, rows)
         port = free_port()
         start_gunicorn(stack, port, args.web_workers)
