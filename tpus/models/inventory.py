@@ -65,6 +65,11 @@ class VmSource(models.TextChoices):
     CREATED = "created", "Created by the portal"
 
 
+# VMs the Cloud TPU API knows: it lists them, and their metadata and disks can be
+# changed through it (not so for a VM registered by hand).
+API_SOURCES = (VmSource.IMPORTED, VmSource.CREATED)
+
+
 class DiskMode(models.TextChoices):
     READ_ONLY = "READ_ONLY", "Read-only"
     READ_WRITE = "READ_WRITE", "Read-write"

@@ -80,7 +80,7 @@ def _check(admin, vm: TpuVm) -> None:
             "admin's choice), not with a key of its own, so there is nothing to connect: "
             "the site-wide key's account must already be on the VM."
         )
-    if vm.source != VmSource.IMPORTED:
+    if vm.source == VmSource.MANUAL:
         raise ConnectError(
             f"{vm.name} was registered by hand, so the portal cannot change its metadata "
             "through the Cloud TPU API. Add the lab's key to the VM yourself (see below)."

@@ -193,3 +193,27 @@ def send_job_email(job_id: int) -> None:
                 "path": reverse("job_detail", args=[job.vm.lab.slug, job.vm_id, job.pk]),
             },
         )
+
+
+def send_vm_back(vm_id: int) -> None:
+    """A VM kept alive is up again after Google took it back: one message to each
+    person with access, who can log in as before (the same name in their config)."""
+    from tpus.models import TpuVm
+    from tpus.models.grants import GrantState
+
+    vm = TpuVm.objects.select_related("lab").filter(pk=vm_id).first()
+    if vm is None:
+        return
+    workers = list(vm.workers.order_by("index"))
+    for grant in vm.grants.filter(state=GrantState.ACTIVE).select_related("user"):
+        mail.send("vm_back", [grant.user.email], {"vm": vm, "lab": vm.lab, "workers": workers})
+
+
+def send_vm_request_failed(request_id: int) -> None:
+    """A request for a TPU VM failed: the lab's admins hear why, once."""
+    from tpus.models import VmRequest
+
+    made = VmRequest.objects.select_related("lab").filter(pk=request_id).first()
+    if made is None or made.state != "failed":
+        return
+    mail.send("vm_request_failed", admin_emails(made.lab), {"request": made, "lab": made.lab})

@@ -404,7 +404,7 @@ def check_attach(disk: DataDisk, vm: TpuVm, mode: str) -> None:
         raise InventoryError("Choose read-only or read-write.")
     if disk.lab_id != vm.lab_id or disk.zone != vm.zone:
         raise InventoryError(f"{disk.name} is in {disk.zone}; it can only attach to VMs there.")
-    if vm.source != VmSource.IMPORTED:
+    if vm.source == VmSource.MANUAL:
         raise InventoryError(
             f"{vm.name} was registered by hand; the portal cannot attach disks to it."
         )

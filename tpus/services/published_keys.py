@@ -26,7 +26,7 @@ from django.utils import timezone
 from tpus.cloud import CloudError, host_key_line
 from tpus.cloud.config import cloud_tpu
 from tpus.models import TpuVm, Worker
-from tpus.models.inventory import VmSource
+from tpus.models.inventory import API_SOURCES
 from tpus.services.hostkey_alarms import raise_alarm
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def vms_to_check(candidates: Iterable[int], due: Iterable[int]) -> list[int]:
     ``due`` for a reason, those a reconcile asked about, and the slow pass's share."""
     pinned = Worker.objects.exclude(host_keys=[]).values("vm_id")
     eligible = TpuVm.objects.filter(
-        pk__in=list(candidates), source=VmSource.IMPORTED, missing_since=None
+        pk__in=list(candidates), source__in=API_SOURCES, missing_since=None
     ).filter(pk__in=pinned)
     asked = Worker.objects.filter(published_keys_recheck=True).values("vm_id")
     wanted = set(eligible.filter(pk__in=list(due)).values_list("pk", flat=True))

@@ -21,7 +21,7 @@ from portal import audit
 from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, IpChange, Lab, Worker
-from tpus.models.inventory import NodeHealth, NodeState, TpuVm, VmSource
+from tpus.models.inventory import API_SOURCES, NodeHealth, NodeState, TpuVm
 from tpus.services import ipchanges, published_keys, sync_health
 from tpus.services.inventory import apply_node
 
@@ -75,7 +75,7 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
     """Write only what changed: an unchanged VM costs no query beyond the shared
     ``last_seen_at`` update, so a poll stays cheap as the lab grows."""
     now = timezone.now()
-    vms = TpuVm.objects.filter(lab=lab, zone=zone, source=VmSource.IMPORTED)
+    vms = TpuVm.objects.filter(lab=lab, zone=zone, source__in=API_SOURCES)
     seen = []
     for vm in vms.prefetch_related("workers"):
         node = nodes.get(vm.name)

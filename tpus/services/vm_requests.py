@@ -26,8 +26,8 @@ from tpus import access, queue
 from tpus.cloud import CloudError, NodeInfo, NodeRequest
 from tpus.cloud.config import cloud_tpu
 from tpus.cloud.sshkeys import KeyLine
-from tpus.models import AuditAction, Lab, TpuVm
-from tpus.models.inventory import NodeState, validate_node_name
+from tpus.models import AuditAction, Lab, TpuVm, Worker
+from tpus.models.inventory import HostKeySource, NodeState, validate_node_name
 from tpus.models.provisioning import (
     OPEN_REQUEST_STATES,
     LabAllowance,
@@ -36,7 +36,7 @@ from tpus.models.provisioning import (
     VmRequestState,
     chips_of,
 )
-from tpus.services import connect, inventory, leases
+from tpus.services import connect, emails, inventory, leases
 from tpus.services.labkeys import lab_key
 
 log = logging.getLogger(__name__)
@@ -385,6 +385,8 @@ def _send(made: VmRequest) -> None:
     project = made.lab.gcp_project_id
     now = timezone.now()
     try:
+        if made.vm_id is not None:
+            _clear_leftovers(made)
         if made.queued:
             cloud_id = made.cloud_id or f"{made.name}-{made.pk}"
             # Recorded before the call: a worker that dies after it never asks twice.
@@ -417,11 +419,74 @@ def _send(made: VmRequest) -> None:
 
 
 def follow_open() -> int:
-    """The periodic pass: every sent request that is still open gets a look."""
+    """The periodic pass: VMs kept alive that Google took back are asked for again,
+    then every open request gets a look."""
+    bring_back()
     ids = list(VmRequest.objects.filter(state__in=OPEN_REQUEST_STATES).values_list("pk", flat=True))
     for request_id in ids:
         queue.send_vm_request(request_id)
     return len(ids)
+
+
+# --- keep alive -----------------------------------------------------------------------
+
+
+def bring_back() -> list[VmRequest]:
+    """Each VM kept alive that Google preempted, terminated or deleted gets a new
+    queued request of the same name, type, version and kind (its own row, by the
+    portal). When it is up, ``_arrived`` restores everything on it."""
+    gone = (
+        VmRequest.objects.filter(state=VmRequestState.READY, keep_alive=True, vm__isnull=False)
+        .filter(Q(vm__state__in=NOT_HOLDING) | Q(vm__missing_since__isnull=False))
+        .select_related("vm", "lab")
+    )
+    revived = []
+    for old in gone:
+        with transaction.atomic():
+            # The keep-alive duty moves to the new request, so the next pass skips this one.
+            if not VmRequest.objects.filter(pk=old.pk, keep_alive=True).update(keep_alive=False):
+                continue
+            try:
+                with transaction.atomic():
+                    again = VmRequest.objects.create(
+                        lab=old.lab,
+                        name=old.name,
+                        zone=old.zone,
+                        accelerator_type=old.accelerator_type,
+                        runtime_version=old.runtime_version,
+                        provisioning=old.provisioning,
+                        queued=True,
+                        keep_alive=True,
+                        vm=old.vm,
+                    )
+            except IntegrityError:  # someone asked for that name already
+                continue
+            why = "deleted" if old.vm.missing_since else old.vm.get_state_display().lower()
+            audit.record(
+                AuditAction.VM_REQUESTED,
+                lab=old.lab,
+                summary=f"{old.name} in {old.zone} again: it was {why} and is kept alive",
+                data={"request": again.pk, "after": old.pk, "vm": old.vm_id},
+            )
+            queue.send_vm_request(again.pk)
+        revived.append(again)
+    return revived
+
+
+def _clear_leftovers(made: VmRequest) -> None:
+    """Before a kept-alive VM is asked for again: what Google still has of its last
+    life (the preempted node, a suspended or failed queued resource of it) is deleted,
+    or the new request could not take the name."""
+    client = cloud_tpu()
+    project = made.lab.gcp_project_id
+    for info in client.list_queued_resources(project, made.zone):
+        if info.node_id == made.name and info.name != made.cloud_id:
+            client.delete_queued_resource(project, made.zone, info.name, with_node=True)
+    try:
+        client.delete_node(project, made.zone, made.name)
+    except CloudError as exc:
+        if exc.code != "NOT_FOUND":
+            raise
 
 
 def _follow(made: VmRequest) -> None:
@@ -467,9 +532,17 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
     """A node is there: once READY, put it in the lab, connected, pinned, reconciled."""
     if node.state != NodeState.READY or not all(w.external_ip for w in node.workers):
         return
+    if made.vm_id is not None:
+        # The VM is made anew: its workers have new host keys, as a new VM does. That is
+        # expected here, not an alarm: the pins are dropped and taken again from what
+        # the new workers publish, before anyone has a shell on them. (A changed key on
+        # a VM that was not made anew still stops provisioning and alerts the admins.)
+        forget_host_keys(made.vm)
     vm = inventory.register_created(made.lab, node, requested_by=made.requested_by)
     with transaction.atomic():
         connect.wait_for_workers(vm, made.requested_by)
+        if made.vm_id is not None:
+            emails.send_vm_back(vm.pk)
         VmRequest.objects.filter(pk=made.pk).update(
             state=VmRequestState.READY, vm=vm, ready_at=timezone.now(), changed_at=timezone.now()
         )
@@ -479,6 +552,22 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
             summary=f"{vm.name} ({vm.accelerator_type}, {vm.workers.count()} workers) is up",
             data={"request": made.pk, "vm": vm.pk},
         )
+
+
+def forget_host_keys(vm: TpuVm) -> None:
+    Worker.objects.filter(vm=vm).update(
+        host_keys=[],
+        host_keys_source=HostKeySource.NONE,
+        host_keys_pinned_at=None,
+        host_keys_pinned_by=None,
+        host_key_mismatch_at=None,
+        presented_host_key="",
+        host_key_alarm_published=False,
+        host_key_alerted_at=None,
+        published_host_keys=[],
+        published_keys_checked_at=None,
+        published_keys_recheck=False,
+    )
 
 
 def _set(made: VmRequest, state: str, **fields) -> None:
@@ -492,6 +581,7 @@ def _fail(made: VmRequest, code: str, text: str) -> None:
             state=VmRequestState.FAILED, error_code=code, error=text, changed_at=timezone.now()
         )
         if updated:
+            emails.send_vm_request_failed(made.pk)
             audit.record(
                 AuditAction.VM_REQUEST_FAILED,
                 lab=made.lab,

@@ -11,7 +11,7 @@ import pytest
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.utils import timezone
 
-from tpus.models import AuditEvent, LabAllowance, TpuVm, VmConnection, VmRequest
+from tpus.models import AuditEvent, LabAllowance, TpuVm, VmConnection, VmRequest, Worker
 from tpus.services import vm_requests
 from tpus.services.vm_requests import VmSpec
 
@@ -182,3 +182,75 @@ def test_a_waiting_request_is_cancelled_at_google_too(cast, lab, tpu_emulator):
 def test_a_name_the_lab_has_or_asked_for_is_refused(cast, lab, tpu_emulator):
     TpuVm.objects.create(lab=lab, name="tpu5", zone=ZONE, source="manual")
     assert "already has a TPU VM named tpu5" in refusal(cast, lab, tpu_emulator)["name"][0]
+
+
+def _kept_alive_vm(cast, lab, tpu_emulator):
+    from tpus.models import Grant
+
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True, keep_alive=True))
+    vm_requests.send(made.pk)
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    Grant.objects.create(user=cast.member, vm=vm, state="active")
+    return made, vm
+
+
+def test_a_kept_alive_vm_that_google_preempts_comes_back_as_itself(cast, lab, tpu_emulator):
+    from portal.models import OutboxMessage
+    from tpus.services import sync
+
+    made, vm = _kept_alive_vm(cast, lab, tpu_emulator)
+    keys_before = {w.index: w.host_keys for w in vm.workers.all()}
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    vm.refresh_from_db()
+    assert vm.state == "PREEMPTED"
+
+    vm_requests.follow_open()
+    again = VmRequest.objects.exclude(pk=made.pk).get()
+    assert (again.name, again.queued, again.keep_alive, again.vm_id) == ("tpu5", True, True, vm.pk)
+    assert again.requested_by is None  # the portal asked, not a person
+    vm_requests.follow_open()  # the next pass does not ask twice
+    assert VmRequest.objects.count() == 2
+
+    vm_requests.send(again.pk)
+    again.refresh_from_db()
+    assert again.state == "ready"
+    vm.refresh_from_db()
+    assert vm.state == "READY" and TpuVm.objects.filter(lab=lab).count() == 1
+    workers = list(vm.workers.all())
+    # New host keys, pinned from what the new workers publish, and no alarm.
+    assert all(w.is_pinned and not w.host_key_mismatch_at for w in workers)
+    assert {w.index: w.host_keys for w in workers} != keys_before
+    assert vm.grants.get(user=cast.member).state == "active"
+    back = OutboxMessage.objects.filter(kind="vm_back")
+    assert [m.to for m in back] == [cast.member.email]
+    assert "tpu5 is back" in back[0].subject
+    # The next sync sees a node made anew and finds its published keys as pinned.
+    report = sync.sync_inventory([lab])
+    assert not Worker.objects.filter(vm=vm, host_key_mismatch_at__isnull=False).exists()
+    assert report is not None
+
+
+def test_a_vm_not_kept_alive_stays_preempted(cast, lab, tpu_emulator):
+    from tpus.services import sync
+
+    made, vm = _kept_alive_vm(cast, lab, tpu_emulator)
+    VmRequest.objects.filter(pk=made.pk).update(keep_alive=False)
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    assert vm_requests.bring_back() == []
+    assert VmRequest.objects.count() == 1
+
+
+def test_the_admins_are_told_when_a_request_fails(cast, lab, tpu_emulator):
+    from portal.models import OutboxMessage
+
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+    vm_requests.send(made.pk)
+    made.refresh_from_db()
+    tpu_emulator.controls.fail_request(made.cloud_id, "RESOURCE_EXHAUSTED", "Quota exceeded.")
+    vm_requests.send(made.pk)
+    [message] = OutboxMessage.objects.filter(kind="vm_request_failed")
+    assert message.to == cast.admin.email
+    assert "Quota exceeded." in message.body
