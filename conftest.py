@@ -38,6 +38,15 @@ def _fresh_cache():
     _clear_cache()
 
 
+@pytest.fixture(autouse=True)
+def _outbox_first_attempts_unpaused(monkeypatch):
+    """A failed first delivery attempt pauses the next ones in its process for a sweep
+    interval (``portal.outbox``); each test starts with them tried at once."""
+    from portal import outbox
+
+    monkeypatch.setattr(outbox, "_first_attempts_paused_until", 0.0)
+
+
 @pytest.fixture
 def tpu_emulator(tmp_path, settings):
     """A Cloud TPU API emulator on a free 127.0.0.1 port with an empty lab.

@@ -26,6 +26,7 @@ import datetime as dt
 import logging
 import random
 import smtplib
+import time
 
 from django.conf import settings
 from django.core.mail import EmailMultiAlternatives
@@ -87,7 +88,16 @@ def enqueue(
     return message
 
 
+# After an attempt timed out, this process leaves new messages to the sweep for one
+# sweep interval instead of trying each at once: a server that hangs would hold the
+# request, reconcile or job pass that wrote them for EMAIL_TIMEOUT per message. (A
+# refusal or a closed port answers at once and pauses nothing.)
+_first_attempts_paused_until = 0.0
+
+
 def _first_attempt(pk: int, lease: dt.datetime) -> None:
+    if time.monotonic() < _first_attempts_paused_until:
+        return  # the sweep sends it once the writer's lease runs out
     try:
         message = _claim(pk, lease)
         if message is not None:
@@ -169,9 +179,13 @@ def send_due(limit: int = SWEEP_LIMIT) -> int:
 
 def attempt(message: OutboxMessage) -> bool:
     """Hand a claimed message to the SMTP server and record what happened."""
+    global _first_attempts_paused_until
     try:
         _as_email(message).send()
     except Exception as exc:
+        # smtplib reports a silent server as "disconnected", caused by the timeout.
+        if isinstance(exc, TimeoutError) or isinstance(exc.__context__, TimeoutError):
+            _first_attempts_paused_until = time.monotonic() + settings.PORTAL_MAIL_SWEEP_SECONDS
         if not isinstance(exc, smtplib.SMTPException | OSError):
             logger.exception("outbox message %s could not be sent", message.pk)
         _record_failure(message, _describe(exc), permanent=_is_permanent(exc))

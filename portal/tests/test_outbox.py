@@ -243,3 +243,36 @@ def test_a_message_rendered_elsewhere_keeps_its_html_alternative(
     [sent] = mail.outbox
     assert sent.body == "plain text" and sent.from_email == "Portal <p@x.example>"
     assert sent.alternatives[0][0] == "<p>html</p>"
+
+
+@pytest.fixture
+def smtp_hanging(settings):
+    """An SMTP server that accepts connections and never says a word."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)  # never accepted: the kernel completes the handshake, then silence
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    settings.EMAIL_HOST, settings.EMAIL_PORT = server.getsockname()
+    settings.EMAIL_USE_TLS = settings.EMAIL_USE_SSL = False
+    settings.EMAIL_TIMEOUT = 1
+    yield server
+    server.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_after_a_timed_out_attempt_new_messages_wait_for_the_sweep_instead_of_the_server(
+    settings, smtp_hanging
+):
+    _send("milo@uni.example")
+    _send("ada@uni.example")  # not tried: the server just hung
+    attempts = dict(OutboxMessage.objects.values_list("to", "attempts"))
+    assert attempts == {"milo@uni.example": 1, "ada@uni.example": 0}
+    assert "timed out" in OutboxMessage.objects.get(to="milo@uni.example").last_error
+    settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+    _age(outbox.FIRST_ATTEMPT_LEASE.total_seconds() + 1)
+    sweep()  # the server is back: both go out, once each
+    assert sorted(m.to[0] for m in mail.outbox) == ["ada@uni.example", "milo@uni.example"]
+    sweep()
+    assert len(mail.outbox) == 2
