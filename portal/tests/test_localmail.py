@@ -149,3 +149,14 @@ def test_local_settings_print_and_keep_mail_and_quiet_periodic_tasks(monkeypatch
     local = _local_settings()
     assert local.EMAIL_BACKEND == "django.core.mail.backends.smtp.EmailBackend"
     assert "celery.beat" not in local.LOGGING["loggers"]
+
+
+def test_in_local_mode_the_password_reset_page_says_where_the_email_went(
+    client, db, local_mail, make_user
+):
+    make_user("milo@uni.example")
+    body = client.post(
+        reverse("account_reset_password"), {"email": "milo@uni.example"}, follow=True
+    ).content.decode()
+    assert "sends no email: the message was printed on the console" in body
+    assert "spam" not in body
