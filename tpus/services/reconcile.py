@@ -307,6 +307,11 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
     for worker, outcome in zip(reachable, outcomes, strict=True):
         if outcome.ok:
             result = outcome.result
+            never_sent = _version_never_sent(vm_id, result.values.get("stale", ""))
+            if never_sent:
+                report.failed[worker.index] = never_sent
+                _record(worker, version, error=never_sent, retryable=False)
+                continue
             answer = {
                 "values": result.values,
                 "user_error": result.all("user_error"),
@@ -341,6 +346,25 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             "retryable": report.retryable,
             "failed": report.failed,
         },
+    )
+
+
+def _version_never_sent(vm_id: int, stale: str) -> str:
+    """Why a worker's "stale" answer cannot be believed ("" when it can): it says it
+    holds a newer version of the VM's state than this run's, which is fine when another
+    run sent it, but a version the portal never made means someone with root on the
+    worker wrote the file, and taking the answer would let them skip every change
+    (a revoke of their own account included) while the portal counts it applied."""
+    if not stale:
+        return ""
+    current = TpuVm.objects.values_list("desired_version", flat=True).get(pk=vm_id)
+    if stale.isdigit() and int(stale) <= current:
+        return ""
+    return (
+        f"the worker says it holds version {stale[:20]} of the VM's desired state, which "
+        f"the portal never sent (it is at {current}): someone with root there changed "
+        "/var/lib/tpu-portal/version. Nothing was applied; remove that file on the "
+        "worker, then retry."
     )
 
 

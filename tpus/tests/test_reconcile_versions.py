@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from tpus.remote.desired import DesiredState, encode
+from tpus.tests.test_provisioning import pod  # noqa: F401 (the fixture)
 from tpus.tests.test_reconcile_script import _uids, new_name, state, target, user  # noqa: F401
 
 pytestmark = pytest.mark.fleet
@@ -113,3 +114,36 @@ def test_the_encoder_puts_the_version_on_the_third_line():
         "range 30000 59999",
         "version vm7-123 42",
     ]
+
+
+def test_a_version_planted_on_a_worker_by_root_there_fails_the_revoke_instead_of_skipping_it(
+    pod,  # noqa: F811
+    django_capture_on_commit_callbacks,
+):
+    from tpus.models import Grant, Worker
+    from tpus.services.grants import grant_access, revoke_access
+    from tpus.services.reconcile import series
+
+    with django_capture_on_commit_callbacks(execute=True):
+        [grant] = grant_access(pod.admin, pod.lab, pod.milo, [pod.vm], sudo=True)
+    assert Grant.objects.get(pk=grant.pk).state == "active"
+    # A sudoer on worker 1 plants a version far ahead, hoping to skip their revoke.
+    planted = f"{series(pod.vm)} 999999\n"
+    pod.fleet.exec(pod.hosts[1].name, ["sh", "-c", "cat > /var/lib/tpu-portal/version"],
+                   input=planted.encode())  # fmt: skip
+
+    with django_capture_on_commit_callbacks(execute=True):
+        revoke_access(pod.admin, Grant.objects.get(pk=grant.pk))
+
+    grant.refresh_from_db()
+    assert grant.state == "revoking"  # never counted as done
+    sync = Worker.objects.get(vm=pod.vm, index=1).sync
+    assert "never sent" in sync.last_error and not sync.last_error_retryable
+    name = pod.fresh(pod.milo).unix_account.username
+
+    def password_field(host) -> str:
+        out = pod.fleet.exec(host.name, ["getent", "shadow", name]).stdout.decode()
+        return out.split(":")[1]
+
+    assert password_field(pod.hosts[0]) == "!*"  # locked where the version was honest
+    assert password_field(pod.hosts[1]) == "*"  # skipped there, and the portal says so
