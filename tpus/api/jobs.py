@@ -127,11 +127,17 @@ def _sees_all_of(job: Job, context) -> bool:
     request = context["request"]
     if job.user_id == request.user.pk:
         return True
-    known = request.__dict__.setdefault("_job_lab_admin", {})
+    known = _admin_of_labs(request)
     lab_id = job.vm.lab_id
     if lab_id not in known:
         known[lab_id] = access.admin_labs(request.user).filter(pk=lab_id).exists()
     return known[lab_id]
+
+
+def _admin_of_labs(request) -> dict[int, bool]:
+    """Whether the viewer administers a lab, by lab id, as far as the request knows
+    (an endpoint that has asked already says so here: no query more)."""
+    return request.__dict__.setdefault("_job_lab_admin", {})
 
 
 class JobPartOut(Schema):
@@ -282,7 +288,9 @@ def list_jobs(
     lab = access.get_member_lab(request.user, slug)
     vm = access.get_vm_for_viewer(request.user, lab, vm_id)
     jobs = Job.objects.filter(vm=vm).select_related("vm", "user__unix_account")
-    if not access.is_lab_admin(request.user, lab):
+    is_admin = access.is_lab_admin(request.user, lab)
+    _admin_of_labs(request)[lab.pk] = is_admin
+    if not is_admin:
         jobs = jobs.filter(Q(user=request.user) | Q(state__in=[*WAITING_STATES, *ACTIVE_STATES]))
     state = parse_choice(state, JobState, "state")
     if state:
