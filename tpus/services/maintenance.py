@@ -7,11 +7,11 @@ from __future__ import annotations
 import datetime as dt
 
 from django.conf import settings
-from django.db.models import F, Min, Q
+from django.db.models import Exists, F, Min, OuterRef, Q
 from django.utils import timezone
 
 from tpus import queue
-from tpus.models import Grant, TpuVm
+from tpus.models import DiskAttachment, Grant, TpuVm
 from tpus.models.grants import GrantState
 from tpus.services import (
     connect,
@@ -24,8 +24,9 @@ from tpus.services import (
 
 
 def vms_to_reconcile() -> list[int]:
-    """VMs with grants still in flight, workers behind the desired version, or no full
-    reconcile for a while (drift check)."""
+    """VMs with grants still in flight, workers behind the desired version (whatever
+    the change), or, when they hold grants or disks, never reconciled or not for a
+    while (drift check)."""
     in_flight = Grant.objects.filter(
         Q(state__in=(GrantState.PENDING, GrantState.REVOKING))
         # Failed on a worker in a way the host may get over (a local account in the
@@ -33,16 +34,21 @@ def vms_to_reconcile() -> list[int]:
         | Q(state=GrantState.FAILED, retry_at__lte=timezone.now())
     ).values_list("vm_id", flat=True)
     stale_before = timezone.now() - dt.timedelta(seconds=settings.PORTAL_DRIFT_CHECK_SECONDS)
+    # Something to keep right on the workers: people's accounts, or mounted disks.
+    kept = Exists(Grant.objects.filter(vm=OuterRef("pk"))) | Exists(
+        DiskAttachment.objects.filter(vm=OuterRef("pk"))
+    )
     behind = (
-        TpuVm.objects.filter(grants__isnull=False, missing_since=None)
+        TpuVm.objects.filter(missing_since=None)
         .annotate(
             oldest=Min("workers__sync__applied_version"),
             last_ok=Min("workers__sync__last_success_at"),
         )
         .filter(
-            Q(oldest__isnull=True)
-            | Q(oldest__lt=F("desired_version"))
-            | Q(last_ok__lt=stale_before)
+            # A change not applied yet, whatever it was (a disk mounted or unmounted on
+            # a VM nobody has access to, the last grant gone): its task may be lost.
+            Q(oldest__lt=F("desired_version"))
+            | (kept & (Q(oldest__isnull=True) | Q(last_ok__lt=stale_before)))
         )
         .values_list("pk", flat=True)
     )

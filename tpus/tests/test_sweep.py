@@ -6,7 +6,7 @@ import datetime as dt
 
 from django.utils import timezone
 
-from tpus.models import Grant, TpuVm, Worker, WorkerSync
+from tpus.models import DataDisk, DiskAttachment, Grant, TpuVm, Worker, WorkerSync
 from tpus.services.maintenance import vms_to_reconcile
 
 
@@ -34,3 +34,27 @@ def test_the_sweep_finds_stuck_behind_and_stale_vms_only(cast):
     found = set(vms_to_reconcile())
     assert found == {pending.pk, behind.pk, stale.pk}
     assert quiet.pk not in found
+
+
+def test_a_disk_change_on_a_vm_nobody_has_access_to_is_swept_up_too(cast):
+    def bare(name, *, desired, applied):
+        vm = TpuVm.objects.create(
+            lab=cast.lab,
+            name=name,
+            zone="us-central1-f",
+            source="imported",
+            desired_version=desired,
+        )
+        worker = Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.1")
+        if applied is not None:
+            WorkerSync.objects.create(worker=worker, applied_version=applied)
+        return vm
+
+    with_disk = bare("with-disk", desired=2, applied=1)
+    disk = DataDisk.objects.create(lab=cast.lab, name="scratch", zone="us-central1-f")
+    DiskAttachment.objects.create(disk=disk, vm=with_disk)
+    last_grant_gone = bare("last-grant-gone", desired=4, applied=3)  # unmount or revoke owed
+    never_used = bare("never-used", desired=0, applied=None)  # nothing to keep right
+    found = set(vms_to_reconcile())
+    assert {with_disk.pk, last_grant_gone.pk} <= found
+    assert never_used.pk not in found
