@@ -32,6 +32,7 @@ from tpus.models.inventory import (
     DiskOperationState,
     NodeState,
     TpuVm,
+    VmSource,
 )
 from tpus.services import inventory, leases
 from tpus.services.hosts import hosts_must_change
@@ -49,7 +50,7 @@ def request_operation(
     elif action == DiskOperation.Action.DETACH:
         if disk.lab_id != vm.lab_id:
             raise InventoryError("That disk and VM belong to different labs.")
-        if vm.source != "imported":
+        if vm.source == VmSource.MANUAL:
             raise InventoryError(
                 f"{vm.name} was registered by hand; the portal cannot change its disks."
             )

@@ -342,3 +342,12 @@ def test_the_api_shows_a_detach_waiting_for_the_workers(scene, mounted, client):
     [listed] = [d for d in client.get("/api/v1/labs/vision/disks").json()["items"]
                 if d["name"] == "imagenet"]  # fmt: skip
     assert listed["attachments"] == [{"vm": "tpu1", "mode": "READ_ONLY", "state": "detaching"}]
+
+
+def test_a_disk_of_a_vm_the_portal_created_is_detached_like_any_other(scene, mounted):
+    TpuVm.objects.filter(pk=scene.vm.pk).update(source="created")
+    scene.vm.refresh_from_db()
+
+    operation = _detach(scene, mounted)
+
+    assert operation.state == DiskOperationState.UNMOUNTING
