@@ -13,6 +13,8 @@ Examples::
     python -m testfleet stop          # every host stopped; the next `up` boots the same ones
     python -m testfleet teardown
     python -m testfleet agent --emulator-state var/tpu-emulator.json   # guest agent
+    python -m testfleet offer --emulator-state var/tpu-emulator.json h5 h6 h7 h8
+    python -m testfleet renew h5      # a new machine: empty /etc and homes, new host keys
 """
 
 from __future__ import annotations
@@ -69,6 +71,15 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "stop", help="stop every host but keep addresses, keys and homes for the next up"
     )
+    renew = sub.add_parser(
+        "renew", help="a new machine at the same address: empty /etc and homes, new host keys"
+    )
+    renew.add_argument("host")
+    offer = sub.add_parser(
+        "offer", help="offer hosts to the emulator as the machines new TPU VMs are made of"
+    )
+    offer.add_argument("--emulator-state", required=True, help="the emulator's state file")
+    offer.add_argument("hosts", nargs="+")
     sub.add_parser("teardown", help="remove every process, namespace, link and file")
     agent = sub.add_parser(
         "agent", help="apply emulated nodes' ssh-keys metadata to their hosts, as the guest agent"
@@ -128,6 +139,13 @@ def _dispatch(fleet: Fleet, args) -> int:
         fleet.start(args.host)
     elif command == "rekey":
         print("\n".join(fleet.rekey(args.host)))
+    elif command == "renew":
+        print("\n".join(fleet.renew(args.host)))
+    elif command == "offer":
+        from testfleet.guestagent import offer_hosts
+        from tpus.emulator.store import Store
+
+        offer_hosts(fleet, Store(args.emulator_state), args.hosts)
     elif command == "host-keys":
         print("\n".join(fleet.host_keys(args.host)))
     elif command == "exec":

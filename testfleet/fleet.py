@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -365,6 +366,21 @@ class Fleet:
         for kind in hostfs.HOST_KEY_TYPES:
             hostfs.generate_host_key(self.host_dir(name), kind, host.hostname)
         self.reboot(name)
+        return self.host_keys(name)
+
+    def renew(self, name: str) -> list[str]:
+        """The host becomes a new machine at the same address, as when Google makes a
+        TPU VM anew: its /etc and /var layers and homes are emptied (the fleet's admin
+        account only), it gets new host keys and boots again. Returns the new keys."""
+        host = self.host(name)
+        self._stop(host)
+        host_dir = self.host_dir(name)
+        for sub in ("etc", "etc.work", "var", "var.work", "home", "root"):
+            shutil.rmtree(host_dir / sub, ignore_errors=True)
+        hostfs.prepare(host_dir, host.hostname, host.ip, self.admin, self.admin_public_key)
+        for kind in hostfs.HOST_KEY_TYPES:
+            hostfs.generate_host_key(host_dir, kind, host.hostname)
+        self._launch([host])
         return self.host_keys(name)
 
     def _stop(self, host: Host) -> None:

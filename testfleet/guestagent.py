@@ -116,6 +116,33 @@ def apply_once(fleet: Fleet, state: dict, *, skip: dict | None = None) -> AgentP
     return result
 
 
+def offer_hosts(fleet: Fleet, store: Store, names: list[str]) -> None:
+    """Offer fleet hosts to the emulator as the machines new TPU VMs are made of."""
+    from tpus.emulator.controls import Controls
+
+    controls = Controls(store.path)
+    controls.add_hosts(
+        [{"ip": fleet.host(n).ip, "name": n, "host_keys": fleet.host_keys(n)} for n in names]
+    )
+
+
+def renew_released(fleet: Fleet, store: Store) -> list[str]:
+    """Hosts a deleted or preempted node gave back are made new machines (empty /etc
+    and homes, new host keys) and offered again: what Google's fleet does between one
+    VM and the next. Returns the names renewed."""
+    from tpus.emulator.controls import Controls
+
+    controls = Controls(store.path)
+    renewed = []
+    for ip, name in sorted(controls.released_hosts().items()):
+        if name not in fleet.hosts or fleet.host(name).ip != ip:
+            continue
+        keys = fleet.renew(name)
+        controls.add_hosts([{"ip": ip, "name": name, "host_keys": keys}])
+        renewed.append(name)
+    return renewed
+
+
 class GuestAgent:
     """``apply_once`` every ``interval`` seconds in a thread until ``stop()``."""
 
@@ -144,6 +171,8 @@ class GuestAgent:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
+                for name in renew_released(self.fleet, self.store):
+                    self._applied.pop(name, None)
                 apply_once(self.fleet, self.store.read(), skip=self._applied)
             except Exception:  # keep polling, as the real agent does
                 log.exception("guest agent pass failed")
@@ -160,6 +189,9 @@ def run_forever(slot: int, state_file: str | Path, *, interval: float = 1.0, onc
     while True:
         try:
             with Fleet.open(slot) as fleet:
+                for name in renew_released(fleet, store):
+                    applied.pop(name, None)
+                    print(f"{name}: made a new machine (new host keys, empty /etc and homes)")
                 done = apply_once(fleet, store.read(), skip=None if once else applied)
         except SlotBusy:
             done = AgentPass()

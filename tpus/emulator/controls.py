@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from google.cloud import tpu_v2
 
-from tpus.emulator import queued
+from tpus.emulator import hostpool, queued
 from tpus.emulator.store import State, Store
 
 STATES = {s.name for s in tpu_v2.Node.State}
@@ -217,6 +217,14 @@ class Controls:
         with self.store.transaction() as data:
             if name in data["nodes"]:
                 raise ControlError(f"{name} already exists")
+            if not internal_ips and not external_ips and not host_keys:
+                try:
+                    taken = hostpool.take(data, name, count)
+                except LookupError as exc:
+                    raise ControlError(f"no hosts for {name}: {exc}") from None
+                if taken is not None:
+                    internal_ips = external_ips = [ip for ip, _ in taken]
+                    host_keys = {i: keys for i, (_, keys) in enumerate(taken)}
             data["counters"]["node_id"] += 1
             data["nodes"][name] = {
                 "id": 7_000_000_000 + data["counters"]["node_id"],
@@ -321,6 +329,7 @@ class Controls:
             record.update(state="PREEMPTED", health="HEALTH_UNSPECIFIED")
             for worker in record["workers"]:
                 worker["external_ip"] = ""
+            hostpool.release(data, name)  # the machines go back to Google
             owner = queued.request_of_node(data, name)
             if owner is not None:
                 owner[1].update(state="SUSPENDED", state_initiator="SERVICE")
@@ -354,7 +363,35 @@ class Controls:
                 state_initiator="SERVICE",
                 error={"code": code, "message": message},
             )
-            data["nodes"].pop(record.pop("node_name", None), None)
+            hostpool.drop_node(data, record.pop("node_name", None))
+
+    # -- hosts new nodes are made of ---------------------------------------------------
+
+    def add_hosts(self, hosts: Sequence[Mapping[str, Any]]) -> None:
+        """Offer hosts for new nodes: each ``{"ip", "name", "host_keys": ["type
+        base64", …]}``. An address offered again is made free with the keys given (it
+        was made new)."""
+        with self.store.transaction() as data:
+            for host in hosts:
+                ip = _check_ip(host["ip"])
+                keys = {line.split()[0]: line for line in host["host_keys"]}
+                current = hostpool.pool(data).get(ip)
+                if current is not None and current["state"] == hostpool.USED:
+                    raise ControlError(f"{ip} is a worker of {current['node']}")
+                hostpool.pool(data)[ip] = {
+                    "name": host.get("name", ip),
+                    "host_keys": keys,
+                    "state": hostpool.FREE,
+                    "node": None,
+                }
+
+    def released_hosts(self) -> dict[str, str]:
+        """Hosts given back by deleted or preempted nodes: address → name."""
+        return {
+            ip: host["name"]
+            for ip, host in hostpool.pool(self.store.read()).items()
+            if host["state"] == hostpool.RELEASED
+        }
 
     def queued_resources(self) -> dict[str, dict[str, Any]]:
         return dict(queued.requests(self.store.read()))
@@ -374,7 +411,7 @@ class Controls:
     def delete(self, node: str) -> None:
         with self.store.transaction() as data:
             name, _ = find_node(data, node)
-            del data["nodes"][name]
+            hostpool.drop_node(data, name)
 
     # -- metadata and project settings ----------------------------------------------
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from grpc import StatusCode
 
+from tpus.emulator import hostpool
 from tpus.emulator.store import State
 
 ALREADY_EXISTS = StatusCode.ALREADY_EXISTS
@@ -82,6 +83,12 @@ def in_use(state: State, zone: str, accelerator_type: str) -> int:
 
 
 def has_room(state: State, zone: str, accelerator_type: str) -> bool:
+    """Room for one more node of a type in a zone: under its capacity, and with
+    enough free hosts when hosts are offered."""
+    from tpus.emulator.controls import default_workers
+
+    if not hostpool.enough(state, default_workers(accelerator_type)):
+        return False
     limit = capacity(state).get(zone, {}).get(accelerator_type)
     return limit is None or in_use(state, zone, accelerator_type) < limit
 
@@ -375,7 +382,7 @@ class QueuedResourceCalls:
                         f"Queued resource '{request.name}' has node '{node}': delete the node "
                         "first, or delete the queued resource with force.",
                     )
-                del data["nodes"][node]
+                hostpool.drop_node(data, node)
             del requests(data)[request.name]
         project, zone = request.name.split("/")[1], zone_of(request.name)
         return self.operations.start(types, project, zone, request.name, "delete", None)
@@ -389,8 +396,7 @@ class QueuedResourceCalls:
                     f"Queued resource '{request.name}' is {record['state']}; only an active, "
                     "suspended or failed one can be reset.",
                 )
-            node = record.pop("node_name", None)
-            data["nodes"].pop(node, None)
+            hostpool.drop_node(data, record.pop("node_name", None))
             record.update(state="WAITING_FOR_RESOURCES", state_initiator="USER", error=None)
             advance(data, self._provision)
             result = render(types, request.name, record)

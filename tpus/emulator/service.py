@@ -22,7 +22,7 @@ import grpc
 from google.cloud import tpu_v2, tpu_v2alpha1
 from google.longrunning import operations_pb2
 
-from tpus.emulator import queued
+from tpus.emulator import hostpool, queued
 from tpus.emulator.controls import (
     ControlError,
     Controls,
@@ -336,7 +336,7 @@ class TpuEmulator(queued.QueuedResourceCalls):
     def delete_node(self, types, request, context):
         with self.store.transaction() as data:
             self._find(data, request.name)
-            del data["nodes"][request.name]
+            hostpool.drop_node(data, request.name)
         return self._finish(types, request.name, "delete", deleted=True)
 
     def stop_node(self, types, request, context):

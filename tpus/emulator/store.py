@@ -39,6 +39,8 @@ def empty_state() -> State:
         "queued_resources": {},
         # Zone -> accelerator type -> nodes it can hold at once (no entry: no limit).
         "capacity": {},
+        # Address -> a host new nodes can be made of (see hostpool.py).
+        "host_pool": {},
         # Pending injected failures, consumed in order: {"code", "method", "remaining"}.
         "faults": [],
         # Project id -> settings the TPU API does not show, e.g. {"enable_oslogin": true}

@@ -1,0 +1,91 @@
+"""TPU VMs the portal makes, on real hosts: the emulator makes new nodes of the fleet's
+hosts, a queued spot v4-32 in a stockout comes up when capacity is released, connected
+from its creation (the guest agent puts the lab's key on every host from the node's
+metadata) with the hosts' real host keys pinned; preempted and kept alive, it comes
+back on machines made new, with their new keys pinned and no alarm."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from testfleet.guestagent import offer_hosts
+from tpus.models import LabAllowance, TpuVm, VmConnection, VmRequest
+from tpus.services import connect, sync, vm_requests
+from tpus.services.vm_requests import VmSpec
+
+pytestmark = pytest.mark.fleet
+
+PROJECT = "vision-project"
+ZONE = "us-central2-b"
+
+
+@pytest.fixture
+def scene(tpu_emulator, fleet, fleet_hosts, fleet_settings, guest_agent, cast, settings):
+    settings.PORTAL_CONNECT_WAIT_SECONDS = 30
+    settings.PORTAL_CONNECT_POLL_SECONDS = 0.3
+    lab = cast.lab
+    lab.gcp_project_id, lab.zones = PROJECT, [ZONE]
+    lab.save()
+    LabAllowance.objects.create(lab=lab, generation="v4", provisioning="spot", chips=16)
+    hosts = fleet_hosts(4)
+    offer_hosts(fleet, tpu_emulator.controls.store, [h.name for h in hosts])
+    return lab, hosts
+
+
+def _connected(vm: TpuVm) -> VmConnection:
+    connection = VmConnection.objects.get(vm=vm)
+    connect.check_connection(connection.pk, connection.attempt)
+    connection.refresh_from_db()
+    return connection
+
+
+def test_a_queued_spot_pod_comes_up_on_fleet_hosts_connected_and_pinned(
+    scene, cast, tpu_emulator, fleet
+):
+    lab, hosts = scene
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    spec = VmSpec(
+        name="tpu5",
+        zone=ZONE,
+        accelerator_type="v4-32",
+        runtime_version="tpu-ubuntu2204-base",
+        provisioning="spot",
+        queued=True,
+        keep_alive=True,
+    )
+    made = vm_requests.request_vm(cast.admin, lab, spec)
+    vm_requests.send(made.pk)
+    assert VmRequest.objects.get(pk=made.pk).state == "waiting"
+
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", None)
+    vm_requests.send(made.pk)
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    workers = list(vm.workers.order_by("index"))
+    assert sorted(w.external_ip for w in workers) == sorted(h.ip for h in hosts)
+    by_ip = {h.ip: h.name for h in hosts}
+    for worker in workers:  # the hosts' real keys, pinned from the guest attributes
+        assert sorted(worker.host_keys) == sorted(fleet.host_keys(by_ip[worker.external_ip]))
+    assert _connected(vm).state == "connected"
+    first_keys = {w.index: sorted(w.host_keys) for w in workers}
+
+    # Google preempts it; kept alive, it is asked for again and made of new machines.
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    [again] = vm_requests.bring_back()
+    # The guest agent's pass makes the released hosts new machines and offers them again.
+    assert tpu_emulator.controls.released_hosts()
+    deadline = time.monotonic() + 60
+    while tpu_emulator.controls.released_hosts() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not tpu_emulator.controls.released_hosts()
+    vm_requests.send(again.pk)
+    again.refresh_from_db()
+    assert again.state == "ready"
+    vm.refresh_from_db()
+    for worker in vm.workers.all():
+        assert sorted(worker.host_keys) == sorted(fleet.host_keys(by_ip[worker.external_ip]))
+        assert worker.host_key_mismatch_at is None
+        assert sorted(worker.host_keys) != first_keys[worker.index]  # machines made new
+    assert _connected(vm).state == "connected"
