@@ -133,6 +133,21 @@ def test_a_cancel_of_a_job_that_ignores_term_is_done_at_the_grace(host):
     assert 2.0 <= took < 3.5
 
 
+def test_without_cgroup_kill_a_cancel_freezes_the_cgroup_and_kills_every_process(host):
+    """Kernels before 5.14 have no cgroup.kill: here it is hidden behind /dev/null."""
+    job_id = new_job_id()
+    answer = host.start(job_id, f"trap '' TERM; {ESCAPE}; echo ready; while :; do sleep 1; done")
+    host.wait_for(job_id, lambda j: b"ready" in j.log)
+    host.sh(f"mount --bind /dev/null {answer.cgroup}/cgroup.kill")
+    try:
+        (how, lock_free), empty = host.cancel(job_id, grace=1)
+    finally:
+        host.sh(f"umount {answer.cgroup}/cgroup.kill 2>/dev/null || true")
+    assert (how, lock_free, empty) == ("kill", True, True)
+    assert host.processes() == []
+    assert not host.exists(answer.cgroup)
+
+
 def test_the_next_job_waits_while_processes_of_the_last_outlive_its_supervisor(host):
     first, second = new_job_id(), new_job_id()
     host.start(first, f"{ESCAPE}; exec sleep 300")

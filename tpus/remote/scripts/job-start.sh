@@ -360,6 +360,15 @@ kill_cgroup() {
         echo 1 >"$1/cgroup.kill"
     elif [ -f "$1/cgroup.freeze" ]; then
         echo 1 >"$1/cgroup.freeze"
+        # Frozen, nothing forks between the list and the KILL (a second at most).
+        frozen=0 tries=0
+        while [ "$frozen" = 0 ] && [ "$tries" -lt 50 ]; do
+            while read -r key value; do
+                [ "$key" != frozen ] || frozen=$value
+            done <"$1/cgroup.events"
+            tries=$((tries + 1))
+            [ "$frozen" = 1 ] || sleep 0.02
+        done
         xargs -r kill -KILL <"$1/cgroup.procs" 2>/dev/null || true
         echo 0 >"$1/cgroup.freeze"
     else
