@@ -41,6 +41,9 @@ from tpus.services.labkeys import lab_key
 
 log = logging.getLogger(__name__)
 
+# How long past its window's end a request may still be waiting at Google before the
+# portal cancels it there itself.
+WINDOW_GRACE = dt.timedelta(minutes=5)
 # Node states in which a VM holds none of the lab's allowance.
 NOT_HOLDING = {NodeState.PREEMPTED, NodeState.TERMINATED, NodeState.STOPPED}
 
@@ -505,6 +508,10 @@ def _follow(made: VmRequest) -> None:
             _fail(made, info.error_code, _failure_text(made, info.error_code, info.error_message))
             return
         if info.state in ("ACCEPTED", "WAITING_FOR_RESOURCES", "CREATING"):
+            if made.valid_until and timezone.now() > made.valid_until + WINDOW_GRACE:
+                # Google should have failed it by now; nothing waits forever unseen.
+                client.delete_queued_resource(project, made.zone, made.cloud_id, with_node=True)
+                _fail(made, "DEADLINE_EXCEEDED", _failure_text(made, "DEADLINE_EXCEEDED", ""))
             return
     try:
         node = client.get_node(project, made.zone, made.name)

@@ -254,3 +254,20 @@ def test_the_admins_are_told_when_a_request_fails(cast, lab, tpu_emulator):
     [message] = OutboxMessage.objects.filter(kind="vm_request_failed")
     assert message.to == cast.admin.email
     assert "Quota exceeded." in message.body
+
+
+def test_a_request_still_waiting_well_past_its_window_is_failed_and_cancelled_by_the_portal(
+    cast, lab, tpu_emulator
+):
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+    vm_requests.send(made.pk)
+    # As if Google had kept it waiting although its window closed long ago.
+    VmRequest.objects.filter(pk=made.pk).update(
+        valid_until=timezone.now() - vm_requests.WINDOW_GRACE - dt.timedelta(seconds=1)
+    )
+    vm_requests.send(made.pk)
+    made.refresh_from_db()
+    assert made.state == "failed" and made.error_code == "DEADLINE_EXCEEDED"
+    assert "capacity did not come before the end of its window" in made.error
+    assert tpu_emulator.controls.queued_resources() == {}
