@@ -110,3 +110,13 @@ def test_the_vm_list_marks_a_vm_with_a_stopped_worker(client, cast, tpu5):
     page = client.get(url).content.decode()
     assert '<span class="badge failed">Ready</span>' in page
     assert "provisioning stopped on 1 worker<" in page
+
+
+def test_the_members_list_of_their_vms_says_when_a_worker_is_stopped(client, cast, tpu5):
+    client.force_login(cast.member)
+    url = reverse("lab_detail", args=[cast.lab.slug])
+    assert "cannot set up" not in client.get(url).content.decode()
+    _presented_alarm(tpu5)
+    page = client.get(url).content.decode()
+    assert '<span class="badge failed">Active</span>' in page
+    assert "cannot set up 1 of its workers" in page

@@ -7,7 +7,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, F, Q
+from django.db.models import Count, F, IntegerField, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -28,10 +28,12 @@ from tpus.forms.labs import (
     RoleForm,
     SiteLabSettingsForm,
 )
+from tpus.models import Worker
 from tpus.models.grants import GrantState
 from tpus.models.labs import Membership, MembershipState, Role
 from tpus.services import directory, sync_health
 from tpus.services import labs as lab_services
+from tpus.services.hosts import STOPPED
 from tpus.services.labs import LabError
 
 
@@ -107,6 +109,21 @@ def lab_detail(request, slug):
             request.user.grants.filter(vm__lab=lab)
             .exclude(state=GrantState.REVOKED)
             .select_related("vm")
+            # How many of the VM's workers the portal cannot provision now: access
+            # that reads "Active" there may not let the person in.
+            .annotate(
+                stopped=Coalesce(
+                    Subquery(
+                        Worker.objects.filter(STOPPED, vm=OuterRef("vm_id"))
+                        .order_by()
+                        .values("vm")
+                        .annotate(n=Count("pk"))
+                        .values("n"),
+                        output_field=IntegerField(),
+                    ),
+                    0,
+                )
+            )
             .order_by("vm__name")
         )
         context["admins"] = lab.memberships.filter(
