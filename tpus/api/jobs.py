@@ -472,6 +472,7 @@ class _UsageRequest:
         self.lab = access.get_member_lab(request.user, slug)  # another lab's: a 404 first
         refuse_unknown_parameters(request, set(known))
         self.is_admin = access.is_lab_admin(request.user, self.lab)
+        _admin_of_labs(request)[self.lab.pk] = self.is_admin  # for the running jobs' rows
         default = usage.Period.last_days()
         first = _day(from_date, "from") or default.first
         last = _day(to_date, "to") or default.last
@@ -528,7 +529,7 @@ class _UsageRequest:
     def now(self) -> dict:
         """As last seen: reading usage never asks a worker (``services.holders``)."""
         viewable = access.viewable_vms(self.request.user, self.lab, is_admin=self.is_admin)
-        vms = usage.with_queue_length(viewable).order_by("pk")
+        vms = usage.now_vms(viewable).order_by("pk")
         if self.after is not None:
             vms = vms.filter(pk__gt=self.after)
         now = usage.now_for(vms[: self.size + 1])

@@ -84,16 +84,35 @@ def with_queue_length(vms: QuerySet) -> QuerySet:
     return vms.annotate(queue_length=Coalesce(Subquery(waiting, output_field=IntegerField()), 0))
 
 
+# What a "now" row reads of a VM and of its running job (a long list of them must not
+# load every column and JSON field of each).
+NOW_VM_FIELDS = ("id", "lab_id", "name", "zone", "outside_holders", "usage_checked_at")
+NOW_JOB_FIELDS = (
+    "id", "vm_id", "user_id", "state", "reason", "script", "args",
+    "queued_at", "begun_at", "started_at", "ended_at", "changed_at",
+    "user__email", "user__unix_account__username",
+)  # fmt: skip
+
+
+def now_vms(vms: QuerySet) -> QuerySet:
+    """``vms`` as the "now" rows read them: the columns they show, and
+    ``queue_length`` (``with_queue_length``)."""
+    return with_queue_length(vms).only(*NOW_VM_FIELDS)
+
+
 def now_for(vms) -> list[VmNow]:
-    """What holds each of ``vms`` (annotated by ``with_queue_length``, or a list of
-    them): one query for all their running jobs."""
+    """What holds each of ``vms`` (from ``now_vms``, or a list of them): one query
+    for all their running jobs, with the columns a row shows."""
     vms = list(vms)
-    running = {
-        job.vm_id: job
-        for job in Job.objects.filter(
-            vm__in=[vm.pk for vm in vms], state__in=ACTIVE_STATES
-        ).select_related("vm", "user__unix_account")
-    }
+    by_id = {vm.pk: vm for vm in vms}
+    running = {}
+    for job in (
+        Job.objects.filter(vm__in=list(by_id), state__in=ACTIVE_STATES)
+        .select_related("user__unix_account")
+        .only(*NOW_JOB_FIELDS)
+    ):
+        job.vm = by_id[job.vm_id]
+        running[job.vm_id] = job
     return [VmNow(vm, running.get(vm.pk), getattr(vm, "queue_length", 0)) for vm in vms]
 
 
