@@ -79,7 +79,7 @@ class CliBench(Bench):
         deadline = time.monotonic() + 60
         while True:
             try:
-                httpx.get(url + "/api/v1/openapi.json", timeout=2)
+                httpx.get(url + "/api/v1/me", timeout=10)
                 return url
             except httpx.HTTPError:
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
         print()
         print(f"machine: {machine()}")
         print(f"{FILES} files, {SIZE // 2**20} MB; sizes {args.sizes}; {args.reps} repetitions")
-        print("\n".join(["", *runs, "", *execs]))
+        print(f"\n{runs}\n\n{execs}")
     finally:
         bench.close()
     return 0

@@ -20,6 +20,7 @@ import stat
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from accounts.keys import add_key
 from accounts.services import create_token, revoke_token
 from accounts.unix import choose_username
 from testfleet.fixtures import add_fleet_node, give_lab_key
+from tests.e2e import free_port
 from tests.laptop import ClientLaptop, new_key
 from tests.requirements import need
 from tests.test_journey_access import worker_env  # noqa: F401 (a fixture)
@@ -120,6 +122,19 @@ def _wait_for(lines: queue.Queue, text: str, timeout: float = 120) -> list:
         if text in seen[-1]:
             return seen
     raise AssertionError(f"no {text!r} in {seen}")
+
+
+def _fetch(url: str, timeout: float = 30) -> str:
+    """What ``url`` answers, once something listens there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 (loopback)
+                return answer.read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _ok(result):
@@ -266,6 +281,19 @@ def test_milo_syncs_through_worker_0_detaches_cancels_follows_again_and_signs_ou
     assert {j["id"]: j["state"] for j in listed}[job.pk] == "cancelled"
     [report] = json.loads(_ok(scene.tpu("usage", "--json")).stdout)
     assert report["lab"] == "vision" and report["jobs"] >= 1
+
+    # A port of worker 0 here, as the page's `ssh -N -L` line does.
+    serve = "cd proj2 && (nohup python3 -m http.server 8765 --bind 127.0.0.1 >/dev/null 2>&1 &)"
+    _ok(scene.tpu("exec", "tpu5", "--worker", "0", "--", serve))
+    local = free_port()
+    tunnel = laptop.start([TPU, "forward", "tpu5", f"8765:{local}"], cwd=home)
+    try:
+        assert _fetch(f"http://127.0.0.1:{local}/f0.txt") == "file 0 on every worker\n"
+    finally:
+        tunnel.send_signal(signal.SIGINT)
+        tunnel.wait(timeout=30)
+        scene.tpu("exec", "tpu5", "--worker", "0", "--", "pkill -f 'http.server 8765'")
+    assert f"Forwarding http://localhost:{local} to port 8765 on tpu5" in tunnel.stderr.read()
 
     # Signing out revokes the token on the portal and forgets it here.
     gone = _ok(scene.tpu("logout"))

@@ -144,3 +144,30 @@ def test_ssh_uses_the_persons_config_once_it_includes_the_portals(home):
     assert sshfiles.ssh_base() == ["ssh", "-F", str(paths.ssh_config_file())]
     sshfiles.ensure_include()
     assert sshfiles.ssh_base() == ["ssh"]
+
+
+def test_a_vm_is_named_by_its_name_its_lab_and_name_or_its_ssh_host():
+    from tpu_cli import vms
+    from tpu_cli.errors import NOT_FOUND, USAGE, CliError
+
+    configured = sshfiles.parse_config(CONFIG.format(when="x", w1="10.1.0.2"))
+    known = vms.from_config(configured)
+    assert vms.resolve(known, "tpu5").hosts() == {0: "tpu5-w0", 1: "tpu5-w1"}
+    assert vms.resolve(known, "nlp/v2").label == "nlp/v2"
+    assert vms.resolve(known, "nlp-v2-us-central1-f").name == "v2"
+    with pytest.raises(CliError) as unknown:
+        vms.resolve(known, "tpu9")
+    assert unknown.value.code == NOT_FOUND
+    assert unknown.value.message == (
+        "You have no access to a TPU VM named tpu9. Yours: vision/tpu5, nlp/v2."
+    )
+    other = sshfiles.SshVm(lab="nlp", name="tpu5", zone=None, main="nlp-tpu5")
+    other.hosts = {0: "nlp-tpu5"}
+    twice = known + vms.from_config([other])
+    with pytest.raises(CliError) as ambiguous:
+        vms.resolve(twice, "tpu5")
+    assert ambiguous.value.code == USAGE
+    assert (
+        ambiguous.value.message == "tpu5 is in more than one lab; say which: vision/tpu5, nlp/tpu5."
+    )
+    assert vms.resolve(twice, "nlp/tpu5").hosts() == {0: "nlp-tpu5"}

@@ -4,6 +4,7 @@ kept current, and the jobs this machine submitted (to find a job by its number).
 from __future__ import annotations
 
 import json
+import threading
 
 from rich.console import Console
 
@@ -37,10 +38,34 @@ class Session:
 
     def vms(self, *, refresh: bool = True) -> list[vms.Vm]:
         if self._vms is None:
-            if refresh:
-                self.refresh_ssh()
-            self._vms = vms.my_vms(self.api)
+            if not refresh:
+                self._vms = vms.my_vms(self.api)
+                return self._vms
+            # The ssh files are fetched while the VMs are asked about.
+            failed: list = []
+
+            def refresh_files() -> None:
+                try:
+                    self.refresh_ssh()
+                except BaseException as exc:  # raised again in this thread
+                    failed.append(exc)
+
+            worker = threading.Thread(target=refresh_files, daemon=True)
+            worker.start()
+
+            def joined() -> None:
+                worker.join()
+                if failed:
+                    raise failed[0]
+
+            self._vms = vms.my_vms(self.api, before_match=joined)
         return self._vms
+
+    def ssh_vm(self, name: str) -> vms.Vm:
+        """A VM named on the command line, from the ssh config made current first:
+        what needs only ssh asks the portal for nothing else."""
+        self.refresh_ssh()
+        return vms.resolve(vms.from_config(sshfiles.read_config()), name)
 
     def vm(self, name: str, *, need_active: bool = True) -> vms.Vm:
         return vms.resolve(self.vms(), name, need_active=need_active)

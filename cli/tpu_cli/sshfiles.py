@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,8 +55,23 @@ def _write_if_changed(path: Path, text: str) -> bool:
 def refresh(api) -> Refreshed:
     """Both files from the portal, written only when an address, a host key or a host
     changed; ``~/.ssh`` and ``~/.ssh/config.d`` are 0700, the files 0600."""
-    config = api.text("/me/ssh-config")
-    known = api.text("/me/known-hosts")
+    # Both at once: every command waits for them.
+    got: dict = {}
+
+    def fetch(path: str) -> None:
+        try:
+            got[path] = api.text(path)
+        except BaseException as exc:  # raised again in the caller's thread
+            got[path] = exc
+
+    other = threading.Thread(target=fetch, args=("/me/known-hosts",), daemon=True)
+    other.start()
+    fetch("/me/ssh-config")
+    other.join()
+    for value in got.values():
+        if isinstance(value, BaseException):
+            raise value
+    config, known = got["/me/ssh-config"], got["/me/known-hosts"]
     paths.private_dir(paths.ssh_dir())
     paths.private_dir(paths.ssh_config_file().parent)
     return Refreshed(

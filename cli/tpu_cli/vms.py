@@ -40,10 +40,23 @@ class Vm:
         return dict(sorted(self.ssh.hosts.items()))
 
 
-def my_vms(api) -> list[Vm]:
-    """Every VM the person holds a grant on (not revoked), with its lab."""
+def from_config(configured: list[sshfiles.SshVm]) -> list[Vm]:
+    """The VMs in the person's ssh config, for what needs only ssh (``tpu exec``,
+    ``tpu forward``): no further question to the portal."""
+    return [
+        Vm(id=0, name=c.name, lab=c.lab, zone=c.zone or "", access="active",
+           workers=len(c.hosts), ssh=c)
+        for c in configured
+    ]  # fmt: skip
+
+
+def my_vms(api, before_match=None) -> list[Vm]:
+    """Every VM the person holds a grant on (not revoked), with its lab;
+    ``before_match`` runs before the ssh config is read (a refresh to wait for)."""
     grants = [g for g in api.pages("/me/grants") if g["state"] != "revoked"]
     if not grants:
+        if before_match is not None:
+            before_match()
         return []
     labs = [lab["slug"] for lab in api.pages("/labs") if lab.get("my_state") == "approved"]
     wanted = {g["vm_id"] for g in grants}
@@ -52,6 +65,8 @@ def my_vms(api) -> list[Vm]:
         for row in api.pages(f"/labs/{slug}/usage/now"):
             if row["vm_id"] in wanted:
                 found[row["vm_id"]] = (slug, row)
+    if before_match is not None:
+        before_match()
     configured = sshfiles.read_config()
     vms = []
     for grant in grants:

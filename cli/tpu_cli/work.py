@@ -249,7 +249,7 @@ def jobs(args) -> int:
 def exec_(args) -> int:
     command = remote.remote_command(_command(args))
     session = Session()
-    vm = session.vm(args.vm)
+    vm = session.ssh_vm(args.vm)
     hosts = _workers(vm, args.worker)
     codes = remote.run_everywhere(sshfiles.ssh_base(), hosts, command, label=len(hosts) > 1)
     failed = {i: c for i, c in codes.items() if c != 0}
@@ -274,7 +274,7 @@ def forward(args) -> int:
         if not 1 <= value <= 65535:
             raise CliError(f"A port is from 1 to 65535, not {value}.", USAGE)
     session = Session()
-    vm = session.vm(args.vm)
+    vm = session.ssh_vm(args.vm)
     vm.hosts()  # says so when the VM has no address yet
     host = vm.ssh.main
     argv = [*sshfiles.ssh_base(), "-N", "-o", "ExitOnForwardFailure=yes",
