@@ -94,3 +94,9 @@ def test_completion_scripts_name_every_command(capsys, shell):
     script = capsys.readouterr().out
     for command in ("login", "run", "exec", "forward", "usage"):
         assert command in script
+
+
+def test_a_worker_is_a_number_or_all(capsys):
+    code, err = run(capsys, "run", "tpu5", "--worker", "last", "--", "true")
+    assert code == errors.USAGE
+    assert "--worker takes a worker's number (0, 1, …) or all, not 'last'." in err

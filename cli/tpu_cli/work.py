@@ -55,8 +55,14 @@ def worker_path(path: str) -> str:
 # --- run ------------------------------------------------------------------------------
 
 
+def _worker_choice(worker) -> None:
+    if worker not in (None, "all") and not str(worker).isdigit():
+        raise CliError(f"--worker takes a worker's number (0, 1, …) or all, not {worker!r}.", USAGE)
+
+
 def run(args) -> int:
     command = _command(args)
+    _worker_choice(args.worker)
     env = []
     for item in args.env or []:
         if "=" not in item or item.startswith("="):
@@ -181,6 +187,7 @@ def _sync_via_worker0(vm, hosts, local, folder, ssh) -> None:
 
 
 def logs(args) -> int:
+    _worker_choice(args.worker)
     session = Session()
     vm, job = session.find_job(args.job)
     if args.follow:
