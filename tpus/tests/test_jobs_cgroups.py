@@ -245,7 +245,12 @@ def test_old_folders_of_ended_jobs_expire_and_a_running_jobs_never_does(host):
     assert all(host.exists(f"{JOBS}/{j}") for j in (ended, running, lost))
 
     refused = host.start(new_job_id(), "true", keep_days=30)
-    assert refused.outcome == "refused"  # the running job holds the TPU; expiry still ran
+    assert refused.outcome == "refused"  # the running job holds the TPU; expiry still runs
+    deadline = time.monotonic() + 10
+    while (host.exists(f"{JOBS}/{ended}") or host.exists(f"{JOBS}/{lost}")) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
     assert not host.exists(f"{JOBS}/{ended}") and not host.exists(f"{JOBS}/{lost}")
     assert host.exists(f"{JOBS}/{running}")
     assert host.status(running).jobs[running].state == "running"

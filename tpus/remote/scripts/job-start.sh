@@ -149,34 +149,46 @@ if [ ! -d "$RUN" ] || [ ! -d "$JOBS" ]; then
     chmod 0711 "$JOBS" "${JOBS%/*}"
 fi
 read -r boot </proc/sys/kernel/random/boot_id
-# Expiry, before the lock so that a start refused as busy does it too: the folders of
-# jobs that ended more than keep_days ago, and of jobs of an earlier boot whose log has
-# not grown for as long (nothing of a past boot runs). A folder of this boot without an
-# end is never removed: its job may run. At most 50 a start, so a start stays quick
-# whatever piled up.
-if [ "$keep_days" -gt 0 ] && [ -d "$JOBS" ]; then
-    minutes=$((keep_days * 1440))
-    find "$JOBS" -mindepth 1 -maxdepth 2 \( -name log -o -name '*.new' \) -mmin "+$minutes" \
-        2>/dev/null | head -n 50 >"$work/old"
-    while read -r path; do
-        case $path in
-            */log) old=${path%/log} ;;
-            *) old=$path ;;
-        esac
-        [ "$old" != "$dir" ] || continue
-        case ${old##*/} in
-            *.new) ;; # a start that never finished: no process ever ran from it
-            *)
-                if [ -f "$old/exit" ]; then
-                    [ -n "$(find "$old/exit" -mmin "+$minutes")" ] || continue
-                else
-                    read -r old_boot <"$old/boot_id" 2>/dev/null || old_boot=""
-                    if [ -z "$old_boot" ] || [ "$old_boot" = "$boot" ]; then continue; fi
-                fi
-                ;;
-        esac
-        rm -rf -- "$old"
-    done <"$work/old"
+# Expiry, at most once an hour (the first start with keep_days after a boot, then
+# one an hour later: /run is empty at boot), in the background (the start does not
+# wait for it) and before the lock (a start refused as busy does it too): the folders
+# of jobs that ended more than keep_days ago, and of jobs of an earlier boot whose log
+# has not grown for as long (nothing of a past boot runs). A folder of this boot
+# without an end is never removed: its job may run. At most 50 a pass.
+read -r uptime _ </proc/uptime
+uptime=${uptime%.*}
+expired_at=""
+[ ! -f "$RUN/expired-at" ] || read -r expired_at <"$RUN/expired-at" || expired_at=""
+case $expired_at in *[!0-9]*) expired_at="" ;; esac
+if [ "$keep_days" -gt 0 ] && [ -d "$JOBS" ] &&
+    { [ -z "$expired_at" ] || [ $((uptime - expired_at)) -ge 3600 ]; }; then
+    echo "$uptime" >"$RUN/expired-at"
+    (
+        # Nothing of the SSH channel: the exec ends without waiting for this.
+        exec </dev/null >/dev/null 2>&1
+        minutes=$((keep_days * 1440))
+        find "$JOBS" -mindepth 1 -maxdepth 2 \( -name log -o -name '*.new' \) -mmin "+$minutes" |
+            head -n 50 |
+            while read -r path; do
+                case $path in
+                    */log) old=${path%/log} ;;
+                    *) old=$path ;;
+                esac
+                if [ "$old" = "$dir" ] || [ "$old" = "$dir.new" ]; then continue; fi
+                case ${old##*/} in
+                    *.new) ;; # a start that never finished: no process ever ran from it
+                    *)
+                        if [ -f "$old/exit" ]; then
+                            [ -n "$(find "$old/exit" -mmin "+$minutes")" ] || continue
+                        else
+                            read -r old_boot <"$old/boot_id" || old_boot=""
+                            if [ -z "$old_boot" ] || [ "$old_boot" = "$boot" ]; then continue; fi
+                        fi
+                        ;;
+                esac
+                rm -rf -- "$old"
+            done
+    ) &
 fi
 
 exec 9>>"$LOCK"
