@@ -334,7 +334,7 @@ PORTAL_HOLDER_MAX_AGE_SECONDS = env.integer("PORTAL_HOLDER_MAX_AGE_SECONDS", 180
 # stays on the worker and is downloaded from there.
 PORTAL_JOB_LOG_TAIL_BYTES = env.integer("PORTAL_JOB_LOG_TAIL_BYTES", 32768, minimum=1024)
 # A job's folder on a worker (its log among it) is removed this many days after the job
-# ended (by the next job's start there); 0 keeps them forever.
+# ended (by a job's start there, at most once an hour); 0 keeps them forever.
 PORTAL_JOB_FOLDER_RETENTION_DAYS = env.integer("PORTAL_JOB_FOLDER_RETENTION_DAYS", 30, minimum=0)
 
 # --- Remote hosts (TPU VM workers over SSH, tpus/remote) -------------------------------
