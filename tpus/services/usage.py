@@ -322,20 +322,46 @@ class Usage:
         return found
 
 
+class MostUsedFirst:
+    """The people (``key="user"``) or VMs (``"vm"``) of a period, most used first, as
+    a sequence a Paginator can page: a slice reads only as many rows as it ends at,
+    ranked by the database, plus the few people or VMs with jobs not counted into the
+    per-day rows yet (their place can only rise, so the top rows and they hold every
+    row of the slice). ``count`` is known beforehand (``Usage.summary``)."""
+
+    def __init__(self, figures: Usage, key: str, count: int):
+        self.figures = figures
+        self.key = key
+        self._count = count
+
+    def count(self) -> int:
+        return self._count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, part: slice) -> list[dict]:
+        key, days = self.key, self.figures._days()
+        live = self.figures._live_by(key)
+        top = self.figures._sums(days.values(key)).order_by("-total", key)[: part.stop]
+        found = {
+            row[key]: Figures(row["started_n"] + (row["carried_n"] or 0), row["total"])
+            for row in top
+        }
+        if live:
+            counted = self.figures._sums(days.filter(**{f"{key}__in": list(live)}).values(key))
+            for row in counted.order_by():
+                found[row[key]] = Figures(row["started_n"] + (row["carried_n"] or 0), row["total"])
+            for ident, figures in live.items():
+                found.setdefault(ident, Figures()).add(figures.jobs, figures.total)
+        return most_used_first(found)[part]
+
+
 def most_used_first(grouped: dict[int, Figures]) -> list[dict]:
     """``{"id", "jobs", "total"}`` rows, the largest worker-time first."""
     rows = [{"id": ident, "jobs": f.jobs, "total": f.total} for ident, f in grouped.items()]
     rows.sort(key=lambda row: (-row["total"], row["id"]))
     return rows
-
-
-def totals_of(rows: list[dict]) -> dict:
-    """``jobs`` and ``total`` of every person's row (a job is one person's): the
-    period's totals without another query."""
-    return {
-        "jobs": sum(row["jobs"] for row in rows),
-        "total": sum((row["total"] for row in rows), dt.timedelta()),
-    }
 
 
 def name_people(rows: list[dict]) -> list[dict]:

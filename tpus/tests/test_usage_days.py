@@ -207,3 +207,16 @@ def test_jobs_another_process_counted_meanwhile_are_not_added_twice(scene, seede
     assert usage.count_all_ended_jobs() == 10  # the next call counts each once
     assert UsageDay.objects.aggregate(n=Sum("started"))["n"] == 10
     _compare(scene)
+
+
+def test_a_page_of_the_most_used_holds_what_ranking_everyone_would_put_there(scene, seeded):
+    usage.count_ended_jobs(limit=5)  # some counted into the rows, some read one by one
+    for period, user in itertools.product(PERIODS, [None, scene.ann]):
+        figures = usage.Usage(scene.lab, period, user=user, now=NOW)
+        summary = figures.summary()
+        for key, count in (("user", summary["people"]), ("vm", summary["vms"])):
+            everyone = usage.most_used_first(figures.grouped(key))
+            assert count == len(everyone), (period, key)
+            ranked = usage.MostUsedFirst(figures, key, count)
+            for first, last in ((0, 1), (0, 2), (1, 2), (1, 3), (2, 4), (0, 10)):
+                assert ranked[first:last] == everyone[first:last], (period, key, first, last)

@@ -283,9 +283,10 @@ def lab_usage(request, slug):
     }
     if period is not None:
         figures = usage.Usage(lab, period, user=None if is_admin else request.user)
-        by_person = usage.most_used_first(figures.grouped("user"))
-        people = page_of(request, by_person, param="people")
-        per_vm = page_of(request, usage.most_used_first(figures.grouped("vm")), param="per_vm")
+        totals = figures.summary()
+        people = usage.MostUsedFirst(figures, "user", totals["people"])
+        people = page_of(request, people, param="people")
+        per_vm = page_of(request, usage.MostUsedFirst(figures, "vm", totals["vms"]), param="per_vm")
         usage.name_people(people.object_list)
         usage.name_vms(per_vm.object_list)
         context.update(people=people, per_vm=per_vm, totals=usage.totals_of(by_person))
