@@ -183,7 +183,12 @@ def test_a_rejected_jobs_page_says_the_refusal_once_with_its_table_and_no_log_li
     client, scene, rejected
 ):
     body = _page(client, scene.milo, "job_detail", scene.lab.slug, rejected.vm_id, rejected.pk)
-    assert body.count("does not exist or milo cannot reach it") == 3  # the reason, 2 rows
+    # Once in the reason, once in the table (one row for both workers).
+    assert body.count("does not exist or milo cannot reach it") == 2
+    table = body[body.index('id="job-preflight"') :]
+    row = table[: table.index("does not exist")]
+    assert row.endswith("<td>Every worker (2)</td><td><code>/home/milo/train.py ")
+    assert table.index(">fail<") < table.index(">ok<")  # failures first
     reason = body[body.index('id="job-reason"') :]
     assert reason.startswith('id="job-reason">The pre-flight failed on every worker (2)')
     assert "Copy your code to every worker, or keep it on a data disk." in reason
@@ -223,3 +228,23 @@ def test_a_cancel_during_the_checks_answers_cancelling_and_says_it_will_not_star
     body = html.unescape(response.content.decode())
     assert f"Cancelling job {again.pk}: it will not start" in body
     assert "Cancelling</span>" in body
+
+
+def test_the_pre_flight_table_names_the_workers_of_a_row_that_is_not_on_all():
+    from tpus.views.jobs import preflight_rows
+
+    aliases = {i: f"pod5-w{i}" for i in range(3)}
+    rows = preflight_rows(
+        {
+            "0": [["chips", "ok", "4 of 4"], ["disk", "ok", "900 MB free"]],
+            "1": [["chips", "ok", "4 of 4"], ["disk", "ok", "800 MB free"]],
+            "2": [["chips", "ok", "4 of 4"], ["disk", "fail", "8 MB free, below 10 MB"]],
+        },
+        aliases,
+    )
+    assert [(r["name"], r["status"], r["where"]) for r in rows] == [
+        ("disk", "fail", "Worker 2 (pod5-w2)"),
+        ("chips", "ok", "Every worker (3)"),
+        ("disk", "ok", "Worker 0 (pod5-w0)"),
+        ("disk", "ok", "Worker 1 (pod5-w1)"),
+    ]

@@ -144,14 +144,6 @@ def _live_context(request, lab, job) -> dict:
         part.quiet_for = _quiet_for(part)
     quiet = [p for p in parts if p.quiet_for]
     aliases = {w.index: w.alias for w in job.vm.workers.all()}
-    preflight = [
-        {
-            "index": int(index),
-            "alias": aliases.get(int(index), f"worker {index}"),
-            "checks": [{"name": c[0], "status": c[1], "detail": c[2]} for c in checks],
-        }
-        for index, checks in sorted(job.preflight.items(), key=lambda item: int(item[0]))
-    ]
     return {
         "lab": lab,
         "vm": job.vm,
@@ -161,7 +153,7 @@ def _live_context(request, lab, job) -> dict:
         "coordinator": coordinator,
         "log_dir": f"{HOST_JOBS_DIR}/{job.host_id}",
         "position": usage.position(job),
-        "preflight": preflight,
+        "preflight": preflight_rows(job.preflight, aliases),
         "preflight_open": job.state in (JobState.REJECTED, JobState.BLOCKED),
         "is_owner": job.user_id == request.user.pk,
         "may_cancel": access.may_cancel_job(request.user, job),
@@ -175,6 +167,27 @@ def _quiet_for(part) -> int:
         return 0
     seconds = int(part.elapsed.total_seconds())
     return seconds if seconds >= QUIET_AFTER_SECONDS else 0
+
+
+def preflight_rows(preflight: dict, aliases: dict[int, str]) -> list[dict]:
+    """The pre-flight's checks as one table: a line found alike on several workers is
+    one row naming them ("Every worker (4)" when it is on all), failures first."""
+    groups: dict[tuple, list[int]] = {}
+    for index, checks in sorted(preflight.items(), key=lambda item: int(item[0])):
+        for name, status, detail in checks:
+            groups.setdefault((name, status, detail), []).append(int(index))
+    count = len(preflight)
+    rows = []
+    for (name, status, detail), indexes in groups.items():
+        if count > 1 and len(indexes) == count:
+            where = f"Every worker ({count})"
+        else:
+            where = ", ".join(
+                f"{'W' if n == 0 else 'w'}orker {i} ({aliases.get(i, i)})"
+                for n, i in enumerate(indexes)
+            )
+        rows.append({"name": name, "status": status, "detail": detail, "where": where})
+    return sorted(rows, key=lambda row: row["status"] != "fail")
 
 
 @login_required
