@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from google.cloud import tpu_v2
 
 from tpus.emulator import hostpool, queued
+from tpus.emulator.catalog import ACCELERATOR, TOPOLOGIES, default_workers
 from tpus.emulator.store import State, Store
 
 STATES = {s.name for s in tpu_v2.Node.State}
@@ -36,22 +37,6 @@ FAULT_CODES = {c.name for c in grpc.StatusCode if c is not grpc.StatusCode.OK}
 _FIRST_INTERNAL = ipaddress.IPv4Address("10.128.0.2")
 _FIRST_EXTERNAL = ipaddress.IPv4Address("198.18.0.1")
 
-_TOPOLOGIES = {
-    "v2-8": "2x2",
-    "v3-8": "2x2",
-    "v4-8": "2x2x1",
-    "v4-16": "2x2x2",
-    "v4-32": "2x2x4",
-    "v4-64": "2x4x4",
-    "v5litepod-4": "2x2",
-    "v5litepod-8": "2x4",
-    "v5litepod-16": "4x4",
-    "v5p-8": "2x2x1",
-    "v6e-8": "2x4",
-    "v6e-16": "4x4",
-}
-_ACCELERATOR = re.compile(r"^(v2|v3|v4|v5p|v5litepod|v6e)-(\d+)$")
-
 
 class ControlError(ValueError):
     """A control was asked for something the emulated lab cannot do."""
@@ -63,22 +48,6 @@ def node_name(project: str, zone: str, node_id: str) -> str:
 
 def disk_path(project: str, zone: str, name: str) -> str:
     return f"projects/{project}/zones/{zone}/disks/{name}"
-
-
-def default_workers(accelerator_type: str) -> int:
-    """How many hosts a slice of this type has (v4-32 → 4); 1 for unknown types."""
-    match = _ACCELERATOR.match(accelerator_type)
-    if not match:
-        return 1
-    family, size = match.group(1), int(match.group(2))
-    if family in {"v5litepod", "v6e"}:  # size counts chips, 4 per host beyond one host
-        return 1 if size <= 8 else size // 4
-    return max(1, size // 8)  # size counts TensorCores, 8 per host
-
-
-def accelerator_family(accelerator_type: str) -> str:
-    match = _ACCELERATOR.match(accelerator_type)
-    return match.group(1) if match else ""
 
 
 def new_host_key() -> str:
@@ -229,7 +198,7 @@ class Controls:
             data["nodes"][name] = {
                 "id": 7_000_000_000 + data["counters"]["node_id"],
                 "accelerator_type": accelerator_type,
-                "topology": _TOPOLOGIES.get(accelerator_type, "") if topology is None else topology,
+                "topology": TOPOLOGIES.get(accelerator_type, "") if topology is None else topology,
                 "runtime_version": runtime_version,
                 "state": state,
                 "health": health,
@@ -341,7 +310,7 @@ class Controls:
         None lifts the limit. Waiting queued resources are provisioned at the next call."""
         if nodes is not None and nodes < 0:
             raise ControlError("capacity is a number of nodes, 0 or more")
-        if not _ACCELERATOR.match(accelerator_type):
+        if not ACCELERATOR.match(accelerator_type):
             raise ControlError(f"unknown accelerator type {accelerator_type!r}")
         with self.store.transaction() as data:
             zones = queued.capacity(data)

@@ -28,6 +28,7 @@ from typing import Any
 from grpc import StatusCode
 
 from tpus.emulator import hostpool
+from tpus.emulator.catalog import ACCELERATOR_TYPES, RUNTIME_VERSIONS, default_workers
 from tpus.emulator.store import State
 
 ALREADY_EXISTS = StatusCode.ALREADY_EXISTS
@@ -85,8 +86,6 @@ def in_use(state: State, zone: str, accelerator_type: str) -> int:
 def has_room(state: State, zone: str, accelerator_type: str) -> bool:
     """Room for one more node of a type in a zone: under its capacity, and with
     enough free hosts when hosts are offered."""
-    from tpus.emulator.controls import default_workers
-
     if not hostpool.enough(state, default_workers(accelerator_type)):
         return False
     limit = capacity(state).get(zone, {}).get(accelerator_type)
@@ -363,8 +362,6 @@ class QueuedResourceCalls:
 
     def _refusal(self, node) -> str:
         """What the API fails a request for once it looks at it (not at the call)."""
-        from tpus.emulator.service import ACCELERATOR_TYPES, RUNTIME_VERSIONS
-
         if node.accelerator_type not in ACCELERATOR_TYPES:
             return f"Accelerator type '{node.accelerator_type}' is not available in this zone."
         if node.runtime_version not in RUNTIME_VERSIONS:

@@ -7,7 +7,7 @@ from datetime import datetime
 from types import ModuleType
 from typing import Any
 
-from tpus.emulator.controls import accelerator_family
+from tpus.emulator.catalog import accelerator_family
 
 _CONFIG_TYPES = {
     "v2": "V2",

@@ -23,6 +23,7 @@ from google.cloud import tpu_v2, tpu_v2alpha1
 from google.longrunning import operations_pb2
 
 from tpus.emulator import hostpool, queued
+from tpus.emulator.catalog import ACCELERATOR_TYPES, RUNTIME_VERSIONS
 from tpus.emulator.controls import (
     ControlError,
     Controls,
@@ -46,8 +47,6 @@ _UPDATABLE = {
     "v2": {"labels", "description", "metadata"},
     "v2alpha1": {"labels", "description", "data_disks", "metadata"},
 }
-ACCELERATOR_TYPES = ["v2-8", "v3-8", "v4-8", "v4-16", "v4-32", "v5litepod-8", "v5p-8", "v6e-8"]
-RUNTIME_VERSIONS = ["tpu-ubuntu2204-base", "tpu-vm-base", "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e"]
 
 
 class Abort(Exception):
