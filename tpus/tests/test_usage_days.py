@@ -220,3 +220,21 @@ def test_a_page_of_the_most_used_holds_what_ranking_everyone_would_put_there(sce
             ranked = usage.MostUsedFirst(figures, key, count)
             for first, last in ((0, 1), (0, 2), (1, 2), (1, 3), (2, 4), (0, 10)):
                 assert ranked[first:last] == everyone[first:last], (period, key, first, last)
+
+
+def test_the_count_usage_command_counts_what_is_left_and_recounts_on_demand(scene, seeded):
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("count_usage", stdout=out)
+    assert out.getvalue().strip() == "10 job(s) counted into the per-day usage rows."
+    rows = sorted(UsageDay.objects.values_list("day", "user", "vm", "started", "worker_time"))
+    out = StringIO()
+    call_command("count_usage", "--recount", stdout=out)
+    assert out.getvalue().startswith("10 job(s)")
+    assert (
+        sorted(UsageDay.objects.values_list("day", "user", "vm", "started", "worker_time")) == rows
+    )
+    _compare(scene)
