@@ -78,6 +78,11 @@ def send_vm_request(request_id: int) -> None:
     _on_commit("tpus.tasks.send_vm_request", request_id)
 
 
+def change_vm(vm_id: int, action: str) -> None:
+    """Stop, start or delete a TPU VM through the Cloud TPU API."""
+    _on_commit("tpus.tasks.change_vm", vm_id, action)
+
+
 def advance_jobs(vm_id: int) -> None:
     """One pass over the VM's jobs: poll the running one, start the next in line."""
     _on_commit("tpus.tasks.advance_jobs", vm_id)

@@ -68,6 +68,12 @@ urlpatterns = [
     path("labs/<slug:slug>/vms/search/", grants.vm_search, name="vm_search"),
     path("labs/<slug:slug>/vms/<int:vm_id>/", inventory.vm_detail, name="vm_detail"),
     path("labs/<slug:slug>/vms/<int:vm_id>/access/", grants.vm_access, name="vm_access"),
+    path(
+        "labs/<slug:slug>/vms/<int:vm_id>/<str:action>/power/",
+        provisioning.vm_power,
+        name="vm_power",
+    ),
+    path("labs/<slug:slug>/vms/<int:vm_id>/delete/", provisioning.vm_delete, name="vm_delete"),
     path("labs/<slug:slug>/vms/<int:vm_id>/progress/", grants.vm_progress, name="vm_progress"),
     path(
         "labs/<slug:slug>/vms/<int:vm_id>/connection/",

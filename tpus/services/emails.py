@@ -217,3 +217,18 @@ def send_vm_request_failed(request_id: int) -> None:
     if made is None or made.state != "failed":
         return
     mail.send("vm_request_failed", admin_emails(made.lab), {"request": made, "lab": made.lab})
+
+
+def send_vm_deleted(vm_id: int, admin_id: int) -> None:
+    """The lab's admins delete a VM: each person with access hears it once, before it
+    is gone, with what goes with it (their home there)."""
+    from accounts.models import User
+    from tpus.models import TpuVm
+    from tpus.models.grants import WANTED_STATES
+
+    vm = TpuVm.objects.select_related("lab").filter(pk=vm_id).first()
+    if vm is None:
+        return
+    admin = User.objects.filter(pk=admin_id).first()
+    for grant in vm.grants.filter(state__in=WANTED_STATES).select_related("user"):
+        mail.send("vm_deleted", [grant.user.email], {"vm": vm, "lab": vm.lab, "admin": admin})

@@ -146,6 +146,14 @@ def apply_node(vm: TpuVm, node: NodeInfo) -> list[str]:
     return changed
 
 
+def refresh_from_node(vm: TpuVm, node: NodeInfo) -> None:
+    """What a stop or start call answered, on the VM's row and its workers."""
+    with transaction.atomic():
+        apply_node(vm, node)
+        vm.save()
+        apply_workers(vm, node)
+
+
 def apply_workers(vm: TpuVm, node: NodeInfo) -> None:
     """Create or update one Worker row per network endpoint. Host keys are not
     touched here: they are pinned once, never refreshed from the API."""

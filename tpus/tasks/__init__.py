@@ -35,10 +35,11 @@ from tpus.tasks.periodic import (
     sync_inventory,
     sync_lab_inventory,
 )
-from tpus.tasks.provisioning import follow_vm_requests, send_vm_request
+from tpus.tasks.provisioning import change_vm, follow_vm_requests, send_vm_request
 
 __all__ = [
     "advance_jobs",
+    "change_vm",
     "check_tpu_usage",
     "check_vm_connection",
     "expire_grants",

@@ -1,5 +1,6 @@
-"""TPU VMs the portal makes: the call behind a request, and the pass that follows the
-requests still open until their VM is up (or they failed or were cancelled)."""
+"""TPU VMs the portal makes: the call behind a request, the pass that follows the
+requests still open until their VM is up (or they failed or were cancelled), and a
+VM's stop, start or deletion."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from django.conf import settings
 
 from portal.celery import every
 from tpus.models import VmRequest
-from tpus.services import vm_requests
+from tpus.services import vm_lifecycle, vm_requests
 from tpus.tasks.naming import task
 
 
@@ -23,3 +24,10 @@ def send_vm_request(request_id: int) -> None:
 def follow_vm_requests() -> None:
     """Every open request gets a look of its own."""
     vm_requests.follow_open()
+
+
+@task(ignore_result=True)
+def change_vm(vm_id: int, action: str) -> None:
+    """Stop, start or delete a VM at Google, and follow it in the lab."""
+    if action in (vm_lifecycle.STOP, vm_lifecycle.START, vm_lifecycle.DELETE):
+        vm_lifecycle.run(vm_id, action)

@@ -335,6 +335,18 @@ def _urls(cast):
             [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
         ),
         (
+            "vm_power",
+            "post",
+            reverse("vm_power", args=[lab, vm.pk, "start"]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
+            "vm_delete",
+            "get",
+            reverse("vm_delete", args=[lab, vm.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
             # Only a site admin sets what the lab may hold (its TPU grant says so).
             "allowance_set",
             "post",

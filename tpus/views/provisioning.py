@@ -1,17 +1,19 @@
-"""Pages for TPU VMs the portal makes: ask for one, follow and cancel the requests."""
+"""Pages for TPU VMs the portal makes: ask for one, follow and cancel the requests;
+stop, start and delete a VM."""
 
 from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
+from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from tpus import access
 from tpus.forms.provisioning import VmCreateForm
 from tpus.models import Provisioning, VmRequest
-from tpus.services import vm_requests
+from tpus.services import vm_lifecycle, vm_requests
 
 
 @login_required
@@ -86,3 +88,39 @@ def allowance_set(request, slug):
     else:
         messages.success(request, "The lab's allowance is saved.")
     return redirect("vm_create", lab.slug)
+
+
+@login_required
+@require_POST
+def vm_power(request, slug, vm_id, action):
+    """Stop or start a VM (the call runs in the background)."""
+    lab = access.get_admin_lab(request.user, slug)
+    vm = access.get_vm_for_admin(request.user, lab, vm_id)
+    change = {"stop": vm_lifecycle.stop_vm, "start": vm_lifecycle.start_vm}.get(action)
+    if change is None:
+        raise Http404("No such change.")
+    try:
+        change(request.user, vm, request=request)
+    except ValidationError as exc:
+        messages.error(request, exc.messages[0])
+    else:
+        messages.success(request, f"{vm.name} is {'stopping' if action == 'stop' else 'starting'}.")
+    return redirect("vm_detail", lab.slug, vm.pk)
+
+
+@login_required
+def vm_delete(request, slug, vm_id):
+    """What deleting a VM takes with it, and the typed name that confirms it."""
+    lab = access.get_admin_lab(request.user, slug)
+    vm = access.get_vm_for_admin(request.user, lab, vm_id)
+    error = ""
+    if request.method == "POST":
+        try:
+            vm_lifecycle.delete_vm(request.user, vm, request.POST.get("name", ""), request=request)
+        except ValidationError as exc:
+            error = exc.messages[0]
+        else:
+            messages.success(request, f"{vm.name} is being deleted; everyone with access was told.")
+            return redirect("vm_list", lab.slug)
+    context = {"lab": lab, "vm": vm, "losses": vm_lifecycle.losses(vm), "error": error}
+    return render(request, "tpus/vm_delete.html", context, status=400 if error else 200)

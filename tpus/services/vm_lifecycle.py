@@ -1,0 +1,174 @@
+"""Stopping, starting and deleting a lab's TPU VM through the Cloud TPU API.
+
+The admin's click changes the VM's row and queues the call (``run``, a task: Google
+takes minutes); jobs are cancelled cleanly first, and a deletion tells everyone who
+had access, once. Deleting needs the VM's name typed and says first what goes with it:
+who has access, the jobs running and waiting, and everything in the homes on its
+workers. A deleted VM is not brought back, even when it was kept alive.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import transaction
+from django.utils import timezone
+
+from portal import audit
+from tpus import access, queue
+from tpus.cloud import CloudError
+from tpus.cloud.config import cloud_tpu
+from tpus.models import AuditAction, Grant, Job, TpuVm, VmRequest
+from tpus.models.grants import WANTED_STATES, GrantState
+from tpus.models.inventory import NodeState, VmSource
+from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
+from tpus.services import emails, inventory, jobs
+from tpus.services.hosts import hosts_must_change
+
+log = logging.getLogger(__name__)
+
+STOP, START, DELETE = "stop", "start", "delete"
+
+
+@dataclass(frozen=True)
+class Losses:
+    """What deleting a VM takes with it."""
+
+    people: list[str]  # unix usernames (or emails) of everyone with access
+    running: int
+    waiting: int
+    workers: int
+
+
+def losses(vm: TpuVm) -> Losses:
+    people = [
+        (g.user.unix_account.username if hasattr(g.user, "unix_account") else "") or g.user.email
+        for g in Grant.objects.filter(vm=vm, state__in=WANTED_STATES).select_related(
+            "user__unix_account"
+        )
+    ]
+    return Losses(
+        people=sorted(people),
+        running=Job.objects.filter(vm=vm, state__in=ACTIVE_STATES).count(),
+        waiting=Job.objects.filter(vm=vm, state__in=WAITING_STATES).count(),
+        workers=vm.workers.count(),
+    )
+
+
+def _check(admin, vm: TpuVm) -> None:
+    if not access.is_lab_admin(admin, vm.lab):
+        raise PermissionDenied("Only the lab's admins can stop, start or delete its TPU VMs.")
+    if vm.source == VmSource.MANUAL:
+        raise ValidationError(
+            f"{vm.name} was registered by hand: the portal cannot stop, start or delete it "
+            "through the Cloud TPU API."
+        )
+    if vm.missing_since is not None:
+        raise ValidationError(f"{vm.name} is no longer listed by Google Cloud.")
+
+
+def _cancel_jobs(vm: TpuVm, by, reason: str) -> None:
+    for job in Job.objects.filter(vm=vm, state__in=[*WAITING_STATES, *ACTIVE_STATES]):
+        jobs.cancel_job(job, by, reason=reason)
+
+
+def stop_vm(admin, vm: TpuVm, *, request=None) -> TpuVm:
+    _check(admin, vm)
+    if vm.state != NodeState.READY:
+        raise ValidationError(
+            f"{vm.name} is {vm.get_state_display().lower()}; only a ready VM stops."
+        )
+    return _change(admin, vm, STOP, NodeState.STOPPING, request=request)
+
+
+def start_vm(admin, vm: TpuVm, *, request=None) -> TpuVm:
+    _check(admin, vm)
+    if vm.state != NodeState.STOPPED:
+        raise ValidationError(
+            f"{vm.name} is {vm.get_state_display().lower()}; only a stopped VM starts."
+        )
+    return _change(admin, vm, START, NodeState.STARTING, request=request)
+
+
+def delete_vm(admin, vm: TpuVm, typed_name: str, *, request=None) -> TpuVm:
+    _check(admin, vm)
+    if typed_name.strip() != vm.name:
+        raise ValidationError(f"Type the VM's name, {vm.name}, to delete it.")
+    return _change(admin, vm, DELETE, NodeState.DELETING, request=request)
+
+
+def _change(admin, vm: TpuVm, action: str, state: str, *, request=None) -> TpuVm:
+    verb = {STOP: "stopped", START: "started", DELETE: "deleted"}[action]
+    with transaction.atomic():
+        vm = TpuVm.objects.select_for_update().select_related("lab").get(pk=vm.pk)
+        if action != START:
+            _cancel_jobs(vm, admin, f"{vm.name} is being {verb} by the lab's admins.")
+        if action == DELETE:
+            # Deleted on purpose: never brought back by keep alive.
+            VmRequest.objects.filter(vm=vm).update(keep_alive=False)
+            emails.send_vm_deleted(vm.pk, admin.pk)
+        TpuVm.objects.filter(pk=vm.pk).update(state=state)
+        vm.state = state
+        audit.record(
+            {STOP: AuditAction.VM_STOP_REQUESTED, START: AuditAction.VM_START_REQUESTED,
+             DELETE: AuditAction.VM_DELETE_REQUESTED}[action],
+            actor=admin,
+            lab=vm.lab,
+            summary=vm.name,
+            data={"vm": vm.pk},
+            request=request,
+        )  # fmt: skip
+        queue.change_vm(vm.pk, action)
+    return vm
+
+
+def run(vm_id: int, action: str) -> None:
+    """The call behind a stop, start or delete, and what follows it in the lab."""
+    vm = TpuVm.objects.select_related("lab").filter(pk=vm_id).first()
+    if vm is None:
+        return
+    client = cloud_tpu()
+    project = vm.lab.gcp_project_id
+    try:
+        if action == STOP:
+            inventory.refresh_from_node(vm, client.stop_node(project, vm.zone, vm.name))
+        elif action == START:
+            inventory.refresh_from_node(vm, client.start_node(project, vm.zone, vm.name))
+            hosts_must_change(vm, "started again")
+        elif action == DELETE:
+            _delete(vm, client, project)
+    except CloudError as exc:
+        log.warning("%s %s: %s", action, vm, exc)
+        audit.record(
+            AuditAction.VM_CHANGE_FAILED,
+            lab=vm.lab,
+            summary=f"{vm.name}: {action} failed: {str(exc)[:300]}",
+            data={"vm": vm.pk, "action": action, "code": exc.code},
+        )
+        # The next sync puts the VM's real state back on its row.
+        queue.refresh_lab(vm.lab_id)
+
+
+def _delete(vm: TpuVm, client, project: str) -> None:
+    queued = VmRequest.objects.filter(vm=vm).exclude(cloud_id="").order_by("-pk").first()
+    if queued is not None:
+        try:
+            client.delete_queued_resource(project, vm.zone, queued.cloud_id, with_node=True)
+        except CloudError as exc:
+            if exc.code != "NOT_FOUND":
+                raise
+    try:
+        client.delete_node(project, vm.zone, vm.name)
+    except CloudError as exc:
+        if exc.code != "NOT_FOUND":
+            raise
+    now = timezone.now()
+    with transaction.atomic():
+        TpuVm.objects.filter(pk=vm.pk).update(missing_since=now)
+        # The machines are gone, and the accounts with them: nothing is left to revoke.
+        Grant.objects.filter(vm=vm).exclude(state=GrantState.REVOKED).update(
+            state=GrantState.REVOKED, changed_at=now, error=""
+        )
+        audit.record(AuditAction.VM_DELETED, lab=vm.lab, summary=vm.name, data={"vm": vm.pk})

@@ -1,0 +1,109 @@
+"""Stop, start and delete a lab's TPU VM, against the emulator: deleting says first
+what goes with it and needs the name typed; jobs are cancelled cleanly, everyone with
+access is told once, the VM is deleted at Google and access ends; stop and start follow
+the node's state. A VM registered by hand cannot be changed this way."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.urls import reverse
+
+from portal.models import OutboxMessage
+from tpus.models import Grant, Job, LabAllowance, TpuVm, VmRequest
+from tpus.services import vm_lifecycle, vm_requests
+from tpus.services.vm_requests import VmSpec
+
+PROJECT = "vision-project"
+ZONE = "us-central2-b"
+
+
+@pytest.fixture
+def vm(cast, tpu_emulator):
+    lab = cast.lab
+    lab.gcp_project_id, lab.zones = PROJECT, [ZONE]
+    lab.save()
+    LabAllowance.objects.create(lab=lab, generation="v4", provisioning="on-demand", chips=8)
+    made = vm_requests.request_vm(
+        cast.admin,
+        lab,
+        VmSpec(
+            name="tpu5", zone=ZONE, accelerator_type="v4-8",
+            runtime_version="tpu-ubuntu2204-base", keep_alive=True,
+        ),
+    )  # fmt: skip
+    vm_requests.send(made.pk)
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    Grant.objects.create(user=cast.member, vm=vm, state="active")
+    return vm
+
+
+def _waiting_job(vm, user) -> Job:
+    return Job.objects.create(vm=vm, user=user, host_id="20261127-abcdef", args=["true"])
+
+
+def test_the_delete_page_says_what_goes_with_the_vm(client, cast, vm):
+    _waiting_job(vm, cast.member)
+    client.force_login(cast.admin)
+    text = client.get(reverse("vm_delete", args=[cast.lab.slug, vm.pk])).content.decode()
+    assert "1 person has access and loses it" in text
+    assert "1 waiting job is cancelled" in text
+    assert "The homes on its workers go with it" in text
+
+
+def test_a_wrong_name_deletes_nothing(client, cast, vm, tpu_emulator):
+    job = _waiting_job(vm, cast.member)
+    client.force_login(cast.admin)
+    answer = client.post(reverse("vm_delete", args=[cast.lab.slug, vm.pk]), {"name": "tpu6"})
+    assert answer.status_code == 400
+    assert "Type the VM&#x27;s name, tpu5, to delete it." in answer.content.decode()
+    vm.refresh_from_db()
+    job.refresh_from_db()
+    assert vm.state == "READY" and job.state == "queued"
+    assert not OutboxMessage.objects.filter(kind="vm_deleted").exists()
+    assert tpu_emulator.requests["DeleteNode"] == 0
+
+
+def test_deleting_cancels_jobs_tells_people_and_ends_access(client, cast, vm, tpu_emulator):
+    job = _waiting_job(vm, cast.member)
+    client.force_login(cast.admin)
+    answer = client.post(reverse("vm_delete", args=[cast.lab.slug, vm.pk]), {"name": "tpu5"})
+    assert answer.status_code == 302
+    vm.refresh_from_db()
+    job.refresh_from_db()
+    assert vm.state == "DELETING"
+    assert job.state == "cancelled" and "being deleted" in job.reason
+    [told] = OutboxMessage.objects.filter(kind="vm_deleted")
+    assert told.to == cast.member.email and "home" in told.body
+    assert not VmRequest.objects.filter(vm=vm, keep_alive=True).exists()
+
+    vm_lifecycle.run(vm.pk, vm_lifecycle.DELETE)  # the task
+    assert tpu_emulator.client.list_nodes(PROJECT, ZONE) == []
+    vm.refresh_from_db()
+    assert vm.missing_since is not None
+    assert Grant.objects.get(vm=vm).state == "revoked"
+    assert vm_requests.bring_back() == []  # deleted on purpose: not brought back
+
+
+def test_stop_and_start_follow_the_node(cast, vm, tpu_emulator):
+    vm_lifecycle.stop_vm(cast.admin, vm)
+    assert TpuVm.objects.get(pk=vm.pk).state == "STOPPING"
+    vm_lifecycle.run(vm.pk, vm_lifecycle.STOP)
+    vm.refresh_from_db()
+    assert vm.state == "STOPPED"
+    with pytest.raises(ValidationError):
+        vm_lifecycle.stop_vm(cast.admin, vm)
+    vm_lifecycle.start_vm(cast.admin, vm)
+    vm_lifecycle.run(vm.pk, vm_lifecycle.START)
+    vm.refresh_from_db()
+    assert vm.state == "READY"
+    assert tpu_emulator.client.get_node(PROJECT, ZONE, "tpu5").state == "READY"
+
+
+def test_a_vm_registered_by_hand_cannot_be_stopped_or_deleted(cast):
+    manual = TpuVm.objects.create(lab=cast.lab, name="tpu9", zone="us-central1-f", source="manual")
+    for change in (vm_lifecycle.stop_vm, vm_lifecycle.start_vm):
+        with pytest.raises(ValidationError, match="registered by hand"):
+            change(cast.admin, manual)
+    with pytest.raises(ValidationError, match="registered by hand"):
+        vm_lifecycle.delete_vm(cast.admin, manual, "tpu9")
