@@ -5,7 +5,13 @@ from tpus.models.inventory import DataDisk, DiskAttachment, HostKeyScan, TpuVm, 
 from tpus.models.jobs import Job, JobState, JobWorker
 from tpus.models.labs import Invite, Lab, LabKey, Membership
 from tpus.models.network import ConfigFeed, IpChange, IpChangeNotice, PortForward
-from tpus.models.provisioning import LabAllowance, Provisioning, VmRequest, VmRequestState
+from tpus.models.provisioning import (
+    LabAllowance,
+    LabNotice,
+    Provisioning,
+    VmRequest,
+    VmRequestState,
+)
 from tpus.models.sync import ZoneSync
 from tpus.models.usage import UsageDay
 
@@ -26,6 +32,7 @@ __all__ = [
     "IpChangeNotice",
     "Lab",
     "LabAllowance",
+    "LabNotice",
     "LabKey",
     "Membership",
     "PortForward",

@@ -133,3 +133,25 @@ class VmRequest(models.Model):
     @property
     def is_open(self) -> bool:
         return self.state in OPEN_REQUEST_STATES
+
+
+class LabNotice(models.Model):
+    """A message about a lab sent once: the row is the claim (a second run's insert
+    fails on the unique key), e.g. the week-ahead warning that the lab's TPU grant and
+    allowance end on ``about``."""
+
+    class Kind(models.TextChoices):
+        GRANT_ENDING = "grant_ending", "The lab's TPU grant ends soon"
+
+    lab = models.ForeignKey("tpus.Lab", on_delete=models.CASCADE, related_name="notices")
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    about = models.DateField()
+    sent_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["lab", "kind", "about"], name="one_notice_per_date")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.lab}: {self.get_kind_display()} ({self.about})"

@@ -232,3 +232,18 @@ def send_vm_deleted(vm_id: int, admin_id: int) -> None:
     admin = User.objects.filter(pk=admin_id).first()
     for grant in vm.grants.filter(state__in=WANTED_STATES).select_related("user"):
         mail.send("vm_deleted", [grant.user.email], {"vm": vm, "lab": vm.lab, "admin": admin})
+
+
+def send_grant_ending(lab_id: int, holding: list[dict]) -> None:
+    """The lab's TPU grant ends within a week: its admins hear it once."""
+    from tpus.models import Lab
+
+    lab = Lab.objects.filter(pk=lab_id).first()
+    if lab is None or lab.grant_end_date is None:
+        return
+    days = (lab.grant_end_date - timezone.localdate()).days
+    mail.send(
+        "lab_grant_ending",
+        admin_emails(lab),
+        {"lab": lab, "days": days, "holding": holding, "vms": lab.vms.filter(missing_since=None)},
+    )

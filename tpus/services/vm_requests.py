@@ -31,6 +31,7 @@ from tpus.models.inventory import HostKeySource, NodeState, validate_node_name
 from tpus.models.provisioning import (
     OPEN_REQUEST_STATES,
     LabAllowance,
+    LabNotice,
     Provisioning,
     VmRequest,
     VmRequestState,
@@ -596,3 +597,25 @@ def _fail(made: VmRequest, code: str, text: str) -> None:
                 data={"request": made.pk, "code": code},
             )
     made.state = VmRequestState.FAILED
+
+
+# --- the end of the lab's grant -------------------------------------------------------
+
+
+def warn_grant_ending(days: int = 7, today: dt.date | None = None) -> int:
+    """Email a lab's admins once, a week before its TPU grant (and so its allowance)
+    ends: what they hold, and that access ends and nothing can be made after it."""
+    today = today or timezone.localdate()
+    horizon = today + dt.timedelta(days=days)
+    warned = 0
+    for lab in Lab.objects.filter(grant_end_date__gte=today, grant_end_date__lte=horizon):
+        try:
+            with transaction.atomic():
+                LabNotice.objects.create(
+                    lab=lab, kind=LabNotice.Kind.GRANT_ENDING, about=lab.grant_end_date
+                )
+                emails.send_grant_ending(lab.pk, [u.__dict__ for u in allowance_use(lab)])
+        except IntegrityError:  # told already
+            continue
+        warned += 1
+    return warned

@@ -7,7 +7,7 @@ from django.conf import settings
 from portal import heartbeat
 from portal.celery import every
 from tpus.models import Lab
-from tpus.services import disk_mounts, grants, maintenance, sync
+from tpus.services import disk_mounts, grants, maintenance, sync, vm_requests
 from tpus.tasks.naming import task
 
 
@@ -58,6 +58,8 @@ def recheck_disks() -> None:
 @every(settings.PORTAL_EXPIRY_CHECK_SECONDS, name="expire-grants")
 @task(ignore_result=True)
 def expire_grants() -> None:
-    """Revoke expired grants; warn people a week before their access ends."""
+    """Revoke expired grants; warn people a week before their access ends, and the
+    lab's admins a week before its TPU grant ends."""
     grants.expire_grants()
     grants.warn_expiring_grants()
+    vm_requests.warn_grant_ending()

@@ -271,3 +271,20 @@ def test_a_request_still_waiting_well_past_its_window_is_failed_and_cancelled_by
     assert made.state == "failed" and made.error_code == "DEADLINE_EXCEEDED"
     assert "capacity did not come before the end of its window" in made.error
     assert tpu_emulator.controls.queued_resources() == {}
+
+
+def test_the_admins_hear_once_a_week_before_the_labs_grant_ends(cast, lab, tpu_emulator):
+    from portal.models import OutboxMessage
+
+    lab.grant_end_date = timezone.localdate() + dt.timedelta(days=6)
+    lab.save()
+    assert vm_requests.warn_grant_ending() == 1
+    assert vm_requests.warn_grant_ending() == 0
+    [message] = OutboxMessage.objects.filter(kind="lab_grant_ending")
+    assert message.to == cast.admin.email
+    assert "ends in 6 days" in message.subject
+    assert "v4 spot: 0 of 16 chips" in message.body
+    # A grant ending later than a week from now is not announced yet.
+    lab.grant_end_date = timezone.localdate() + dt.timedelta(days=30)
+    lab.save()
+    assert vm_requests.warn_grant_ending() == 0
