@@ -135,16 +135,24 @@ class Sessions:
             except RemoteError as exc:
                 return WorkerOutcome(worker, error=exc), None
 
-        if give_up is None or self.pool is None:
+        if give_up is None:
             answers = self._map(one, self.workers)
         else:
-            futures = {self.pool.submit(one, worker): worker for worker in self.workers}
-            while pending := wait(futures, timeout=GIVE_UP_LOOK_SECONDS).not_done:
-                if give_up():
-                    for future in pending:
-                        self.connections[id(futures[future])].interrupt()
-                    break
-            answers = [future.result() for future in futures]
+            # Even one worker runs beside this thread, which keeps asking give_up.
+            pool = self.pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote")
+            try:
+                futures = {pool.submit(one, worker): worker for worker in self.workers}
+                while pending := wait(futures, timeout=GIVE_UP_LOOK_SECONDS).not_done:
+                    if give_up():
+                        for future in pending:
+                            self.connections[id(futures[future])].interrupt()
+                        break
+                answers = [future.result() for future in futures]
+            finally:
+                if pool is not self.pool:
+                    pool.shutdown(wait=True)
+                for connection in self.connections.values():
+                    connection.stopped = False  # every run of this begin is over
         return Held(self, [o for o, _ in answers], [s for _, s in answers], then)
 
     def _map(self, one, chosen):

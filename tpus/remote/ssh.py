@@ -151,6 +151,8 @@ class Connection:
     def __init__(self, worker: Worker):
         self.worker = worker
         self.client: paramiko.SSHClient | None = None
+        # Set by ``interrupt``: a run still connecting stops before its exec.
+        self.stopped = False
 
     def __enter__(self) -> Connection:
         return self
@@ -165,7 +167,10 @@ class Connection:
 
     def interrupt(self) -> None:
         """From another thread: end the run in progress (it raises RemoteError, and its
-        exec on the host sees the end of its stdin). The next run connects anew."""
+        exec on the host sees the end of its stdin, or never starts when it was still
+        connecting). The caller clears ``stopped`` once that run is over; the next run
+        connects anew."""
+        self.stopped = True
         client = self.client
         transport = client.get_transport() if client is not None else None
         if transport is not None:
@@ -242,6 +247,11 @@ class Connection:
         if transport is None or not transport.is_active():
             self.close()
             self.client = _connect(worker, cfg)
+        if self.stopped:
+            raise RemoteError(
+                "stopped before the script began", kind=RemoteError.DISCONNECTED,
+                retryable=True, worker=str(worker),
+            )  # fmt: skip
         return cfg
 
 
