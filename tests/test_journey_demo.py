@@ -220,13 +220,22 @@ def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_a_jax_job_on_t
     page.wait_for_url(re.compile(r"/jobs/\d+/$"))
     job = Job.objects.get(pk=int(page.url.rstrip("/").rsplit("/", 1)[1]))
     expect(page.locator("#job-command")).to_be_visible()
+    # Meanwhile, in another tab, tpu5's page says who is using it: milo's job, on the
+    # TPU or first in line (it takes seconds to start JAX on four workers).
+    other = context.new_page()
+    other.goto(url)
+    now = other.locator("#vm-jobs-now")
+    expect(now).to_contain_text("milo")
+    expect(now.locator(f"a[href$='/jobs/{job.pk}/']").first).to_be_visible()
+    screenshots(other, shots, "6-who-uses-tpu5-while-the-job-runs")
+    other.close()
     # Every worker's own log shows its line of the one psum over the whole pod.
     for index in range(len(workers)):
         log = page.locator(f"#job-log-{index}")
         expect(log).to_contain_text(f"worker {index} of {len(workers)}", timeout=120_000)
         expect(log).to_contain_text(ending)
     expect(page.locator("#job-state .badge")).to_have_text("Succeeded", timeout=60_000)
-    screenshots(page, shots, "6-job-page")
+    screenshots(page, shots, "7-job-page")
     job.refresh_from_db()
     assert job.state == "succeeded" and job.worker_count == len(workers), job.reason
 
@@ -234,7 +243,7 @@ def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_a_jax_job_on_t
     page.goto(url)
     expect(page.locator("#tpu-now")).to_contain_text("Free")
     expect(page.locator(f"#recent-job-{job.pk}")).to_contain_text("Succeeded")
-    screenshots(page, shots, "7-who-uses-tpu5")
+    screenshots(page, shots, "8-who-uses-tpu5-after")
 
     # The lab's usage page counts the job's worker-hours for milo on tpu5.
     page.goto(url.split("/vms/")[0] + "/")
@@ -243,7 +252,7 @@ def test_the_demo_output_and_the_pages_take_milo_from_bin_demo_to_a_jax_job_on_t
     expect(page.locator("#usage-people tbody tr").first).to_contain_text("milo")
     expect(page.locator("#usage-vms tbody tr").first).to_contain_text("tpu5")
     expect(page.locator("#usage-total")).not_to_have_text("0")
-    screenshots(page, shots, "8-usage")
+    screenshots(page, shots, "9-usage")
     context.close()
 
 
