@@ -17,6 +17,7 @@ ROLES = ["anonymous", "outsider", "pending", "member", "admin", "site_admin"]
 # (name, method, url builder, expected status per role). 302 for anonymous means "sent
 # to sign in".
 OK, REDIRECT, FORBIDDEN, MISSING = 200, 302, 403, 404
+ADMINS_ONLY = [401, MISSING, MISSING, FORBIDDEN, OK, OK]
 
 
 def _urls(cast):
@@ -333,6 +334,47 @@ def _urls(cast):
             "post",
             reverse("vm_request_cancel", args=[lab, vm_request.pk]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        ("api_vm_requests", "get", f"/api/v1/labs/{lab}/vm-requests", ADMINS_ONLY),
+        ("api_vm_request", "get", f"/api/v1/labs/{lab}/vm-requests/{vm_request.pk}", ADMINS_ONLY),
+        (
+            # Refused (no allowance): the check runs for the lab's admins only.
+            "api_vm_request_create",
+            "post",
+            f"/api/v1/labs/{lab}/vm-requests",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
+        (
+            "api_vm_request_cancel",
+            "post",
+            f"/api/v1/labs/{lab}/vm-requests/{vm_request.pk}/cancel",
+            ADMINS_ONLY,
+        ),
+        ("api_allowances", "get", f"/api/v1/labs/{lab}/allowances", ADMINS_ONLY),
+        (
+            "api_allowance_set",
+            "put",
+            f"/api/v1/labs/{lab}/allowances",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, OK],
+        ),
+        (
+            # A VM registered by hand (tpu5 here) cannot be changed: 400 past the checks.
+            "api_vm_stop",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/stop",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
+        (
+            "api_vm_start",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/start",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
+        (
+            "api_vm_delete",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/delete",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
         ),
         (
             "vm_power",
@@ -811,6 +853,14 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                 },
                 "api_token_create": {"name": "matrix"},
                 "api_device_codes": {"device_name": "matrix"},
+                "api_vm_request_create": {
+                    "name": "tpu8",
+                    "zone": "us-central1-f",
+                    "accelerator_type": "v4-8",
+                    "runtime_version": "tpu-ubuntu2204-base",
+                },
+                "api_allowance_set": {"generation": "v4", "provisioning": "spot", "chips": 8},
+                "api_vm_delete": {"name": "tpu5"},
                 "api_device_token": {"device_code": "unknown"},
                 "api_lab_create": {
                     "name": "Matrix Lab",
