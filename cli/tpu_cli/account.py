@@ -200,6 +200,7 @@ def _now_text(row: dict) -> str:
 
 def usage(args) -> int:
     session = Session()
+    session.refresh_ssh()
     params = {k: v for k, v in (("from", args.from_date), ("to", args.to_date)) if v}
     reports = []
     for lab in session.api.pages("/labs"):

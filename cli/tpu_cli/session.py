@@ -86,7 +86,7 @@ class Session:
         if not number.isdigit():
             raise CliError(f"A job is named by its number, such as 42, not {number!r}.", 2)
         seen = _read_jobs().get(number)
-        candidates = self.vms(refresh=False)
+        candidates = self.vms()
         if seen and seen.get("url") == self.sign_in.url:
             first = [v for v in candidates if v.id == seen["vm_id"] and v.lab == seen["lab"]]
             candidates = first + [v for v in candidates if v not in first]

@@ -224,7 +224,7 @@ def cancel(args) -> int:
 
 def jobs(args) -> int:
     session = Session()
-    chosen = [session.vm(args.vm, need_active=False)] if args.vm else session.vms(refresh=False)
+    chosen = [session.vm(args.vm, need_active=False)] if args.vm else session.vms()
     since = datetime.now(timezone.utc) - timedelta(days=args.days)
     rows = []
     for vm in chosen:
