@@ -4,6 +4,7 @@ command line (``tpu5`` or ``lab/tpu5``) resolved to one of them."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tpu_cli import sshfiles
@@ -53,18 +54,24 @@ def from_config(configured: list[sshfiles.SshVm]) -> list[Vm]:
 def my_vms(api, before_match=None) -> list[Vm]:
     """Every VM the person holds a grant on (not revoked), with its lab;
     ``before_match`` runs before the ssh config is read (a refresh to wait for)."""
-    grants = [g for g in api.pages("/me/grants") if g["state"] != "revoked"]
+    # The grants and the labs at once, then each lab's VMs at once: a few round trips
+    # whatever the number of labs.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        asked_labs = pool.submit(lambda: list(api.pages("/labs")))
+        grants = [g for g in api.pages("/me/grants") if g["state"] != "revoked"]
+        labs = [lab["slug"] for lab in asked_labs.result() if lab.get("my_state") == "approved"]
+        wanted = {g["vm_id"] for g in grants}
+        nows = pool.map(lambda slug: list(api.pages(f"/labs/{slug}/usage/now")),
+                        labs if grants else [])  # fmt: skip
+        found: dict[int, tuple] = {}
+        for slug, rows in zip(labs, nows):
+            for row in rows:
+                if row["vm_id"] in wanted:
+                    found[row["vm_id"]] = (slug, row)
     if not grants:
         if before_match is not None:
             before_match()
         return []
-    labs = [lab["slug"] for lab in api.pages("/labs") if lab.get("my_state") == "approved"]
-    wanted = {g["vm_id"] for g in grants}
-    found: dict[int, tuple] = {}
-    for slug in labs:
-        for row in api.pages(f"/labs/{slug}/usage/now"):
-            if row["vm_id"] in wanted:
-                found[row["vm_id"]] = (slug, row)
     if before_match is not None:
         before_match()
     configured = sshfiles.read_config()
