@@ -49,6 +49,7 @@ class JobIn(Schema):
     time_limit_minutes: int | None = None
     notify: bool = False
     use_tcmalloc: bool = True
+    rerun_after_preemption: bool = False
 
     def spec(self) -> JobSpec:
         if isinstance(self.env, dict):
@@ -66,6 +67,7 @@ class JobIn(Schema):
             time_limit_minutes=self.time_limit_minutes,
             notify=self.notify,
             use_tcmalloc=self.use_tcmalloc,
+            rerun_after_preemption=self.rerun_after_preemption,
         )
 
 
@@ -201,6 +203,7 @@ class JobOut(JobSummaryOut):
     env: list[list[str]]
     time_limit_minutes: int | None
     notify: bool
+    rerun_after_preemption: bool
     use_tcmalloc: bool
     rerun_of: int | None
     cancel_requested_at: datetime | None

@@ -72,6 +72,12 @@ class JobForm(forms.Form):
         help_text="Stopped when it runs longer; empty for no limit.",
     )
     notify = forms.BooleanField(label="Email me when it ends", required=False)
+    rerun_after_preemption = forms.BooleanField(
+        label="Run it again after a preemption",
+        required=False,
+        help_text="On a spot or preemptible VM: when Google takes the VM back while this "
+        "job runs, it is queued again at the head of the line and starts when the VM is back.",
+    )
     use_tcmalloc = forms.BooleanField(
         label="LD_PRELOAD TCMalloc when available", required=False, initial=True
     )
@@ -111,6 +117,7 @@ class JobForm(forms.Form):
             env=data["env_pairs"],
             time_limit_minutes=data["time_limit_minutes"],
             notify=data["notify"],
+            rerun_after_preemption=data["rerun_after_preemption"],
             use_tcmalloc=data["use_tcmalloc"],
         )
 

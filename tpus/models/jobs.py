@@ -77,6 +77,9 @@ class Job(models.Model):
     use_tcmalloc = models.BooleanField(default=True)
     time_limit_minutes = models.PositiveIntegerField(null=True, blank=True)
     notify = models.BooleanField("email me when it ends", default=False)
+    # Lost because Google took the VM back (a preemption): queued again at the head of
+    # the line, to start when the VM is back.
+    rerun_after_preemption = models.BooleanField("run again after a preemption", default=False)
     rerun_of = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="reruns"
     )

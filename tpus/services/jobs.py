@@ -8,6 +8,7 @@ is a row the VM's next pass acts on.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shlex
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from tpus.models.grants import GrantState
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState
 from tpus.remote import jobs as wire
 
+log = logging.getLogger(__name__)
 MAX_TIME_LIMIT_MINUTES = 7 * 24 * 60
 
 
@@ -45,6 +47,7 @@ class JobSpec:
     time_limit_minutes: int | None = None
     notify: bool = False
     use_tcmalloc: bool = True
+    rerun_after_preemption: bool = False
 
     @classmethod
     def of(cls, job: Job) -> JobSpec:
@@ -56,6 +59,7 @@ class JobSpec:
             env=[(name, value) for name, value in job.env],
             time_limit_minutes=job.time_limit_minutes,
             notify=job.notify,
+            rerun_after_preemption=job.rerun_after_preemption,
             use_tcmalloc=job.use_tcmalloc,
         )
 
@@ -170,6 +174,7 @@ def clean_spec(spec: JobSpec, username: str) -> JobSpec:
         env=list(spec.env),
         time_limit_minutes=limit,
         notify=bool(spec.notify),
+        rerun_after_preemption=bool(spec.rerun_after_preemption),
         use_tcmalloc=bool(spec.use_tcmalloc),
     )
 
@@ -226,6 +231,7 @@ def submit_job(user, vm: TpuVm, spec: JobSpec, *, rerun_of: Job | None = None, r
             env=[[name, value] for name, value in spec.env],
             time_limit_minutes=spec.time_limit_minutes,
             notify=spec.notify,
+            rerun_after_preemption=spec.rerun_after_preemption,
             use_tcmalloc=spec.use_tcmalloc,
             rerun_of=rerun_of,
         )
@@ -300,3 +306,23 @@ def cancel_jobs_of(user, vm: TpuVm, reason: str) -> int:
 
 def _new_host_id() -> str:
     return f"{timezone.now():%Y%m%d}-{secrets.token_hex(6)}"
+
+
+def run_again_after_preemption(job: Job) -> Job | None:
+    """A job lost because Google took its VM back, whose owner asked for it: the same
+    job again at the head of the VM's line (queued as early as the lost one was), to
+    start once the VM is back. None when it was not asked for or cannot be queued now
+    (the person lost access, or the lab's limit of waiting jobs)."""
+    if not job.rerun_after_preemption or job.state != JobState.LOST:
+        return None
+    if Job.objects.filter(rerun_of=job).exists():
+        return None
+    try:
+        again = submit_job(job.user, job.vm, JobSpec.of(job), rerun_of=job)
+    except (PermissionDenied, ValidationError) as exc:
+        log.info("job %s is not run again after the preemption: %s", job.pk, exc)
+        return None
+    Job.objects.filter(pk=again.pk).update(
+        queued_at=job.queued_at, reason=f"Run again after {job.vm.name} was preempted."
+    )
+    return again

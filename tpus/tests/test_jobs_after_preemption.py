@@ -1,0 +1,54 @@
+"""A job lost because Google took its VM back runs again when its owner asked for it:
+queued at the head of the line (as early as the lost one), to start when the VM is
+back; not when they did not ask, nor once they lost access."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from django.utils import timezone
+
+from tpus.models import Grant, Job
+from tpus.services import jobs
+from tpus.tests import jobs_support
+from tpus.tests.jobs_support import make_job
+
+scene = jobs_support.scene
+
+
+def _lost(scene, *, rerun: bool) -> Job:
+    job = make_job(scene.vm, scene.milo, "running")
+    Job.objects.filter(pk=job.pk).update(
+        state="lost",
+        rerun_after_preemption=rerun,
+        queued_at=timezone.now() - dt.timedelta(hours=1),
+        ended_at=timezone.now(),
+    )
+    job.refresh_from_db()
+    return job
+
+
+def test_a_lost_job_whose_owner_asked_for_it_goes_back_to_the_head_of_the_line(scene):
+    waiting = make_job(scene.vm, scene.ann, "queued")
+    lost = _lost(scene, rerun=True)
+    again = jobs.run_again_after_preemption(lost)
+    assert again is not None and again.rerun_of_id == lost.pk
+    again.refresh_from_db()
+    assert again.state == "queued" and again.rerun_after_preemption
+    assert again.queued_at == lost.queued_at
+    assert again.args == lost.args
+    line = list(Job.objects.filter(vm=scene.vm, state="queued").order_by("queued_at", "id"))
+    assert line == [again, waiting]
+    assert "preempted" in again.reason
+    assert jobs.run_again_after_preemption(lost) is None  # once
+
+
+def test_a_lost_job_nobody_asked_to_run_again_stays_lost(scene):
+    assert jobs.run_again_after_preemption(_lost(scene, rerun=False)) is None
+    assert not Job.objects.filter(state="queued").exists()
+
+
+def test_no_job_runs_again_for_someone_whose_access_ended(scene):
+    lost = _lost(scene, rerun=True)
+    Grant.objects.filter(user=scene.milo).update(state="revoked")
+    assert jobs.run_again_after_preemption(lost) is None
