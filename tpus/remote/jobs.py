@@ -346,13 +346,15 @@ class JobState:
 
 @dataclass(frozen=True)
 class ChipHolder:
-    """A process with a chip open: ``pgid`` tells the portal's own job's from others."""
+    """A process with a chip open: ``job`` (the portal job whose cgroup it runs in) or
+    ``pgid`` tells the portal's own jobs' from others."""
 
     device: str
     pid: int
     pgid: int | None
     user: str
     command: str
+    job: str = ""
 
 
 @dataclass
@@ -387,7 +389,9 @@ def parse_status(pairs: Sequence[tuple[str, str]]) -> StatusReport:
     return report
 
 
-_HOLDER = re.compile(r"(/dev/\S+) pid=([0-9]+) pgid=([0-9]+|\?) user=(\S+) command=(.*)")
+_HOLDER = re.compile(
+    r"(/dev/\S+) pid=([0-9]+) pgid=([0-9]+|\?) user=(\S+)(?: job=([a-z0-9-]+))? command=(.*)"
+)
 
 
 def _holder(value: str) -> ChipHolder:
@@ -395,7 +399,8 @@ def _holder(value: str) -> ChipHolder:
     if not match:
         raise ValueError(f"not a holder line: {value[:100]!r}")
     pgid = None if match[3] == "?" else int(match[3])
-    return ChipHolder(match[1], int(match[2]), pgid, match[4], match[5].strip())
+    job = "" if match[5] in (None, "-") else match[5]
+    return ChipHolder(match[1], int(match[2]), pgid, match[4], match[6].strip(), job)
 
 
 def _job_id_of(value: str) -> str:

@@ -166,6 +166,35 @@ def test_the_next_job_waits_while_processes_of_the_last_outlive_its_supervisor(h
     assert host.start(second, "true").outcome == "started"
 
 
+def test_a_chip_held_by_what_left_the_jobs_group_is_the_jobs_not_outside_the_portal(host):
+    from tpus.services.job_engine import _outside
+
+    job_id = new_job_id()
+    answer = host.start(
+        job_id, "setsid sh -c 'exec 3</dev/accel1; exec sleep 300' & echo held; exec sleep 300"
+    )
+    host.wait_for(job_id, lambda j: b"held" in j.log)
+    outside = host.sh("sh -c 'exec 3</dev/accel2; exec sleep 302' >/dev/null 2>&1 & echo $!")
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            result = run_script(
+                host.worker, "job-status.sh", encode_status({}, 0, device_glob="/dev/accel*")
+            )
+            holders = {h.device: h for h in parse_status(result.pairs).holders}
+            if len(holders) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        mine, other = holders["/dev/accel1"], holders["/dev/accel2"]
+        assert mine.job == job_id and mine.pgid != answer.pid and mine.user == host.user
+        assert other.job == "" and other.user == "root"
+        seen = _outside(0, list(holders.values()), own_group=answer.pid)
+        assert [h["device"] for h in seen] == ["/dev/accel2"]
+    finally:
+        host.sh(f"kill -KILL {outside.strip()} || true")
+        host.cancel(job_id, grace=0)
+
+
 # --- limits ----------------------------------------------------------------------------
 
 

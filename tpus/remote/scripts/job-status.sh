@@ -17,8 +17,8 @@
 #   log=<id> <offset> <base64 of the bytes from offset>
 # with <state> running, ended, lost (the worker rebooted or the supervisor died before
 # the end was written), or unknown (no such job here). With a chips line, one line per
-# process holding a chip (the portal's own job among them, known by its group):
-#   holder=<device> pid=<pid> pgid=<pgid> user=<user> command=<cmdline>
+# process holding a chip (the portal's own jobs' among them, known by their cgroup):
+#   holder=<device> pid=<pid> pgid=<pgid> user=<user> job=<id>|- command=<cmdline>
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 LC_ALL=C
@@ -144,6 +144,21 @@ while read -r pid target; do
     pgid=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d ' ' -f 3)
     owner=$(stat -c %U "/proc/$pid" 2>/dev/null || echo "?")
     command=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | tr -c 'A-Za-z0-9 ._:,/()=@+~#%*-' ' ' | cut -c 1-200)
-    echo "holder=$target pid=$pid pgid=${pgid:-?} user=$owner command=${command:-?}"
+    # A portal job's process, known by its cgroup (whatever its group): root's
+    # tpu-portal/job-<id>, or the scope tpu-portal-job-<id>.scope.
+    in_job=-
+    while IFS= read -r line; do
+        case $line in
+            0::*/tpu-portal/job-*) in_job=${line##*/tpu-portal/job-} ;;
+            0::*/tpu-portal-job-*.scope)
+                in_job=${line##*/tpu-portal-job-}
+                in_job=${in_job%.scope}
+                ;;
+        esac
+    done <"/proc/$pid/cgroup" 2>/dev/null || true
+    case $in_job in
+        - | *[!a-z0-9-]* | "") in_job=- ;;
+    esac
+    echo "holder=$target pid=$pid pgid=${pgid:-?} user=$owner job=$in_job command=${command:-?}"
 done <"$work/holders"
 exit 0
