@@ -36,7 +36,7 @@ from tpus.remote import Held, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
 from tpus.services import disk_mounts, emails, leases
 from tpus.services.hosts import remote_worker
-from tpus.services.jobs import coordinator_of, may_run_jobs, run_again_after_preemption
+from tpus.services.jobs import coordinator_of, may_run_jobs
 from tpus.services.labkeys import login_for
 from tpus.services.leases import Heartbeat
 
@@ -677,8 +677,6 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
         job.refresh_from_db()
         reason = job.reason or "Cancelled."
     _end(job, outcome, reason)
-    if outcome == JobState.LOST and (vm.state in GONE_STATES or vm.is_missing):
-        run_again_after_preemption(job)
     report.ended.append(job.pk)
     return True
 
@@ -730,7 +728,8 @@ def _status_round(job: Job, vm: TpuVm, hosts: _Hosts, parts) -> bool:
 
 
 def _outside(index: int, found, *, own_group: int | None = None) -> list[dict]:
-    """The chip holders that are not the portal's job (whose group is its pid)."""
+    """The chip holders that are not the portal's: not in a portal job's cgroup (even
+    one that left the job's process group), nor in the job's group (its pid)."""
     return [
         {
             "worker": index,
@@ -740,7 +739,7 @@ def _outside(index: int, found, *, own_group: int | None = None) -> list[dict]:
             "command": h.command,
         }
         for h in found
-        if own_group is None or h.pgid != own_group
+        if not h.job and (own_group is None or h.pgid != own_group)
     ]
 
 
