@@ -487,6 +487,55 @@ def test_a_cancel_while_the_workers_still_check_stops_the_pass_waiting_for_them(
         assert settled(jobs_pod, host, seen, timeout=20) == seen
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_cancel_from_another_process_during_the_checks_ends_the_job_within_a_second(
+    jobs_pod, django_capture_on_commit_callbacks, monkeypatch
+):
+    """The pass runs in its own thread (a Celery worker), the cancel comes from the
+    page's request meanwhile: the job is cancelling at once and cancelled about a
+    second later, without waiting for the workers' slow checks."""
+    import threading
+
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("concurrent writers need PostgreSQL (PORTAL_TEST_BACKEND=services)")
+    from tpus import queue
+
+    # Outside a test transaction the queued pass would run at the submit's commit: the
+    # thread below is the only pass.
+    monkeypatch.setattr(queue, "advance_jobs", lambda vm_id: None)
+    python = fake_python(jobs_pod, "slow", SLOW)
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["true"],
+                 python=python)  # fmt: skip
+    reports = []
+
+    def pass_() -> None:
+        try:
+            reports.append(job_engine.advance(jobs_pod.vm.pk))
+        except Exception as exc:  # shown by the assertions below
+            reports.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=pass_)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while Job.objects.get(pk=job.pk).state != JobState.VALIDATING:
+        assert time.monotonic() < deadline, (reports, Job.objects.get(pk=job.pk).reason)
+        time.sleep(0.05)
+    with django_capture_on_commit_callbacks(execute=False):
+        assert jobs.cancel_job(job, jobs_pod.milo).state == JobState.CANCELLING
+    asked = time.monotonic()
+    while not Job.objects.get(pk=job.pk).has_ended:
+        assert time.monotonic() - asked < 4, "the cancel waited for the checks"
+        time.sleep(0.05)
+    thread.join(timeout=30)
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED and job.started_at is None
+    assert reports and reports[0].ended == [job.pk]
+
+
 # --- before anything is queued ----------------------------------------------------------
 
 
