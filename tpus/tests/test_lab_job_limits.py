@@ -108,3 +108,29 @@ def test_every_start_carries_the_labs_limits_and_the_sites_retention(cast, setti
 def test_the_encoder_refuses_limits_the_worker_would_refuse(fields):
     with pytest.raises(ValueError):
         wire.encode_start(wire.StartJob(job_id="j1", user="milo", argv=("true",), **fields))
+
+
+def test_a_settings_form_without_the_job_limits_keeps_the_labs_and_a_new_lab_gets_the_defaults(
+    client, make_user
+):
+    from django.urls import reverse
+
+    from tpus.models import Lab
+
+    client.force_login(make_user(is_superuser=True, is_staff=True))
+    make_user("boss@new.example")
+    answer = client.post(
+        reverse("lab_create"),
+        {
+            "name": "New Lab",
+            "slug": "new-lab",
+            "gcp_project_id": "new-lab-123",
+            "zones": "us-central1-f",
+            "policy_text": "Research only.",
+            "admin_emails": "boss@new.example",
+        },
+    )
+    assert answer.status_code == 302
+    lab = Lab.objects.get(slug="new-lab")
+    defaults = {f.name: f.default for f in Lab._meta.fields if f.name.startswith("job_")}
+    assert {name: getattr(lab, name) for name in defaults} == defaults
