@@ -417,12 +417,25 @@ def timed_get(browser: Browser, path: str) -> tuple[float, int, int]:
     return elapsed, response.status_code, len(response.content)
 
 
-def drive(browser: Browser, path: str, *, alone: int, each: int, budget: float) -> dict:
+def drive(
+    browser: Browser,
+    path: str,
+    *,
+    alone: int,
+    each: int,
+    budget: float,
+    paired: tuple[Browser, str] | None = None,
+) -> dict:
+    """Single requests, then ``CLIENTS`` clients at once. With ``paired`` (a browser
+    and the reference's path), each client alternates the page and the reference, so
+    both are measured in the same seconds, whatever else the machine does then
+    (``ref_p95``)."""
     timed_get(browser, path)  # warm-up
     single = [timed_get(browser, path) for _ in range(alone)]
     statuses = {s for _, s, _ in single}
     deadline = time.monotonic() + budget
     samples: list[float] = []
+    reference: list[float] = []
     lock = threading.Lock()
 
     def client(_):
@@ -433,18 +446,27 @@ def drive(browser: Browser, path: str, *, alone: int, each: int, budget: float) 
             with lock:
                 samples.append(elapsed)
                 statuses.add(status)
+            if paired is not None:
+                elapsed, _, _ = timed_get(*paired)
+                with lock:
+                    reference.append(elapsed)
 
     with ThreadPoolExecutor(CLIENTS) as pool:
         list(pool.map(client, range(CLIENTS)))
-    samples.sort()
     return {
         "single": statistics.median(t for t, _, _ in single) * 1000,
-        "p50": samples[len(samples) // 2] * 1000,
-        "p95": samples[min(len(samples) - 1, int(len(samples) * 0.95))] * 1000,
+        "p50": _percentile(samples, 0.5),
+        "p95": _percentile(samples, 0.95),
+        "ref_p95": _percentile(reference, 0.95) if reference else None,
         "n": len(samples),
         "bytes": single[-1][2],
         "status": ",".join(str(s) for s in sorted(statuses)),
     }
+
+
+def _percentile(samples: list[float], share: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * share))] * 1000
 
 
 def main() -> None:
@@ -456,6 +478,12 @@ def main() -> None:
     parser.add_argument("--web-workers", type=int, default=4)
     parser.add_argument(
         "--only", help="drive only the pages whose name has this text (and the reference)"
+    )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="each client alternates the page and the reference (ratios from the same "
+        "seconds, for a machine that is busy with other work)",
     )
     args = parser.parse_args()
     scale = args.scale or (0.05 if args.small else 1.0)
@@ -486,8 +514,11 @@ def main() -> None:
             for who, _, path in rows:
                 list(pool.map(browsers[who].get, [path] * CLIENTS))
         results = {}
-        for who, name, path in rows:
-            results[name] = drive(browsers[who], path, alone=7, each=each, budget=args.budget)
+        for n, (who, name, path) in enumerate(rows):
+            paired = (browsers["member"], rows[0][2]) if args.paired and n else None
+            results[name] = drive(
+                browsers[who], path, alone=7, each=each, budget=args.budget, paired=paired
+            )
             print(f"  {name}: p95 {results[name]['p95']:.0f} ms", file=sys.stderr)
         reference = results["api me/grants"]["p95"]
         # The reference again after every other page: how steady the machine was.
@@ -503,6 +534,7 @@ def main() -> None:
                     "bytes",
                     "queries",
                     "p95 / me/grants p95",
+                    *(["me/grants p95 beside", "p95 / that"] if args.paired else []),
                     "HTTP",
                 ],
                 [
@@ -515,6 +547,14 @@ def main() -> None:
                         r["bytes"],
                         queries[name],
                         round(r["p95"] / reference, 1),
+                        *(
+                            [
+                                round(r["ref_p95"] or r["p95"]),
+                                round(r["p95"] / (r["ref_p95"] or r["p95"]), 1),
+                            ]
+                            if args.paired
+                            else []
+                        ),
                         r["status"],
                     ]
                     for name, r in results.items()
