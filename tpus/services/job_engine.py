@@ -163,7 +163,9 @@ def _unready(vm: TpuVm, workers) -> str:
             return f"Worker {worker.index} ({worker.alias}) has no confirmed host keys."
         if not worker.external_ip:
             return f"Worker {worker.index} ({worker.alias}) has no address."
-        if worker.host_key_mismatch_at:
+        # An alarm about published keys only does not stop the worker: the pinned key
+        # still guards every connection. A key the worker presented differently does.
+        if worker.host_key_mismatch_at and not worker.host_key_alarm_published:
             return f"Worker {worker.index} ({worker.alias}) presented another host key."
     return ""
 

@@ -52,3 +52,19 @@ def test_no_job_runs_again_for_someone_whose_access_ended(scene):
     lost = _lost(scene, rerun=True)
     Grant.objects.filter(user=scene.milo).update(state="revoked")
     assert jobs.run_again_after_preemption(lost) is None
+
+
+def test_an_alarm_about_published_keys_only_does_not_hold_jobs_and_a_presented_key_does(scene):
+    from tpus.services.job_engine import _unready
+
+    worker = scene.vm.workers.first()
+    worker.host_keys = ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPinnedKeyOfTheWorker"]
+    worker.host_key_mismatch_at = timezone.now()
+    worker.host_key_alarm_published = True
+    worker.save()
+    workers = list(scene.vm.workers.order_by("index"))
+    assert _unready(scene.vm, workers) == ""
+    worker.host_key_alarm_published = False
+    worker.save()
+    workers = list(scene.vm.workers.order_by("index"))
+    assert "presented another host key" in _unready(scene.vm, workers)
