@@ -302,7 +302,7 @@ def lab_usage(request, slug):
         per_vm = page_of(request, usage.MostUsedFirst(figures, "vm", totals["vms"]), param="per_vm")
         usage.name_people(people.object_list)
         usage.name_vms(per_vm.object_list)
-        context.update(people=people, per_vm=per_vm, totals=usage.totals_of(by_person))
+        context.update(people=people, per_vm=per_vm, totals=totals)
     return render(request, "tpus/lab_usage.html", context)
 
 
