@@ -301,12 +301,17 @@ exec sleep 300
 
 
 def processes(workers: Workers, index: int) -> list[str]:
-    """Every live process on a worker as ``user args``, without the look itself."""
+    """Every live process on a worker as ``user args``, without the look itself and
+    without sshd's own."""
     out = workers.sh(index, "ps -e -o stat=,user=,args=")
     return sorted(
         " ".join(line.split()[1:])
         for line in out.splitlines()
-        if not line.split()[0].startswith("Z") and "ps -e -o stat=" not in line
+        if not line.split()[0].startswith("Z")
+        and "ps -e -o stat=" not in line
+        # sshd's own (the listener's title counts connections being made; a session
+        # goes a moment after its connection): what counts is what ran under them.
+        and line.split()[2:3] != ["sshd:"]
     )
 
 
