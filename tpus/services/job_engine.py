@@ -36,7 +36,7 @@ from tpus.remote import Held, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
 from tpus.services import disk_mounts, emails, leases
 from tpus.services.hosts import remote_worker
-from tpus.services.jobs import coordinator_of, may_run_jobs
+from tpus.services.jobs import coordinator_of, may_run_jobs, run_again_after_preemption
 from tpus.services.labkeys import login_for
 from tpus.services.leases import Heartbeat
 
@@ -679,6 +679,8 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
         job.refresh_from_db()
         reason = job.reason or "Cancelled."
     _end(job, outcome, reason)
+    if outcome == JobState.LOST and (vm.state in GONE_STATES or vm.is_missing):
+        run_again_after_preemption(job)
     report.ended.append(job.pk)
     return True
 
