@@ -9,7 +9,6 @@ from portal.settings.base import *  # noqa: F403
 from portal.settings.base import VAR_DIR
 
 DEBUG = env.boolean("DEBUG", True)
-VAR_DIR.mkdir(parents=True, exist_ok=True)
 
 
 def _local_secret_key() -> str:

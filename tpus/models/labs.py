@@ -98,8 +98,7 @@ class Lab(models.Model):
         "tasks per job and worker",
         default=4096,
         validators=[MinValueValidator(16), MaxValueValidator(4194304)],
-        help_text="Processes and threads one job may have on each worker; past it, "
-        "forking fails.",
+        help_text="Processes and threads one job may have on each worker; past it, forking fails.",
     )
     job_memory_max_mb = models.PositiveIntegerField(
         "memory per job and worker (MB)",
