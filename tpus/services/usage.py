@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import uuid
 from dataclasses import dataclass
 
+from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.db.models import (
     Case,
@@ -221,8 +223,9 @@ class Figures:
 
 class Usage:
     """Worker-hours in ``lab`` over ``period`` (only ``user``'s when given), as of
-    ``now``. Each method is one or two queries over the period's per-day rows, plus
-    one over the jobs not in them yet, made once per object."""
+    ``now``: the period's per-day rows summed per person and per VM (one query each,
+    kept in the shared cache until more jobs are counted into the lab's rows), plus
+    the jobs not in them yet (one query, made once per object)."""
 
     def __init__(self, lab: Lab, period: Period, *, user=None, now: dt.datetime | None = None):
         self.lab = lab
@@ -265,49 +268,60 @@ class Usage:
                 found.setdefault(row[key], Figures()).add(1, row["worker_time"])
         return found
 
+    def _counted(self, key: str) -> dict[int, tuple[int, dt.timedelta]]:
+        """``{id: (jobs, worker_time)}`` per ``key`` (``user`` or ``vm``) of the
+        period's per-day rows. They change only when ended jobs are counted into them,
+        which moves the lab's version on: until then every request of the period reads
+        them from the shared cache, not from the database."""
+        if self.period.start >= self.now:
+            return {}
+        name = ":".join(
+            [
+                "tpu-portal:usage",
+                _version(self.lab.pk),
+                str(self.lab.pk),
+                self.period.first.isoformat(),
+                self.period.last.isoformat(),
+                str(self.user.pk if self.user is not None else "all"),
+                key,
+            ]
+        )
+        found = cache.get(name)
+        if found is None:
+            found = {
+                row[key]: (row["started_n"] + (row["carried_n"] or 0), row["total"])
+                for row in self._sums(self._days().values(key)).order_by()
+            }
+            cache.set(name, found, timeout=CACHED_SECONDS)
+        return found
+
+    def _merged(self, key: str) -> dict[int, Figures]:
+        found = {ident: Figures(jobs, total) for ident, (jobs, total) in self._counted(key).items()}
+        for ident, live in self._live_by(key).items():
+            found.setdefault(ident, Figures()).add(live.jobs, live.total)
+        return found
+
     def summary(self) -> dict:
         """``jobs`` and ``total`` of the period, and how many ``people`` and ``vms``
-        used it: one query (and the jobs not counted yet)."""
-        people = {row["user"] for row in self._live}
-        vms = {row["vm"] for row in self._live}
-        extra = {}
-        if people:
-            extra = {
-                "people_live": Count("user", distinct=True, filter=Q(user__in=people)),
-                "vms_live": Count("vm", distinct=True, filter=Q(vm__in=vms)),
-            }
-        row = self._days().aggregate(
-            started_n=Sum("started"),
-            carried_n=Sum("carried", filter=Q(day=self.period.first)),
-            total=Sum("worker_time"),
-            people=Count("user", distinct=True),
-            vms=Count("vm", distinct=True),
-            **extra,
-        )
-        figures = Figures((row["started_n"] or 0) + (row["carried_n"] or 0), row["total"])
-        for live in self._live:
-            figures.add(1, live["worker_time"])
+        used it."""
+        people, vms = self._merged("user"), self._merged("vm")
+        figures = Figures()
+        for person in people.values():
+            figures.add(person.jobs, person.total)
         return {
             "jobs": figures.jobs,
             "total": figures.total,
-            "people": row["people"] + len(people) - (row.get("people_live") or 0),
-            "vms": row["vms"] + len(vms) - (row.get("vms_live") or 0),
+            "people": len(people),
+            "vms": len(vms),
         }
 
     def grouped(self, key: str, *, after: int | None = None, first: int | None = None) -> dict:
         """Figures per ``key`` (``user`` or ``vm``) id, in id order: all of them, or
         the ``first`` ones after the id ``after`` (a keyset page)."""
-        rows = self._days()
-        if after is not None:
-            rows = rows.filter(**{f"{key}__gt": after})
-        rows = self._sums(rows.values(key)).order_by(key)
+        found = self._merged(key)
+        ids = sorted(ident for ident in found if after is None or ident > after)
         if first is not None:
-            rows = rows[:first]
-        found = {row[key]: Figures(row["started_n"] + (row["carried_n"] or 0), row["total"])
-                 for row in rows}  # fmt: skip
-        for ident, live in self._live_by(key, after).items():
-            found.setdefault(ident, Figures()).add(live.jobs, live.total)
-        ids = sorted(found)[:first] if first is not None else sorted(found)
+            ids = ids[:first]
         return {ident: found[ident] for ident in ids}
 
     def pairs(self) -> dict[tuple[int, int], Figures]:
@@ -324,10 +338,7 @@ class Usage:
 
 class MostUsedFirst:
     """The people (``key="user"``) or VMs (``"vm"``) of a period, most used first, as
-    a sequence a Paginator can page: a slice reads only as many rows as it ends at,
-    ranked by the database, plus the few people or VMs with jobs not counted into the
-    per-day rows yet (their place can only rise, so the top rows and they hold every
-    row of the slice). ``count`` is known beforehand (``Usage.summary``)."""
+    a sequence a Paginator can page; ``count`` is known beforehand (``summary``)."""
 
     def __init__(self, figures: Usage, key: str, count: int):
         self.figures = figures
@@ -341,20 +352,7 @@ class MostUsedFirst:
         return self._count
 
     def __getitem__(self, part: slice) -> list[dict]:
-        key, days = self.key, self.figures._days()
-        live = self.figures._live_by(key)
-        top = self.figures._sums(days.values(key)).order_by("-total", key)[: part.stop]
-        found = {
-            row[key]: Figures(row["started_n"] + (row["carried_n"] or 0), row["total"])
-            for row in top
-        }
-        if live:
-            counted = self.figures._sums(days.filter(**{f"{key}__in": list(live)}).values(key))
-            for row in counted.order_by():
-                found[row[key]] = Figures(row["started_n"] + (row["carried_n"] or 0), row["total"])
-            for ident, figures in live.items():
-                found.setdefault(ident, Figures()).add(figures.jobs, figures.total)
-        return most_used_first(found)[part]
+        return most_used_first(self.figures._merged(self.key))[part]
 
 
 def most_used_first(grouped: dict[int, Figures]) -> list[dict]:
@@ -395,6 +393,25 @@ def hours(value: dt.timedelta | None) -> float:
 
 # --- keeping the per-day rows ----------------------------------------------------------
 
+# How long a period's figures stay in the cache (a newer version replaces them sooner).
+CACHED_SECONDS = 3600
+
+
+def _version(lab_id: int) -> str:
+    """The lab's figures' version: a new one whenever jobs are counted into its rows."""
+    key = f"tpu-portal:usage-version:{lab_id}"
+    version = cache.get(key)
+    if version is None:
+        cache.add(key, uuid.uuid4().hex, timeout=None)
+        version = cache.get(key) or "none"
+    return version
+
+
+def _new_versions(lab_ids) -> None:
+    for lab_id in lab_ids:
+        cache.set(f"tpu-portal:usage-version:{lab_id}", uuid.uuid4().hex, timeout=None)
+
+
 COUNT_BATCH = 500
 
 
@@ -423,6 +440,11 @@ def count_ended_jobs(limit: int = COUNT_BATCH) -> int:
             ) != len(ids):
                 raise _Raced
             _add_to_days(jobs)
+            # Now for this transaction's own reads, and again once it commits, so that
+            # figures cached meanwhile from the rows before it are not kept.
+            labs = {job.lab_id for job in jobs}
+            _new_versions(labs)
+            transaction.on_commit(lambda: _new_versions(labs))
     except (_Raced, IntegrityError):
         return 0
     return len(jobs)
@@ -440,8 +462,11 @@ def recount_all() -> int:
     """The per-day rows made again from every job: after TIME_ZONE changed (a day is a
     day in the portal's time zone)."""
     with transaction.atomic():
+        labs = set(UsageDay.objects.values_list("lab_id", flat=True).distinct())
         UsageDay.objects.all().delete()
         Job.objects.filter(usage_counted=True).update(usage_counted=False)
+        _new_versions(labs)
+        transaction.on_commit(lambda: _new_versions(labs))
     return count_all_ended_jobs()
 
 
