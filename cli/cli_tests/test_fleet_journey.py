@@ -112,7 +112,7 @@ def _lines(stream) -> queue.Queue:
     return found
 
 
-def _wait_for(lines: queue.Queue, text: str, timeout: float = 120) -> list:
+def _wait_for(lines: queue.Queue, text: str, timeout: float = 240) -> list:
     seen, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

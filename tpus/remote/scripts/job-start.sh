@@ -520,9 +520,10 @@ if [ -n "$cgroup" ]; then
 else
     kill -KILL "-$child" 2>/dev/null || true
 fi
-# The log's last bytes; a writer held open by something outside the job is not waited on.
+# The log's last bytes: the writer ends as soon as it has them (a busy worker can take
+# a moment); one held open by something outside the job is not waited on past 10 s.
 tries=0
-while kill -0 "$writer" 2>/dev/null && [ "$tries" -lt 100 ]; do
+while kill -0 "$writer" 2>/dev/null && [ "$tries" -lt 500 ]; do
     tries=$((tries + 1))
     sleep 0.02
 done
