@@ -296,10 +296,14 @@ class Usage:
         return found
 
     def _merged(self, key: str) -> dict[int, Figures]:
-        found = {ident: Figures(jobs, total) for ident, (jobs, total) in self._counted(key).items()}
-        for ident, live in self._live_by(key).items():
-            found.setdefault(ident, Figures()).add(live.jobs, live.total)
-        return found
+        """The counted figures and the live ones together, made once per object."""
+        merged = self.__dict__.setdefault("_merged_by", {})
+        if key not in merged:
+            found = {ident: Figures(*figures) for ident, figures in self._counted(key).items()}
+            for ident, live in self._live_by(key).items():
+                found.setdefault(ident, Figures()).add(live.jobs, live.total)
+            merged[key] = found
+        return merged[key]
 
     def summary(self) -> dict:
         """``jobs`` and ``total`` of the period, and how many ``people`` and ``vms``
