@@ -753,7 +753,8 @@ def _set_holders(vm: TpuVm, holders: list[dict]) -> None:
 
 def check_usage(vm_id: int) -> list[dict] | None:
     """Who holds the VM's chips now, from one job-status.sh exec per worker; stored on
-    the VM. None when a worker could not be asked (the last answer stays)."""
+    the VM. None when a worker could not be asked (the last answer stays). When the
+    portal asks is ``services.holders``'s business."""
     vm, workers = _vm_and_workers(vm_id)
     if _unready(vm, workers):
         return None
