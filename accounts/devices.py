@@ -200,7 +200,7 @@ def poll(device_code: str, *, request=None) -> Issued:
     # (when it came, a longer interval) is kept.
     with transaction.atomic():
         row = (
-            DeviceAuthorization.objects.select_for_update()
+            DeviceAuthorization.objects.select_for_update(of=("self",))
             .select_related("user")
             .filter(device_digest=hash_token(device_code))
             .first()
