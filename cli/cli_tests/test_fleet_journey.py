@@ -256,14 +256,25 @@ def test_milo_syncs_through_worker_0_detaches_cancels_follows_again_and_signs_ou
     # Ctrl-C detaches; the job goes on.
     follow = laptop.start([TPU, "run", "tpu5", "--venv", "~/jax", "--", "sh", "-c",
                            "echo start; sleep 300"], cwd=home)  # fmt: skip
+    # Both pipes are read as the client writes: a pipe nobody reads fills up and stalls it.
+    told: list[str] = []
+    reader = threading.Thread(target=lambda: told.extend(follow.stderr), daemon=True)
+    reader.start()
     try:
-        _wait_for(_lines(follow.stdout), "(w3) start")
+        try:
+            _wait_for(_lines(follow.stdout), "(w3) start")
+        except AssertionError as missing:
+            follow.kill()
+            reader.join(timeout=10)
+            jobs = list(Job.objects.order_by("pk").values("pk", "state", "reason"))
+            raise AssertionError(f"{missing}\nclient: {''.join(told)}\njobs: {jobs}") from None
         follow.send_signal(signal.SIGINT)
         assert follow.wait(timeout=30) == 130
     finally:
         if follow.poll() is None:
             follow.kill()
-    said = follow.stderr.read()
+    reader.join(timeout=30)
+    said = "".join(told)
     number = re.search(r"Detached; job (\d+) goes on\. Follow it again: tpu logs -f \1", said)
     assert number, said
     job = Job.objects.get(pk=int(number.group(1)))
