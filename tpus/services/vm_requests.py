@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 # How long past its window's end a request may still be waiting at Google before the
 # portal cancels it there itself.
 WINDOW_GRACE = dt.timedelta(minutes=5)
+# Node states in which Google took a VM back (a stopped VM was stopped by the lab).
+TAKEN_BACK = {NodeState.PREEMPTED, NodeState.TERMINATED}
 # Node states in which a VM holds none of the lab's allowance.
 NOT_HOLDING = {NodeState.PREEMPTED, NodeState.TERMINATED, NodeState.STOPPED}
 
@@ -441,7 +443,7 @@ def bring_back() -> list[VmRequest]:
     portal). When it is up, ``_arrived`` restores everything on it."""
     gone = (
         VmRequest.objects.filter(state=VmRequestState.READY, keep_alive=True, vm__isnull=False)
-        .filter(Q(vm__state__in=NOT_HOLDING) | Q(vm__missing_since__isnull=False))
+        .filter(Q(vm__state__in=TAKEN_BACK) | Q(vm__missing_since__isnull=False))
         .select_related("vm", "lab")
     )
     revived = []

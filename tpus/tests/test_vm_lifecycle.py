@@ -107,3 +107,10 @@ def test_a_vm_registered_by_hand_cannot_be_stopped_or_deleted(cast):
             change(cast.admin, manual)
     with pytest.raises(ValidationError, match="registered by hand"):
         vm_lifecycle.delete_vm(cast.admin, manual, "tpu9")
+
+
+def test_a_kept_alive_vm_the_lab_stopped_is_not_brought_back(cast, vm, tpu_emulator):
+    vm_lifecycle.stop_vm(cast.admin, vm)
+    vm_lifecycle.run(vm.pk, vm_lifecycle.STOP)
+    assert TpuVm.objects.get(pk=vm.pk).state == "STOPPED"
+    assert vm_requests.bring_back() == []
