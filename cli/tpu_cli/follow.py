@@ -78,6 +78,10 @@ def _started(job: dict) -> bool:
     return any(part.get("started_at") for part in job.get("parts", []))
 
 
+# Seconds a started job's ssh tail may show nothing while the portal sees its log grow.
+SSH_QUIET = 10.0
+
+
 class Tailer:
     """One worker's log, followed over ssh."""
 
@@ -130,6 +134,9 @@ class Follow:
         self.logs = logs
         self.path = f"{vm.api_path}/jobs/{job_id}"
         self.tailers: dict[int, Tailer] = {}
+        self.tails_began = 0.0
+        # Workers followed from the portal: the log bytes already printed.
+        self.from_portal: dict[int, int] = {}
 
     def run(self) -> dict:
         """The job as it ended. Ctrl-C (KeyboardInterrupt) stops the tails and goes up."""
@@ -144,6 +151,7 @@ class Follow:
                     last = seen
                 if self.logs and not self.tailers and _started(job):
                     self._start_tails(job)
+                self._from_the_portal(job)
                 if state in ENDED:
                     break
                 time.sleep(0.5 if state in ("validating", "starting") else 1.0)
@@ -174,9 +182,41 @@ class Follow:
         hosts = self.vm.hosts()
         indexes = [i for i in self._indexes(job) if i in hosts]
         show = len(indexes) > 1
+        self.tails_began = time.monotonic()
         for index in indexes:
             label = remote.label_for(index, show)
             self.tailers[index] = Tailer(self.ssh, hosts[index], job["host_id"], label)
+
+    def _from_the_portal(self, job: dict) -> None:
+        """A worker whose log the portal has seen grow while ssh showed nothing of it
+        for ``SSH_QUIET`` seconds (ssh cannot reach it from here, or cannot read the
+        log) is followed from the portal instead: the new end of its log at each poll,
+        so the output never goes quiet while the job runs."""
+        if not self.tailers or time.monotonic() - self.tails_began < SSH_QUIET:
+            return
+        show = len(self.tailers) > 1
+        for part in job.get("parts", []):
+            index, size = part["index"], part.get("log_size") or 0
+            tailer = self.tailers.get(index)
+            if tailer is None or tailer.printed:
+                continue
+            seen = self.from_portal.get(index)
+            if seen is None:
+                if not size:
+                    continue
+                tailer.stop()
+                seen = self.from_portal[index] = 0
+            new = size - seen
+            if new <= 0:
+                continue
+            tail = part.get("log_tail") or ""
+            text = tail[-new:] if new <= len(tail) else "[…]\n" + tail
+            label = remote.label_for(index, show)
+            with remote._print_lock:
+                for line in text.splitlines():
+                    sys.stdout.write(f"{label}{line}\n")
+                sys.stdout.flush()
+            self.from_portal[index] = size
 
     def _finish(self, job: dict) -> None:
         """Let each tail print the log's last lines (it ends with the job's supervisor),
@@ -188,7 +228,7 @@ class Follow:
         started = {p["index"] for p in job.get("parts", []) if p.get("started_at")}
         for index, tailer in self.tailers.items():
             tailer.stop()
-            if tailer.printed or index not in started:
+            if tailer.printed or index not in started or index in self.from_portal:
                 continue
             try:
                 print_whole_log(self.api, self.path, index, remote.label_for(index, show))
