@@ -242,7 +242,10 @@ def check_connection(connection_id: int, attempt: int) -> None:
     vm = connection.vm
     login = login_for(vm.lab)
     deadline = time.monotonic() + float(settings.PORTAL_CONNECT_WAIT_SECONDS)
-    pause = float(settings.PORTAL_CONNECT_POLL_SECONDS)
+    # A new node's guest agent puts the key in place within a second or two of boot:
+    # look again soon at first, then every PORTAL_CONNECT_POLL_SECONDS at most.
+    most = float(settings.PORTAL_CONNECT_POLL_SECONDS)
+    pause = min(0.25, most)
     workers = dict(connection.workers)
     rows = {str(w.index): w for w in vm.workers.all()}
     while True:
@@ -269,6 +272,7 @@ def check_connection(connection_id: int, attempt: int) -> None:
         if time.monotonic() + pause > deadline:
             return _finish(connection_id, attempt, workers, WHY_REFUSED)
         time.sleep(pause)
+        pause = min(pause * 2, most)
 
 
 def _finish(connection_id: int, attempt: int, workers: dict, reason: str) -> None:
