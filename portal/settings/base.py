@@ -293,6 +293,12 @@ PORTAL_JOB_MIN_MEM_MB = env.integer("PORTAL_JOB_MIN_MEM_MB", 1024, minimum=0)
 # The longest one pre-flight probe run as the person may take (their environment's
 # python reading its versions; realpath and sha256sum of their script) before it is
 # killed and its check fails ("… did not answer within N s"). 1 to 600.
+# A job run again after a preemption whose VM came back on new machines waits this
+# long after the VM is whole for the person to put back what it needs in their new
+# home (their environment, their script) before it is rejected.
+PORTAL_JOB_RERUN_HOME_WAIT_SECONDS = env.integer(
+    "PORTAL_JOB_RERUN_HOME_WAIT_SECONDS", 1800, minimum=0
+)
 PORTAL_JOB_PREFLIGHT_PROBE_SECONDS = env.integer(
     "PORTAL_JOB_PREFLIGHT_PROBE_SECONDS", 20, minimum=1
 )

@@ -116,6 +116,12 @@ class TpuVm(models.Model):
     # The node's create_time as the API reports it: another one means the VM was
     # deleted and created again under the same name, with new hosts.
     node_created_at = models.DateTimeField(null=True, blank=True)
+    # A VM kept alive that came back on new machines is set up again (accounts, keys,
+    # disks) before it is whole: until every worker has applied this desired version,
+    # jobs wait; then the people with access are told it is back, once, and it is
+    # ``restored_at``. None when nothing is being restored.
+    restore_version = models.PositiveIntegerField(null=True, blank=True)
+    restored_at = models.DateTimeField(null=True, blank=True)
     # Jobs: one pass over the VM's queue at a time (start, poll, cancel), claimed like
     # a reconcile; and what the last look at the workers found holding a chip outside
     # the portal ([{worker, device, pid, user, command}]) and when.

@@ -56,6 +56,8 @@ GONE_STATES = {
 # Checks that fail because something outside the portal holds the TPU: the job waits
 # (``blocked``) instead of being refused.
 HELD_CHECKS = {"chip_holder", "libtpu_lockfile", "portal_lock"}
+# What a job needs in the person's home: gone with a VM made anew after a preemption.
+HOME_CHECKS = {"python", "script"}
 # A pass that dies while validating a job leaves it in ``validating``; the next pass
 # puts it back in line, at most this many times, then refuses it with the reason.
 MAX_INTERRUPTED_VALIDATIONS = 3
@@ -158,6 +160,8 @@ def _unready(vm: TpuVm, workers) -> str:
         return f"{vm.name} is {vm.get_state_display().lower()}."
     if not workers:
         return f"{vm.name} has no workers yet."
+    if vm.restore_version is not None:
+        return f"{vm.name} is back on new machines and is being set up again."
     for worker in workers:
         if not worker.is_pinned:
             return f"Worker {worker.index} ({worker.alias}) has no confirmed host keys."
@@ -350,6 +354,15 @@ def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, re
             return _back_in_line(
                 job, f"The TPU is in use outside the portal: {text}", blocked=True, report=report
             )
+        until = _home_wait_until(job, vm)
+        if until and all(name in HOME_CHECKS for _, name, _ in failures):
+            return _back_in_line(
+                job,
+                f"Waiting for what it needs in your home on {vm.name}, which is new since "
+                f"the preemption: {text} It starts once that is there again (rejected if "
+                f"still missing at {until:%H:%M} UTC).",
+                report=report,
+            )
         _reject(job, f"The pre-flight failed on {text}", report)
         return True
     with transaction.atomic():
@@ -361,6 +374,23 @@ def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, re
         current.changed_at = timezone.now()
         current.save(update_fields=["state", "preflight", "changed_at"])
     return _start(current, vm, workers, reports, report, hosts, held)
+
+
+def _home_wait_until(job: Job, vm: TpuVm) -> dt.datetime | None:
+    """A job run again after Google took its VM back meets a home made anew: until
+    when it may wait there for the person to put back what it needs (their
+    environment, their script), or None when it does not wait."""
+    if not job.rerun_of_id or vm.restored_at is None:
+        return None
+    lost_at = (
+        Job.objects.filter(pk=job.rerun_of_id, state=JobState.LOST)
+        .values_list("ended_at", flat=True)
+        .first()
+    )
+    until = vm.restored_at + dt.timedelta(seconds=settings.PORTAL_JOB_RERUN_HOME_WAIT_SECONDS)
+    if lost_at is None or lost_at > vm.restored_at or timezone.now() >= until:
+        return None
+    return until
 
 
 def _preflight_problem(outcome: WorkerOutcome) -> str:

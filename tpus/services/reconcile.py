@@ -474,6 +474,7 @@ def settle_grants(vm_id: int) -> None:
         if s and s.last_error and not s.last_error_retryable
     }
     now = timezone.now()
+    _tell_back(vm_id, applied)
     # A failed grant is still wanted: once every worker has applied it (the worker came
     # back, the cause was fixed), it is in force like a pending one.
     waiting = Grant.objects.filter(
@@ -496,6 +497,17 @@ def settle_grants(vm_id: int) -> None:
                 state=GrantState.REVOKED, revoked_at=now, changed_at=now
             ):
                 emails.send_grant_email(grant.pk, "revoked")
+
+
+def _tell_back(vm_id: int, applied: int) -> None:
+    """A VM made anew after Google took it back has everything on every worker again:
+    it is whole (jobs may start) and the people with access hear it once (before the
+    grants this pass puts in force, which get their own "You can now use" email)."""
+    with transaction.atomic():
+        if TpuVm.objects.filter(pk=vm_id, restore_version__lte=applied).update(
+            restore_version=None, restored_at=timezone.now()
+        ):
+            emails.send_vm_back(vm_id)
 
 
 def _activate(grant: Grant, now) -> None:

@@ -475,8 +475,26 @@ def bring_back() -> list[VmRequest]:
                 data={"request": again.pk, "after": old.pk, "vm": old.vm_id},
             )
             queue.send_vm_request(again.pk)
+        _run_again_what_it_lost(old)
         revived.append(again)
     return revived
+
+
+def _run_again_what_it_lost(old: VmRequest) -> None:
+    """Jobs lost in the VM's last life whose owners asked for it are queued again. The
+    job pass does so when it sees the VM gone; a job whose workers vanished before the
+    sync saw the preemption ended as lost first, and is caught here."""
+    from tpus.models import Job
+    from tpus.models.jobs import JobState
+    from tpus.services.jobs import run_again_after_preemption
+
+    lost = Job.objects.filter(
+        vm=old.vm, state=JobState.LOST, rerun_after_preemption=True, reruns__isnull=True
+    )
+    if old.ready_at:
+        lost = lost.filter(ended_at__gte=old.ready_at)
+    for job in lost.select_related("vm__lab", "user__unix_account").order_by("queued_at"):
+        run_again_after_preemption(job)
 
 
 def _clear_leftovers(made: VmRequest) -> None:
@@ -551,8 +569,15 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
     vm = inventory.register_created(made.lab, node, requested_by=made.requested_by)
     with transaction.atomic():
         connect.wait_for_workers(vm, made.requested_by)
-        if made.vm_id is not None:
-            emails.send_vm_back(vm.pk)
+        if made.vm_id is not None and vm.grants.exists():
+            # Whole again once every worker has what the new machines need: jobs wait
+            # for it and people are told then (``settle_grants``), so that the email's
+            # "log in as before" is true when it arrives.
+            TpuVm.objects.filter(pk=vm.pk).update(
+                restore_version=TpuVm.objects.values_list("desired_version", flat=True).get(
+                    pk=vm.pk
+                )
+            )
         VmRequest.objects.filter(pk=made.pk).update(
             state=VmRequestState.READY, vm=vm, ready_at=timezone.now(), changed_at=timezone.now()
         )

@@ -68,3 +68,42 @@ def test_an_alarm_about_published_keys_only_does_not_hold_jobs_and_a_presented_k
     worker.save()
     workers = list(scene.vm.workers.order_by("index"))
     assert "presented another host key" in _unready(scene.vm, workers)
+
+
+def test_jobs_wait_while_a_vm_back_on_new_machines_is_set_up_again(scene):
+    from tpus.models import TpuVm
+    from tpus.services.job_engine import _unready
+
+    pinned = ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPinnedKeyOfTheWorker"]
+    scene.vm.workers.update(host_keys=pinned)
+    TpuVm.objects.filter(pk=scene.vm.pk).update(restore_version=7)
+    scene.vm.refresh_from_db()
+    workers = list(scene.vm.workers.order_by("index"))
+    assert "being set up again" in _unready(scene.vm, workers)
+    TpuVm.objects.filter(pk=scene.vm.pk).update(restore_version=None)
+    scene.vm.refresh_from_db()
+    assert _unready(scene.vm, workers) == ""
+
+
+def test_a_job_run_again_waits_a_while_for_its_home_on_new_machines_and_no_other(scene, settings):
+    from tpus.models import TpuVm
+    from tpus.services.job_engine import _home_wait_until
+
+    settings.PORTAL_JOB_RERUN_HOME_WAIT_SECONDS = 600
+    lost = _lost(scene, rerun=True)
+    again = jobs.run_again_after_preemption(lost)
+    restored = timezone.now()
+    TpuVm.objects.filter(pk=scene.vm.pk).update(restored_at=restored)
+    scene.vm.refresh_from_db()
+    until = _home_wait_until(again, scene.vm)
+    assert until == restored + dt.timedelta(seconds=600)
+    # A job that is not run again after a loss in the VM's last life does not wait …
+    plain = make_job(scene.vm, scene.ann, "queued")
+    assert _home_wait_until(plain, scene.vm) is None
+    # … nor one whose VM has not come back on new machines since, nor once time is up.
+    TpuVm.objects.filter(pk=scene.vm.pk).update(restored_at=lost.ended_at - dt.timedelta(1))
+    scene.vm.refresh_from_db()
+    assert _home_wait_until(again, scene.vm) is None
+    TpuVm.objects.filter(pk=scene.vm.pk).update(restored_at=restored - dt.timedelta(hours=1))
+    scene.vm.refresh_from_db()
+    assert _home_wait_until(again, scene.vm) is None

@@ -11,8 +11,16 @@ import pytest
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.utils import timezone
 
-from tpus.models import AuditEvent, LabAllowance, TpuVm, VmConnection, VmRequest, Worker
-from tpus.services import vm_requests
+from tpus.models import (
+    AuditEvent,
+    LabAllowance,
+    TpuVm,
+    VmConnection,
+    VmRequest,
+    Worker,
+    WorkerSync,
+)
+from tpus.services import reconcile, vm_requests
 from tpus.services.vm_requests import VmSpec
 
 PROJECT = "vision-project"
@@ -222,7 +230,18 @@ def test_a_kept_alive_vm_that_google_preempts_comes_back_as_itself(cast, lab, tp
     assert all(w.is_pinned and not w.host_key_mismatch_at for w in workers)
     assert {w.index: w.host_keys for w in workers} != keys_before
     assert vm.grants.get(user=cast.member).state == "active"
+    # Nobody is told before every worker has the accounts again …
     back = OutboxMessage.objects.filter(kind="vm_back")
+    assert not back.exists() and vm.restore_version == vm.desired_version
+    reconcile.settle_grants(vm.pk)
+    assert not back.exists()
+    # … then each person with access, once.
+    for worker in workers:
+        WorkerSync.objects.update_or_create(
+            worker=worker, defaults={"applied_version": vm.desired_version}
+        )
+    reconcile.settle_grants(vm.pk)
+    reconcile.settle_grants(vm.pk)
     assert [m.to for m in back] == [cast.member.email]
     assert "tpu5 is back" in back[0].subject
     # The next sync sees a node made anew and finds its published keys as pinned.
@@ -288,3 +307,30 @@ def test_the_admins_hear_once_a_week_before_the_labs_grant_ends(cast, lab, tpu_e
     lab.grant_end_date = timezone.localdate() + dt.timedelta(days=30)
     lab.save()
     assert vm_requests.warn_grant_ending() == 0
+
+
+def test_a_marked_job_lost_before_the_sync_saw_the_preemption_runs_again(cast, lab, tpu_emulator):
+    """The workers vanished under the job first (it ended lost, "rebooted"), then the
+    sync saw the VM preempted: the keep-alive pass queues the job again, once."""
+    from tpus.models import Job
+    from tpus.services import sync
+    from tpus.tests.jobs_support import make_job
+
+    made, vm = _kept_alive_vm(cast, lab, tpu_emulator)
+    made.refresh_from_db()
+    from accounts.unix import choose_username
+
+    choose_username(cast.member, "milo")
+    ended = timezone.now()
+    lost = make_job(vm, cast.member, "lost", rerun_after_preemption=True, ended_at=ended)
+    before = make_job(
+        vm, cast.member, "lost", rerun_after_preemption=True,
+        ended_at=made.ready_at - dt.timedelta(minutes=5),
+    )  # fmt: skip
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    vm_requests.follow_open()
+    vm_requests.follow_open()
+    [again] = Job.objects.filter(rerun_of__isnull=False)
+    assert again.rerun_of_id == lost.pk and again.state == "queued"
+    assert not Job.objects.filter(rerun_of=before).exists()  # lost in an earlier life
