@@ -120,21 +120,39 @@ def check_allowance(lab: Lab, accelerator_type: str, provisioning: str) -> None:
 
 @dataclass(frozen=True)
 class AllowanceUse:
+    """One allowance, the chips the lab holds against it now, and the day it ends (the
+    lab's TPU grant's end) with the days left counted from ``today``: 0 on its last
+    day, below 0 once it has ended."""
+
     generation: str
     provisioning: str
     chips: int
     used: int
+    ends_on: dt.date | None = None
+    days_left: int | None = None
 
     @property
     def left(self) -> int:
         return max(0, self.chips - self.used)
 
+    @property
+    def ended(self) -> bool:
+        return self.days_left is not None and self.days_left < 0
 
-def allowance_use(lab: Lab) -> list[AllowanceUse]:
+
+def allowance_use(lab: Lab, today: dt.date | None = None) -> list[AllowanceUse]:
     """Each of the lab's allowances with the chips it holds against it now."""
+    today = today or timezone.localdate()
+    ends_on = lab.grant_end_date
+    days_left = (ends_on - today).days if ends_on else None
     return [
         AllowanceUse(
-            a.generation, a.provisioning, a.chips, holding(lab, a.generation, a.provisioning)
+            a.generation,
+            a.provisioning,
+            a.chips,
+            holding(lab, a.generation, a.provisioning),
+            ends_on,
+            days_left,
         )
         for a in LabAllowance.objects.filter(lab=lab)
     ]

@@ -31,7 +31,7 @@ from tpus.forms.labs import (
 from tpus.models import Worker
 from tpus.models.grants import GrantState
 from tpus.models.labs import Membership, MembershipState, Role
-from tpus.services import directory, sync_health
+from tpus.services import directory, sync_health, vm_requests
 from tpus.services import labs as lab_services
 from tpus.services.hosts import STOPPED
 from tpus.services.labs import LabError
@@ -192,8 +192,9 @@ def _member_rows(memberships):
 
 @login_required
 def lab_admin(request, slug):
-    """Requests to join (the oldest first), then one page of members found by name,
-    email or username and by state. An htmx search swaps just the member list."""
+    """The lab's TPU allowance and what it holds against it, requests to join (the
+    oldest first), then one page of members found by name, email or username and by
+    state. An htmx search swaps just the member list."""
     lab = access.get_admin_lab(request.user, slug)
     filters = MemberFilterForm(request.GET or None)
     chosen = filters.filters()
@@ -230,6 +231,7 @@ def lab_admin(request, slug):
             "invites": lab.invites.filter(used_at=None, revoked_at=None),
             "invite_form": InviteForm(),
             "zone_syncs": sync_health.for_lab(lab),
+            "allowances": vm_requests.allowance_use(lab),
         },
     )
 
