@@ -62,11 +62,11 @@ def _install_probes() -> None:
         from tpus.remote import ssh
         from tpus.services import reconcile
 
-        _timed(ssh, "_connect", "connect", lambda worker, cfg: {"worker": str(worker)})
-        _timed(ssh.Connection, "run", "run", lambda conn, *a: {"worker": str(conn.worker)})
-        _timed(reconcile, "run_on_workers", "fanout", lambda workers, *a: {"n": len(workers)})
-        _timed(reconcile, "settle_grants", "settle", lambda vm_id: {"vm": vm_id})
-        _timed(reconcile, "_run_once", "run_once", lambda vm_id, report: {"vm": vm_id})
+        _timed(ssh, "_connect", "connect", lambda worker, *_: {"worker": str(worker)})
+        _timed(ssh.Connection, "run", "run", lambda conn, *_: {"worker": str(conn.worker)})
+        _timed(reconcile, "run_on_workers", "fanout", lambda workers, *_: {"n": len(workers)})
+        _timed(reconcile, "settle_grants", "settle", lambda vm_id, *_: {"vm": vm_id})
+        _timed(reconcile, "_run_once", "run_once", lambda vm_id, *_: {"vm": vm_id})
         _done = True
 
 
