@@ -168,6 +168,46 @@ def cast(make_user, make_lab, add_member) -> Cast:
     )
 
 
+# What makes a test depend on the database and broker it runs on: bin/test's second
+# pass (``--backend-bound``) runs only these, on the other pair of services; a test
+# with none of them (a script on the fleet, a parser, the emulator) would do the same
+# work again and prove nothing new.
+BACKEND_FIXTURES = {
+    "db",
+    "transactional_db",
+    "django_db_reset_sequences",
+    "django_db_serialized_rollback",
+    "live_server",
+    "celery_worker_process",
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--backend-bound",
+        action="store_true",
+        help="run only the tests that use the database or the broker (bin/test's second "
+        "pass, on the other backend: the rest ran in the first)",
+    )
+
+
+def backend_bound(item) -> bool:
+    return bool(BACKEND_FIXTURES.intersection(getattr(item, "fixturenames", ()))) or (
+        item.get_closest_marker("django_db") is not None
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--backend-bound"):
+        return
+    kept, dropped = [], []
+    for item in items:
+        (kept if backend_bound(item) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_sessionfinish(session):
     """Remove this test process's scratch directory (database, broker, cache)."""
     import os
