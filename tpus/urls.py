@@ -63,6 +63,11 @@ urlpatterns = [
         provisioning.vm_request_cancel,
         name="vm_request_cancel",
     ),
+    path(
+        "labs/<slug:slug>/vm-requests/<int:request_id>/retry/",
+        provisioning.vm_request_retry,
+        name="vm_request_retry",
+    ),
     path("labs/<slug:slug>/vms/register/", inventory.vm_register, name="vm_register"),
     path("labs/<slug:slug>/vms/sync/", inventory.vm_sync, name="vm_sync"),
     path("labs/<slug:slug>/vms/search/", grants.vm_search, name="vm_search"),

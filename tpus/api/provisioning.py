@@ -128,6 +128,20 @@ def cancel_request(request, slug: str, request_id: int):
         return _refusal(exc)
 
 
+@router.post(
+    "/labs/{slug}/vm-requests/{request_id}/retry",
+    response={201: VmRequestOut, 400: Refusal},
+    summary="Ask again for what a failed or cancelled request asked for (a new request)",
+)
+def retry_request(request, slug: str, request_id: int):
+    lab = access.get_admin_lab(request.user, slug)
+    made = get_object_or_404(VmRequest, lab=lab, pk=request_id)
+    try:
+        return Status(201, vm_requests.retry_request(request.user, made, request=request))
+    except ValidationError as exc:
+        return _refusal(exc)
+
+
 @router.get(
     "/labs/{slug}/allowances",
     response=list[AllowanceOut],

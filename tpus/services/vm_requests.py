@@ -323,6 +323,35 @@ def request_vm(admin, lab: Lab, spec: VmSpec, *, request=None) -> VmRequest:
     return made
 
 
+def retry_request(admin, made: VmRequest, *, request=None) -> VmRequest:
+    """Ask again for what a failed or cancelled request asked for: a new request of
+    the same name, zone, type, version and kind, checked like a new one (the allowance
+    and the name as they are now). A window already over is dropped, one still ahead
+    is kept. Raises ValidationError for a request that is open or up."""
+    if not access.is_lab_admin(admin, made.lab):
+        raise PermissionDenied("Only the lab's admins can make TPU VMs.")
+    made = VmRequest.objects.select_related("lab").get(pk=made.pk)
+    if made.state not in (VmRequestState.FAILED, VmRequestState.CANCELLED):
+        raise ValidationError(
+            f"Only a failed or cancelled request can be tried again; this one is "
+            f"{made.get_state_display().lower()}."
+        )
+    now = timezone.now()
+    window_over = made.valid_until is not None and made.valid_until <= now
+    spec = VmSpec(
+        name=made.name,
+        zone=made.zone,
+        accelerator_type=made.accelerator_type,
+        runtime_version=made.runtime_version,
+        provisioning=made.provisioning,
+        queued=made.queued,
+        valid_after=None if window_over else made.valid_after,
+        valid_until=None if window_over else made.valid_until,
+        keep_alive=made.keep_alive,
+    )
+    return request_vm(admin, made.lab, spec, request=request)
+
+
 def cancel_request(admin, made: VmRequest, *, request=None) -> VmRequest:
     """Stop waiting for a VM: the queued resource is deleted at Google (a node it made
     meanwhile goes with it). A request that is up or over is left as it is."""
@@ -411,6 +440,8 @@ def _send(made: VmRequest) -> None:
     try:
         if made.vm_id is not None:
             _clear_leftovers(made)
+        elif made.queued:
+            _clear_failed_requests(made)
         if made.queued:
             cloud_id = made.cloud_id or f"{made.name}-{made.pk}"
             # Recorded before the call: a worker that dies after it never asks twice.
@@ -529,6 +560,17 @@ def _clear_leftovers(made: VmRequest) -> None:
     except CloudError as exc:
         if exc.code != "NOT_FOUND":
             raise
+
+
+def _clear_failed_requests(made: VmRequest) -> None:
+    """Before a request is sent again (tried again after it failed or was cancelled):
+    a failed or suspended queued resource of the same node name, which Google keeps
+    until it is deleted, would hold the name. Nothing that holds a node is touched."""
+    client = cloud_tpu()
+    project = made.lab.gcp_project_id
+    for info in client.list_queued_resources(project, made.zone):
+        if info.node_id == made.name and info.state in ("FAILED", "SUSPENDED"):
+            client.delete_queued_resource(project, made.zone, info.name, with_node=False)
 
 
 def _follow(made: VmRequest) -> None:

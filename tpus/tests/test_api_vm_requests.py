@@ -94,3 +94,18 @@ def test_stop_start_and_delete_through_the_api(cast, lab, tpu_emulator):
     vm_lifecycle.run(vm.pk, "delete")
     assert tpu_emulator.client.list_nodes(PROJECT, ZONE) == []
     assert not VmRequest.objects.filter(keep_alive=True).exists()
+
+
+def test_a_failed_request_is_tried_again_through_the_api(cast, lab, tpu_emulator):
+    LabAllowance.objects.create(lab=lab, generation="v4", provisioning="spot", chips=16)
+    admin = api(cast.admin)
+    url = f"/api/v1/labs/{lab.slug}/vm-requests"
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = admin.post(url, BODY, content_type="application/json").json()
+    refused = admin.post(f"{url}/{made['id']}/retry")
+    assert refused.status_code == 400 and "failed or cancelled" in refused.json()["detail"]
+    VmRequest.objects.filter(pk=made["id"]).update(state="cancelled")
+    again = admin.post(f"{url}/{made['id']}/retry")
+    assert again.status_code == 201
+    assert again.json()["id"] != made["id"] and again.json()["name"] == "tpu5"
+    assert api(cast.member).post(f"{url}/{made['id']}/retry").status_code == 403

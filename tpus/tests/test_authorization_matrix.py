@@ -335,6 +335,12 @@ def _urls(cast):
             reverse("vm_request_cancel", args=[lab, vm_request.pk]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
         ),
+        (
+            "vm_request_retry",
+            "post",
+            reverse("vm_request_retry", args=[lab, vm_request.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
         ("api_vm_requests", "get", f"/api/v1/labs/{lab}/vm-requests", ADMINS_ONLY),
         ("api_vm_request", "get", f"/api/v1/labs/{lab}/vm-requests/{vm_request.pk}", ADMINS_ONLY),
         (
@@ -349,6 +355,13 @@ def _urls(cast):
             "post",
             f"/api/v1/labs/{lab}/vm-requests/{vm_request.pk}/cancel",
             ADMINS_ONLY,
+        ),
+        (
+            # Refused (the request is still open): 400 past the checks, for admins only.
+            "api_vm_request_retry",
+            "post",
+            f"/api/v1/labs/{lab}/vm-requests/{vm_request.pk}/retry",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
         ),
         ("api_allowances", "get", f"/api/v1/labs/{lab}/allowances", ADMINS_ONLY),
         (

@@ -116,3 +116,20 @@ def test_the_site_admin_sets_the_allowance_and_a_lab_admin_cannot(client, cast, 
     client.post(url, {"generation": "v9", "provisioning": "spot", "chips": "-1"})
     assert LabAllowance.objects.filter(lab=lab).count() == 1
     assert AuditEvent.objects.filter(action="lab.allowance_set").count() == 2
+
+
+def test_a_failed_request_is_tried_again_from_the_page(client, cast, lab, tpu_emulator):
+    client.force_login(cast.admin)
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    client.post(reverse("vm_create", args=[lab.slug]), form())
+    made = VmRequest.objects.get()
+    VmRequest.objects.filter(pk=made.pk).update(state="failed", error="tpu5 was not made.")
+    page = client.get(reverse("vm_create", args=[lab.slug])).content.decode()
+    assert "Try tpu5 again" in page
+    answer = client.post(reverse("vm_request_retry", args=[lab.slug, made.pk]), follow=True)
+    assert "tpu5 is asked for again: it waits for capacity." in answer.content.decode()
+    assert VmRequest.objects.exclude(pk=made.pk).get().is_open
+    # Twice: the new request holds the name, and the page says so.
+    answer = client.post(reverse("vm_request_retry", args=[lab.slug, made.pk]), follow=True)
+    assert "already under way" in answer.content.decode()
+    assert VmRequest.objects.count() == 2

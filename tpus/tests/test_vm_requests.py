@@ -334,3 +334,46 @@ def test_a_marked_job_lost_before_the_sync_saw_the_preemption_runs_again(cast, l
     [again] = Job.objects.filter(rerun_of__isnull=False)
     assert again.rerun_of_id == lost.pk and again.state == "queued"
     assert not Job.objects.filter(rerun_of=before).exists()  # lost in an earlier life
+
+
+def test_a_failed_request_is_tried_again_as_a_new_one_and_an_open_one_is_not(
+    cast, lab, tpu_emulator
+):
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True, keep_alive=True))
+    vm_requests.send(made.pk)
+    with pytest.raises(ValidationError, match="this one is waiting for resources"):
+        vm_requests.retry_request(cast.admin, VmRequest.objects.get(pk=made.pk))
+    with pytest.raises(PermissionDenied):
+        vm_requests.retry_request(cast.member, made)
+    made.refresh_from_db()
+    tpu_emulator.controls.fail_request(made.cloud_id, "RESOURCE_EXHAUSTED", "No capacity.")
+    vm_requests.send(made.pk)
+    made.refresh_from_db()
+    assert made.state == "failed"
+
+    again = vm_requests.retry_request(cast.admin, made)
+    assert again.pk != made.pk and again.requested_by == cast.admin
+    fields = ("name", "zone", "accelerator_type", "runtime_version", "provisioning")
+    assert [getattr(again, f) for f in fields] == [getattr(made, f) for f in fields]
+    assert (again.queued, again.keep_alive) == (True, True)
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", None)
+    vm_requests.send(again.pk)
+    again.refresh_from_db()
+    assert again.state == "ready", again.error
+    assert TpuVm.objects.filter(lab=lab, name="tpu5").exists()
+    # Up now: the failed one cannot be tried again (the name is the lab's).
+    with pytest.raises(ValidationError, match="already has a TPU VM named tpu5"):
+        vm_requests.retry_request(cast.admin, made)
+
+
+def test_a_request_tried_again_after_its_window_drops_the_window(cast, lab, tpu_emulator):
+    now = timezone.now()
+    made = VmRequest.objects.create(
+        lab=lab, requested_by=cast.admin, state="failed", queued=True,
+        valid_after=now - dt.timedelta(days=2), valid_until=now - dt.timedelta(days=1),
+        **{k: v for k, v in spec().__dict__.items() if k not in ("queued", "valid_after",
+                                                                 "valid_until")},
+    )  # fmt: skip
+    again = vm_requests.retry_request(cast.admin, made)
+    assert (again.valid_after, again.valid_until) == (None, None)

@@ -67,6 +67,24 @@ def vm_request_cancel(request, slug, request_id):
 
 @login_required
 @require_POST
+def vm_request_retry(request, slug, request_id):
+    lab = access.get_admin_lab(request.user, slug)
+    made = get_object_or_404(VmRequest, lab=lab, pk=request_id)
+    try:
+        again = vm_requests.retry_request(request.user, made, request=request)
+    except ValidationError as exc:
+        messages.error(request, " ".join(exc.messages))
+    else:
+        messages.success(
+            request,
+            f"{again.name} is asked for again"
+            + (": it waits for capacity." if again.queued else ": it is being made."),
+        )
+    return redirect("vm_create", lab.slug)
+
+
+@login_required
+@require_POST
 def allowance_set(request, slug):
     """Site admins: one line of the lab's allowance (0 chips removes it)."""
     lab = access.get_lab_for_site_admin(request.user, slug, vm_requests.ALLOWANCE_SITE_ADMIN_ONLY)
