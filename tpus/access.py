@@ -236,6 +236,21 @@ def get_job_for_viewer(user, lab: Lab, vm_id: int, job_id: int):
         raise Http404("No such job.") from None
 
 
+def get_own_job(user, job_id: int):
+    """A job the person submitted, found by its id alone, with the checks of
+    ``get_job_for_viewer``: in a lab whose members' area they may see, on a VM they may
+    see. Another person's job, and a job in a lab they are not (or no longer) in, is a
+    404, whoever administers what."""
+    from tpus.models import Job
+
+    try:
+        job = Job.objects.select_related("vm__lab").get(pk=job_id, user=user)
+    except (Job.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such job.") from None
+    lab = get_member_lab(user, job.vm.lab.slug)
+    return get_job_for_viewer(user, lab, job.vm_id, job.pk)
+
+
 CANCEL_REFUSED = "Only the person who submitted a job and the lab's admins can cancel it."
 
 

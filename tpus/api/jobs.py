@@ -195,6 +195,8 @@ class JobOut(JobSummaryOut):
     """A job with what it runs, where it stands and each worker's part (for the person
     who ran it and the lab's admins, who see all of it)."""
 
+    # The slug of the VM's lab: with ``vm_id``, where the job's own paths are.
+    lab: str
     host_id: str
     script: str
     args: list[str]
@@ -207,6 +209,10 @@ class JobOut(JobSummaryOut):
     use_tcmalloc: bool
     rerun_of: int | None
     cancel_requested_at: datetime | None
+    # Once it has ended: 0 when it succeeded, else the exit status of the worker whose
+    # process failed first (128 + N for one killed by signal N); null while it waits or
+    # runs, and when no process failed (rejected, cancelled or lost before one did).
+    exit_code: int | None
     # Its place in the VM's queue while it waits (1: next to start).
     position: int | None
     preflight: list[PreflightCheckOut]
@@ -220,6 +226,10 @@ class JobOut(JobSummaryOut):
     @staticmethod
     def resolve_command_complete(obj):
         return True
+
+    @staticmethod
+    def resolve_lab(obj):
+        return obj.vm.lab.slug
 
     @staticmethod
     def resolve_rerun_of(obj):
@@ -315,6 +325,18 @@ def list_jobs(
 )
 def get_job(request, slug: str, vm_id: int, job_id: int):
     return _job_for(request, slug, vm_id, job_id)
+
+
+@router.get(
+    "/me/jobs/{job_id}",
+    response=JobOut,
+    summary="One of my jobs, by its id alone (as its VM's path answers it)",
+    description="The same object as `/labs/{slug}/vms/{vm_id}/jobs/{job_id}`, for a job "
+    "you submitted: another person's job is a 404 here, even for the lab's admins, as is a "
+    "job in a lab you are no longer in.",
+)
+def get_my_job(request, job_id: int):
+    return access.get_own_job(request.user, job_id)
 
 
 @router.post(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
 from pathlib import PurePosixPath
 
 from django.conf import settings
@@ -204,6 +205,20 @@ class Job(models.Model):
             return None
         return (self.ended_at or timezone.now()) - self.started_at
 
+    @property
+    def exit_code(self) -> int | None:
+        """The job's own exit code once it has ended: 0 when it succeeded; else that of
+        the worker whose process failed first (the one ``reason`` names), 128 + N for a
+        process killed by signal N as a shell says it (a cancelled job's processes were
+        killed by TERM); None while it waits or runs, and for an ended job in which no
+        process failed (rejected by the pre-flight, cancelled before it started)."""
+        if self.state == JobState.SUCCEEDED:
+            return 0
+        if not self.has_ended:
+            return None
+        failed = first_failed(self.parts.all(), self.ended_at or timezone.now())
+        return failed.exit_code if failed is not None else None
+
 
 _PYTHON = re.compile(r"python[0-9.]*")
 # Flags of python that take no value: skipped to find the script.
@@ -276,9 +291,32 @@ class JobWorker(models.Model):
         )
 
     @property
+    def has_failed(self) -> bool:
+        """Whether its process ended with a non-zero status or by a signal."""
+        return self.state == JobWorkerState.ENDED and bool(self.exit_status or self.signal)
+
+    @property
+    def exit_code(self) -> int | None:
+        """The status a shell would give the process: its exit status, or 128 + N when
+        signal N killed it (None for a signal this system does not number)."""
+        if self.signal:
+            try:
+                return 128 + signal.Signals[f"SIG{self.signal.removeprefix('SIG')}"].value
+            except KeyError:
+                return None
+        return self.exit_status
+
+    @property
     def outcome(self) -> str:
         if self.signal:
             return f"killed by {self.signal}"
         if self.exit_status is not None:
             return f"exit {self.exit_status}"
         return self.get_state_display().lower()
+
+
+def first_failed(parts, now) -> JobWorker | None:
+    """The part whose process failed first (by when it ended, then by worker), or None:
+    the worker a failed job's reason names and its exit code comes from."""
+    failed = [p for p in parts if p.has_failed]
+    return min(failed, key=lambda p: (p.ended_at or now, p.index), default=None)

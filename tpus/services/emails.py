@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from portal import mail
 from tpus.models import Grant, Invite, IpChangeNotice, Job, Membership, Worker, ZoneSync
+from tpus.models.jobs import first_failed
 from tpus.models.labs import MembershipState, Role
 from tpus.services import sshconfig
 
@@ -176,7 +177,7 @@ def send_job_email(job_id: int) -> None:
         job = Job.objects.select_related("vm__lab", "user").get(pk=job_id)
         parts = list(job.parts.all())
         # The worker that failed first tells most; else worker 0.
-        telling = next((p for p in parts if p.exit_status or p.signal), parts[0] if parts else None)
+        telling = first_failed(parts, job.ended_at) or (parts[0] if parts else None)
         tail = ""
         if telling is not None:
             tail = "\n".join(telling.log_tail.splitlines()[-20:])

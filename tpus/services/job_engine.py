@@ -31,7 +31,7 @@ from portal import audit
 from portal.audit import AuditAction
 from tpus import queue
 from tpus.models import Job, JobWorker, TpuVm
-from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState
+from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState, first_failed
 from tpus.remote import Held, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
 from tpus.services import disk_mounts, emails, leases
@@ -660,9 +660,7 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
     now = timezone.now()
 
     lost = [p for p in parts.values() if p.state == JobWorkerState.LOST]
-    failed = [
-        p for p in parts.values() if p.state == JobWorkerState.ENDED and (p.exit_status or p.signal)
-    ]
+    failed = first_failed(parts.values(), now)
     outcome, reason = None, ""
     if vm.state in GONE_STATES:
         outcome = JobState.LOST
@@ -676,8 +674,8 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
         reason = f"Worker {p.index} ({alias[p.index].alias}) rebooted or lost the job's process."
     elif job.cancel_requested_at:
         outcome = JobState.CANCELLED
-    elif failed:
-        p = sorted(failed, key=lambda x: (x.ended_at or now, x.index))[0]
+    elif failed is not None:
+        p = failed
         outcome = JobState.FAILED
         reason = f"Worker {p.index} ({alias[p.index].alias}) {p.outcome}" + (
             "; the other workers were stopped." if len(parts) > 1 else "."

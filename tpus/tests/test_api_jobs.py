@@ -222,5 +222,77 @@ def test_the_job_endpoints_are_documented(client, db):
         "/api/v1/labs/{slug}/usage/people",
         "/api/v1/labs/{slug}/usage/vms",
         "/api/v1/labs/{slug}/usage/now",
+        "/api/v1/me/jobs/{job_id}",
     ):
         assert path in paths, path
+
+
+def test_my_job_by_its_id_alone_is_the_object_its_vms_path_answers(client, scene):
+    job = make_job(scene.vm, scene.milo, "running", env=[["SEED", "7"]])
+    headers = _auth(scene.milo)
+    mine = client.get(f"/api/v1/me/jobs/{job.pk}", **headers)
+    assert mine.status_code == 200, mine.content
+    by_vm = client.get(f"{_jobs(scene)}/{job.pk}", **headers).json()
+    assert mine.json() == by_vm
+    assert (by_vm["lab"], by_vm["vm_id"]) == ("vision", scene.vm.pk)
+
+
+def test_another_persons_job_is_a_404_at_my_jobs_even_for_the_labs_admin(client, scene):
+    job = make_job(scene.vm, scene.ann, "running")
+    missing = client.get("/api/v1/me/jobs/999999", **_auth(scene.ann))
+    assert missing.status_code == 404
+    for person in (scene.milo, scene.admin):
+        response = client.get(f"/api/v1/me/jobs/{job.pk}", **_auth(person))
+        assert response.status_code == 404 and response.json() == missing.json()
+
+
+def test_a_job_in_another_lab_or_a_lab_i_left_is_a_404_at_my_jobs(client, scene, cast):
+    theirs = make_vm(cast.other_lab, "tpu9")
+    Grant.objects.create(user=cast.outsider, vm=theirs, state="active")
+    other = make_job(theirs, cast.outsider, "succeeded")
+    assert client.get(f"/api/v1/me/jobs/{other.pk}", **_auth(scene.milo)).status_code == 404
+    assert client.get(f"/api/v1/me/jobs/{other.pk}", **_auth(cast.outsider)).status_code == 200
+    mine = make_job(scene.vm, scene.milo, "succeeded")
+    cast.member_membership.state = "removed"
+    cast.member_membership.save(update_fields=["state"])
+    assert client.get(f"/api/v1/me/jobs/{mine.pk}", **_auth(scene.milo)).status_code == 404
+
+
+def _ended(part, when, *, status=None, signal=""):
+    part.exit_status, part.signal = status, signal
+    part.ended_at = timezone.now() - timezone.timedelta(seconds=when)
+    part.save()
+
+
+def test_a_jobs_exit_code_is_that_of_the_worker_that_failed_first(client, scene):
+    vm = make_vm(scene.lab, "pod1", workers=3)
+    Grant.objects.create(user=scene.milo, vm=vm, state="active")
+    job = make_job(vm, scene.milo, "failed")
+    w0, w1, w2 = job.parts.order_by("index")
+    _ended(w2, 30, status=3)  # failed first
+    _ended(w0, 20, signal="TERM")  # stopped by the portal after it
+    _ended(w1, 20, status=0)
+    url = f"/api/v1/me/jobs/{job.pk}"
+    assert client.get(url, **_auth(scene.milo)).json()["exit_code"] == 3
+    _ended(w0, 40, signal="KILL")
+    assert client.get(url, **_auth(scene.milo)).json()["exit_code"] == 128 + 9
+
+
+@pytest.mark.parametrize(
+    "state, code",
+    [("succeeded", 0), ("running", None), ("queued", None), ("rejected", None),
+     ("cancelled", None)],
+)  # fmt: skip
+def test_a_job_without_a_failed_process_has_no_exit_code_but_success_is_0(
+    client, scene, state, code
+):
+    # The cancelled one was cancelled while it waited: nothing of it started.
+    job = make_job(scene.vm, scene.milo, state, parts=None if state != "cancelled" else False)
+    body = client.get(f"/api/v1/me/jobs/{job.pk}", **_auth(scene.milo)).json()
+    assert body["state"] == state and body["exit_code"] == code
+
+
+def test_a_running_job_cancelled_has_the_exit_code_of_its_killed_processes(client, scene):
+    job = make_job(scene.vm, scene.milo, "cancelled")
+    _ended(job.parts.get(), 5, signal="TERM")
+    assert client.get(f"/api/v1/me/jobs/{job.pk}", **_auth(scene.milo)).json()["exit_code"] == 143

@@ -781,6 +781,13 @@ def _urls(cast):
             [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
         ),
         ("api_job", "get", f"/api/v1/{jobs}", [401, MISSING, MISSING, OK, OK, OK]),
+        # Only the person who submitted it finds it by its id alone.
+        (
+            "api_my_job",
+            "get",
+            f"/api/v1/me/jobs/{job.pk}",
+            [401, MISSING, MISSING, OK, MISSING, MISSING],
+        ),
         (
             "api_job_cancel",
             "post",
