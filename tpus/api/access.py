@@ -25,7 +25,8 @@ from tpus import access
 from tpus.api import filters as api_filters
 from tpus.api.docs import PAGED, filter_help
 from tpus.models import Grant, IpChange, TpuVm, Worker
-from tpus.models.grants import GrantState
+from tpus.models.grants import WANTED_STATES, GrantState
+from tpus.models.inventory import worker_alias
 from tpus.services import grants as grant_services
 from tpus.services import sshconfig
 from tpus.services.grants import GrantError
@@ -53,6 +54,8 @@ class GrantOut(BaseModel):
     id: int
     vm: str
     vm_id: int
+    # The slug of the VM's lab: the VM's paths are under /labs/{lab}/vms/{vm_id}.
+    lab: str
     user: str
     username: str | None
     sudo: bool
@@ -87,6 +90,7 @@ class GrantOut(BaseModel):
             "id": grant.pk,
             "vm": grant.vm.name,
             "vm_id": grant.vm_id,
+            "lab": grant.vm.lab.slug,
             "user": grant.user.email,
             "username": account.username if account else None,
             "sudo": grant.sudo,
@@ -101,6 +105,58 @@ class GrantOut(BaseModel):
             ),
             "workers": [w for w in standing if w["state"] != "applied"],
         }
+
+
+class VmWorkerOut(BaseModel):
+    """A worker of a VM you have access to: its name in your ssh config (``alias``) and
+    its addresses, the internal one on the pod's own network."""
+
+    index: int
+    alias: str
+    internal_ip: str | None
+    external_ip: str | None
+
+
+class MyGrantOut(GrantOut):
+    """A grant of yours with what you need of its VM: its zone, its state as the Cloud
+    TPU API reports it (READY, PREEMPTED, STOPPED …) and its workers with their
+    addresses (none once the grant is revoked or being revoked)."""
+
+    zone: str
+    vm_state: str
+    vm_workers: list[VmWorkerOut]
+
+    @staticmethod
+    def fields_of(grant: Grant) -> dict:
+        wanted = grant.state in WANTED_STATES
+        return {
+            **GrantOut.fields_of(grant),
+            "zone": grant.vm.zone,
+            "vm_state": grant.vm.state,
+            "vm_workers": getattr(grant, "vm_addresses", []) if wanted else [],
+        }
+
+
+def with_addresses(grants: list[Grant]) -> list[Grant]:
+    """A page of the person's grants, with the workers of their VMs and their addresses
+    (``vm_addresses``) read in one query of plain rows."""
+    rows: dict[int, list[dict]] = {}
+    workers = Worker.objects.filter(vm__in={grant.vm_id for grant in grants})
+    for row in workers.order_by("vm_id", "index").values(
+        "vm_id", "index", "internal_ip", "external_ip"
+    ):
+        rows.setdefault(row["vm_id"], []).append(row)
+    for grant in grants:
+        grant.vm_addresses = [
+            {
+                "index": row["index"],
+                "alias": worker_alias(grant.vm.name, row["index"]),
+                "internal_ip": row["internal_ip"],
+                "external_ip": row["external_ip"],
+            }
+            for row in rows.get(grant.vm_id, [])
+        ]
+    return grants
 
 
 # Every worker confirmed a settled grant when it settled; what a worker does later is
@@ -219,6 +275,7 @@ def with_standing(grants: list[Grant]) -> list[Grant]:
 # What ``GrantOut.fields_of`` reads of a grant, its VM and its person.
 _GRANT_COLUMNS = (
     "vm__name",
+    "vm__lab__slug",
     "user__email",
     "user__unix_account__username",
     "sudo",
@@ -250,7 +307,7 @@ def list_grants(
     lab = access.get_admin_lab(request.user, slug)
     grants = with_worker_count(
         Grant.objects.filter(vm__lab=lab)
-        .select_related("vm", "user__unix_account")
+        .select_related("vm__lab", "user__unix_account")
         .only(*_GRANT_COLUMNS)
     )
     return _filter_grants(
@@ -328,16 +385,19 @@ def retry_grant(request, slug: str, grant_id: int):
 
 
 @router.get(
-    "/me/grants", response=list[GrantOut], summary="My access to TPU VMs", description=PAGED
+    "/me/grants",
+    response=list[MyGrantOut],
+    summary="My access to TPU VMs, with each VM's lab, state and workers' addresses",
+    description=PAGED,
 )
-@paginate(KeysetPagination)
+@paginate(KeysetPagination, prepare=with_addresses)
 def my_grants(
     request,
     state: str | None = Query(None, description=filter_help("state", GrantState)),
     updated_since: str | None = Query(None, description=filter_help("updated_since")),
 ):
     grants = with_worker_count(
-        request.user.grants.select_related("vm", "user__unix_account").prefetch_related(
+        request.user.grants.select_related("vm__lab", "user__unix_account").prefetch_related(
             _WITH_WORKERS
         )
     )

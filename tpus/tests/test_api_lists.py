@@ -357,3 +357,49 @@ def test_a_page_of_settled_grants_reads_no_workers(client, cast, lab_with_grants
     assert len(worker_reads("")) == 1  # the pending grant's VM's workers, for its standing
     [item] = _get(client, f"{url}?state=pending")["items"]
     assert (item["id"], item["workers_total"], item["workers_applied"]) == (pending.pk, 1, 0)
+
+
+def test_my_grants_name_each_vms_lab_state_and_workers_addresses(client, cast, lab_with_grants):
+    pod = lab_with_grants.tpu6
+    pod.state = "PREEMPTED"
+    pod.save(update_fields=["state"])
+    Worker.objects.filter(vm=pod).update(internal_ip="10.0.0.2")
+    Worker.objects.create(vm=pod, index=1, internal_ip="10.0.0.3", external_ip="192.0.2.2")
+    Grant.objects.create(user=cast.member, vm=pod, state="active")
+    Grant.objects.create(user=cast.member, vm=lab_with_grants.tpu5, state="revoked")
+    client.force_login(cast.member)
+
+    items = {g["vm"]: g for g in _get(client, "/api/v1/me/grants")["items"]}
+
+    assert (items["tpu6"]["lab"], items["tpu6"]["zone"]) == ("vision", "europe-west4-a")
+    assert items["tpu6"]["vm_state"] == "PREEMPTED"
+    assert items["tpu6"]["vm_workers"] == [
+        {"index": 0, "alias": "tpu6-w0", "internal_ip": "10.0.0.2", "external_ip": "192.0.2.1"},
+        {"index": 1, "alias": "tpu6-w1", "internal_ip": "10.0.0.3", "external_ip": "192.0.2.2"},
+    ]
+    # Access that ended shows where the VM was, not where its workers are now.
+    assert items["tpu5"]["lab"] == "vision" and items["tpu5"]["vm_workers"] == []
+
+
+def test_a_page_of_my_grants_costs_the_same_queries_for_two_rows_as_for_fifty(client, cast):
+    for n in range(60):
+        vm = TpuVm.objects.create(lab=cast.lab, name=f"pod{n}", zone=ZONE, source="manual")
+        Worker.objects.bulk_create(Worker(vm=vm, index=i) for i in range(4))
+        Grant.objects.create(user=cast.member, vm=vm, state="active" if n % 2 else "pending")
+    client.force_login(cast.member)
+
+    def queries(limit):
+        with CaptureQueriesContext(connection) as context:
+            page = _get(client, f"/api/v1/me/grants?limit={limit}")
+        assert all(len(g["vm_workers"]) == 4 for g in page["items"])
+        return len(context)
+
+    assert queries(2) == queries(50)
+
+
+def test_an_admins_list_of_grants_names_the_lab_too(client, cast, lab_with_grants):
+    lab_with_grants(2)
+    client.force_login(cast.admin)
+    items = _get(client, f"/api/v1/labs/{cast.lab.slug}/grants")["items"]
+    assert [g["lab"] for g in items] == ["vision", "vision"]
+    assert "vm_workers" not in items[0]
