@@ -6,9 +6,6 @@ import json
 import socket
 import sys
 import time
-import webbrowser
-
-from rich.table import Table
 
 from tpu_cli import credentials, paths, sshfiles, vms
 from tpu_cli.api import Api
@@ -65,6 +62,8 @@ def _device_flow(api: Api, device_name: str, *, open_browser: bool) -> tuple:
     link = codes.get("verification_uri_complete") or codes["verification_uri"]
     say(f"Your one-time code: {codes['user_code']}")
     say(f"Approve this device ({device_name}) at: {link}")
+    import webbrowser  # only here: every command would pay for importing it
+
     if open_browser and webbrowser.open(link):
         say("(Opened in your browser.)")
     interval = int(codes.get("interval", 5))
@@ -153,14 +152,15 @@ def config_install(args) -> int:
 def ls(args) -> int:
     session = Session()
     rows = []
-    for vm in session.vms():
+    for vm in session.vms(now=True):
         now = vm.now
         running = now.get("job") or None
         rows.append({
             "vm": vm.name, "lab": vm.lab, "id": vm.id, "zone": vm.zone, "access": vm.access,
-            "workers": vm.workers, "host": vm.ssh.main if vm.ssh else None,
+            "state": vm.state, "workers": vm.workers, "host": vm.ssh.main if vm.ssh else None,
             "address": vm.ssh.addresses.get(0) if vm.ssh else None,
             "addresses": [vm.ssh.addresses[i] for i in sorted(vm.ssh.addresses)] if vm.ssh else [],
+            "internal_addresses": [vm.internal_ips[i] for i in sorted(vm.internal_ips)],
             "tpu": now.get("state"),
             "running_job": {"id": running["id"], "user": running["user"],
                             "username": running["username"]} if running else None,
@@ -177,6 +177,8 @@ def ls(args) -> int:
     if not rows:
         say("You have no access to a TPU VM yet.")
         return 0
+    from rich.table import Table  # only where a table is drawn: it is slow to import
+
     table = Table(box=None, pad_edge=False)
     for column in ("VM", "ACCESS", "TPU NOW", "ADDRESS", "WORKERS", "QUEUE", "MY PLACE"):
         table.add_column(column)
@@ -189,6 +191,8 @@ def ls(args) -> int:
 
 
 def _now_text(row: dict) -> str:
+    if row["state"] not in ("READY", "UNKNOWN", ""):  # preempted, stopped, repairing …
+        return row["state"].lower()
     if row["tpu"] == "running" and row["running_job"]:
         job = row["running_job"]
         return f"job {job['id']} of {job['username'] or job['user']}"
@@ -199,6 +203,8 @@ def _now_text(row: dict) -> str:
 
 
 def usage(args) -> int:
+    from rich.table import Table
+
     session = Session()
     session.refresh_ssh()
     params = {k: v for k, v in (("from", args.from_date), ("to", args.to_date)) if v}

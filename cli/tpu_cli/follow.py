@@ -38,14 +38,11 @@ def tail_command(host_id: str) -> str:
 
 
 def job_exit_code(job: dict) -> int:
-    """The job's own exit code: 0 when it succeeded, else the first worker's non-zero
-    exit status, else 1."""
-    if job["state"] == "succeeded":
-        return 0
-    for part in sorted(job.get("parts", []), key=lambda p: p["index"]):
-        if part.get("exit_status") not in (None, 0):
-            return int(part["exit_status"])
-    return FAILED
+    """The job's own exit code as the portal gives it (0 when it succeeded, else that of
+    the worker whose process failed first; 128 + N for signal N); 1 for an ended job
+    without one (rejected, cancelled before it started)."""
+    code = job.get("exit_code")
+    return FAILED if code is None else int(code)
 
 
 def why(job: dict) -> list[str]:

@@ -1,14 +1,14 @@
 """What every command shares: the sign-in, the API, messages on stderr, the ssh files
-kept current, and the jobs this machine submitted (to find a job by its number)."""
+kept current, and finding a job by its number."""
 
 from __future__ import annotations
 
-import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from rich.console import Console
 
-from tpu_cli import credentials, paths, sshfiles, vms
+from tpu_cli import credentials, sshfiles, vms
 from tpu_cli.api import Api
 from tpu_cli.errors import NOT_FOUND, ApiError, CliError
 
@@ -36,30 +36,40 @@ class Session:
             )
         return done
 
-    def vms(self, *, refresh: bool = True) -> list[vms.Vm]:
+    def vms(self, *, refresh: bool = True, now: bool = False) -> list[vms.Vm]:
+        """The person's VMs (``vms.my_vms``), asked for once a command; with ``refresh``
+        the ssh files are made current at the same time."""
         if self._vms is None:
-            if not refresh:
-                self._vms = vms.my_vms(self.api)
-                return self._vms
-            # The ssh files are fetched while the VMs are asked about.
-            failed: list = []
-
-            def refresh_files() -> None:
-                try:
-                    self.refresh_ssh()
-                except BaseException as exc:  # raised again in this thread
-                    failed.append(exc)
-
-            worker = threading.Thread(target=refresh_files, daemon=True)
-            worker.start()
-
-            def joined() -> None:
-                worker.join()
-                if failed:
-                    raise failed[0]
-
-            self._vms = vms.my_vms(self.api, before_match=joined)
+            self._vms = self._with_refresh(
+                lambda joined: vms.my_vms(self.api, before_match=joined, now=now), refresh
+            )
         return self._vms
+
+    def _with_refresh(self, ask, refresh: bool = True):
+        """``ask(joined)`` while the ssh files are fetched in another thread; ``joined``
+        waits for them (and raises what the fetch raised)."""
+        if not refresh:
+            return ask(lambda: None)
+        failed: list = []
+
+        def refresh_files() -> None:
+            try:
+                self.refresh_ssh()
+            except BaseException as exc:  # raised again in this thread
+                failed.append(exc)
+
+        worker = threading.Thread(target=refresh_files, daemon=True)
+        worker.start()
+
+        def joined() -> None:
+            worker.join()
+            if failed:
+                raise failed[0]
+
+        try:
+            return ask(joined)
+        finally:
+            worker.join()
 
     def ssh_vm(self, name: str) -> vms.Vm:
         """A VM named on the command line, from the ssh config made current first:
@@ -72,39 +82,31 @@ class Session:
 
     # --- jobs by number -----------------------------------------------------------------
 
-    def remember_job(self, job: dict, vm: vms.Vm) -> None:
-        known = _read_jobs()
-        known[str(job["id"])] = {"url": self.sign_in.url, "lab": vm.lab, "vm_id": vm.id}
-        if len(known) > 500:
-            known = dict(list(known.items())[-500:])
-        paths.private_dir(paths.config_dir())
-        paths.write_private(_jobs_file(), json.dumps(known) + "\n")
-
     def find_job(self, number: str) -> tuple:
-        """(vm, job) for a job number: from the jobs this machine submitted, else by
-        asking each of the person's VMs."""
+        """(vm, job) for a job number: the person's own job from ``/me/jobs``, asked
+        while their VMs are; else (a lab admin's look at someone else's job) by asking
+        each of their VMs."""
         if not number.isdigit():
             raise CliError(f"A job is named by its number, such as 42, not {number!r}.", 2)
-        seen = _read_jobs().get(number)
-        candidates = self.vms()
-        if seen and seen.get("url") == self.sign_in.url:
-            first = [v for v in candidates if v.id == seen["vm_id"] and v.lab == seen["lab"]]
-            candidates = first + [v for v in candidates if v not in first]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            asked = pool.submit(self.api.get, f"/me/jobs/{number}")
+            candidates = self.vms()
+            try:
+                job = asked.result()
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                job = None
+        if job is not None:
+            for vm in candidates:
+                if vm.id == job["vm_id"] and vm.lab == job["lab"]:
+                    return vm, job
         for vm in candidates:
+            if job is not None and vm.id == job["vm_id"]:
+                continue
             try:
                 return vm, self.api.get(f"{vm.api_path}/jobs/{number}")
             except ApiError as exc:
                 if exc.status != 404:
                     raise
         raise CliError(f"No job {number} on any TPU VM you can use.", NOT_FOUND)
-
-
-def _jobs_file():
-    return paths.config_dir() / "jobs.json"
-
-
-def _read_jobs() -> dict[str, dict]:
-    try:
-        return json.loads(_jobs_file().read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
-        return {}

@@ -19,6 +19,8 @@ class Vm:
     zone: str
     access: str  # the grant's state: active, pending, failed, revoking
     workers: int
+    state: str = ""  # the Cloud TPU API's: READY, PREEMPTED, STOPPED …
+    internal_ips: dict[int, str] = field(default_factory=dict)  # worker index -> address
     now: dict = field(default_factory=dict)  # the lab's usage "now" row: free/running/held
     ssh: sshfiles.SshVm | None = None
 
@@ -51,44 +53,38 @@ def from_config(configured: list[sshfiles.SshVm]) -> list[Vm]:
     ]  # fmt: skip
 
 
-def my_vms(api, before_match=None) -> list[Vm]:
-    """Every VM the person holds a grant on (not revoked), with its lab;
-    ``before_match`` runs before the ssh config is read (a refresh to wait for)."""
-    # The grants and the labs at once, then each lab's VMs at once: a few round trips
-    # whatever the number of labs.
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        asked_labs = pool.submit(lambda: list(api.pages("/labs")))
-        grants = [g for g in api.pages("/me/grants") if g["state"] != "revoked"]
-        labs = [lab["slug"] for lab in asked_labs.result() if lab.get("my_state") == "approved"]
-        wanted = {g["vm_id"] for g in grants}
-        nows = pool.map(lambda slug: list(api.pages(f"/labs/{slug}/usage/now")),
-                        labs if grants else [])  # fmt: skip
-        found: dict[int, tuple] = {}
-        for slug, rows in zip(labs, nows):
-            for row in rows:
-                if row["vm_id"] in wanted:
-                    found[row["vm_id"]] = (slug, row)
-    if not grants:
-        if before_match is not None:
-            before_match()
-        return []
+def my_vms(api, before_match=None, *, now: bool = False) -> list[Vm]:
+    """Every VM the person holds a grant on (not revoked), from their grants alone
+    (each names its lab, zone, state and workers); with ``now``, also what holds each
+    TPU now (one question per lab). ``before_match`` runs before the ssh config is
+    read (a refresh to wait for)."""
+    grants = [g for g in api.pages("/me/grants") if g["state"] != "revoked"]
+    found: dict[int, dict] = {}
+    labs = sorted({g["lab"] for g in grants})
+    if now and labs:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            rows = pool.map(lambda slug: list(api.pages(f"/labs/{slug}/usage/now")), labs)
+            for row in (row for some in rows for row in some):
+                found[row["vm_id"]] = row
     if before_match is not None:
         before_match()
+    if not grants:
+        return []
     configured = sshfiles.read_config()
     vms = []
     for grant in grants:
-        if grant["vm_id"] not in found:
-            continue  # a lab the person left: the grant is on its way out
-        slug, now = found[grant["vm_id"]]
         vm = Vm(
             id=grant["vm_id"],
             name=grant["vm"],
-            lab=slug,
-            zone=now["zone"],
+            lab=grant["lab"],
+            zone=grant["zone"],
             access=grant["state"],
             workers=grant["workers_total"],
-            now=now,
-        )
+            state=grant["vm_state"],
+            internal_ips={w["index"]: w["internal_ip"] for w in grant["vm_workers"]
+                          if w["internal_ip"]},
+            now=found.get(grant["vm_id"], {}),
+        )  # fmt: skip
         vm.ssh = _match(vm, configured)
         vms.append(vm)
     return sorted(vms, key=lambda v: (v.name, v.lab))

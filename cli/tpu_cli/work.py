@@ -10,9 +10,6 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
-from rich.table import Table
-
 from tpu_cli import follow, paths, remote, sshfiles
 from tpu_cli.errors import FAILED, INTERRUPTED, USAGE, ApiError, CliError
 from tpu_cli.session import Session, err, out, say
@@ -87,7 +84,6 @@ def run(args) -> int:
     body = {"args": command, "cwd": folder, "python": worker_path(args.venv or ""), "env": env,
             "time_limit_minutes": args.time_limit, "notify": args.notify}  # fmt: skip
     job = session.api.post(f"{vm.api_path}/jobs", body)
-    session.remember_job(job, vm)
     say(f"Job {job['id']} queued on {vm.label}: {job['url']}")
     if args.detach:
         if args.json:
@@ -121,6 +117,9 @@ def sync(vm, local: Path, folder: str, how: str) -> None:
     if how == "via-worker0" and len(hosts) > 1:
         _sync_via_worker0(vm, hosts, local, folder, ssh)
         return
+    # Imported here, not by every command: rich's progress and tables are slow to import.
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
     started = time.monotonic()
     argvs = {i: remote.rsync_argv(ssh, local, host, folder) for i, host in hosts.items()}
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
@@ -164,7 +163,9 @@ def _sync_via_worker0(vm, hosts, local, folder, ssh) -> None:
     user = vm.ssh.user
     prefix = f"tpu-portal.{vm.lab}.{vm.name}" + (f".{vm.ssh.zone}" if vm.ssh.zone else "")
     mine = "".join(line + "\n" for line in known.splitlines() if line.startswith(prefix + ".w"))
-    targets = [(i, f"{user}@{vm.ssh.addresses[i]}", f"{prefix}.w{i}") for i in hosts if i != 0]
+    # The pod's own network where the portal knows the workers' internal addresses.
+    address = {i: vm.internal_ips.get(i) or vm.ssh.addresses[i] for i in hosts}
+    targets = [(i, f"{user}@{address[i]}", f"{prefix}.w{i}") for i in hosts if i != 0]
     script, stdin = remote.via_worker0_command(folder, targets, mine)
     proc = subprocess.run([*ssh, *remote.BATCH, "-A", hosts[0], script], input=stdin.encode(),
                           capture_output=True)  # fmt: skip
@@ -239,6 +240,8 @@ def jobs(args) -> int:
     if not rows:
         say(f"No jobs changed in the last {args.days} day(s).")
         return 0
+    from rich.table import Table
+
     table = Table(box=None, pad_edge=False)
     for column in ("JOB", "VM", "WHO", "STATE", "QUEUED", "COMMAND"):
         table.add_column(column)
