@@ -43,7 +43,10 @@ from tpus.tests.test_jobs_host import JAX_ENV, POD_PY
 pytestmark = [pytest.mark.slow, pytest.mark.fleet]
 
 PROJECT, ZONE = "vision-lab-1", "us-central1-f"
-TPU = str(Path(sys.executable).parent / "tpu")
+CLIENT = Path(__file__).resolve().parent.parent
+# This Python with the client of this checkout, whichever copy it has installed.
+PYTHON = ["env", f"PYTHONPATH={CLIENT}", sys.executable]
+TPU = shlex.join([*PYTHON, "-m", "tpu_cli"])
 XLA = "XLA_FLAGS=--xla_force_host_platform_device_count=4"
 
 
@@ -69,7 +72,7 @@ def scene(
     make_lab, make_user, add_member, tmp_path,
 ) -> Scene:  # fmt: skip
     need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
-    need(Path(TPU).exists(), "the client is not installed (bin/setup test: pip install -e cli)")
+    need(Path(CLIENT, "tpu_cli").is_dir(), "the client's package is not in cli/")
     hosts = fleet_hosts(4)
     lab = make_lab("Vision Lab", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
     admin = make_user("boss@vision.example")
@@ -142,6 +145,24 @@ def _ok(result):
     return result
 
 
+def _shared(scene) -> Path:
+    """The folder of milo's shared ssh connections, as the client finds it."""
+    code = ("from tpu_cli import sshfiles; argv = sshfiles.shared(sshfiles.ssh_base(), 'tpu5'); "
+            "print(next(a for a in argv if a.startswith('ControlPath=')))")  # fmt: skip
+    found = _ok(scene.laptop.run([*PYTHON, "-c", code], cwd=scene.laptop.real_home))
+    return Path(found.stdout.strip().removeprefix("ControlPath=")).parent
+
+
+def _masters(scene, folder: Path) -> list[str]:
+    """The sockets in ``folder`` whose connection ssh says is running."""
+    running = []
+    for socket in sorted(folder.iterdir()) if folder.exists() else []:
+        check = scene.laptop.run(["ssh", "-o", f"ControlPath={socket}", "-O", "check", "x"])
+        if check.returncode == 0:
+            running.append(socket.name)
+    return running
+
+
 def test_milo_runs_his_code_on_every_worker_of_a_pod_from_his_laptop(scene, fleet, tpu_emulator):
     laptop = scene.laptop
     # Signing in with a pasted token; the sign-in is private to him.
@@ -168,6 +189,10 @@ def test_milo_runs_his_code_on_every_worker_of_a_pod_from_his_laptop(scene, flee
     failed = scene.tpu("exec", "tpu5", "--", "test -e /nonexistent")
     assert failed.returncode == 1
     assert "Failed on 4 of 4 worker(s): w0 (exit 1)" in failed.stderr
+    # One connection per worker, kept open for the next command, its socket private.
+    shared = _shared(scene)
+    assert len(_masters(scene, shared)) == 4
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o700
 
     # A JAX psum across the pod, from a working directory synced to every worker.
     work = laptop.path("~/proj")
@@ -224,6 +249,10 @@ def test_milo_runs_his_code_on_every_worker_of_a_pod_from_his_laptop(scene, flee
     assert (row["vm"], row["lab"], row["address"], row["workers"]) == ("tpu5", "vision", new_ip, 4)
     assert "Updated your ssh config" in listed.stderr
     assert _ok(laptop.ssh("tpu5", "id -un")).stdout.strip() == scene.username
+    # The connections made before the move are not used again: new ones, to the new address.
+    moved = _ok(scene.tpu("exec", "tpu5", "--worker", "0", "--", "hostname -I"))
+    assert new_ip in moved.stdout
+    assert _shared(scene) != shared and len(_masters(scene, _shared(scene))) == 1
 
     # A revoked token: the client says to log in again.
     revoke_token(scene.milo, scene.token_row)
@@ -254,8 +283,8 @@ def test_milo_syncs_through_worker_0_detaches_cancels_follows_again_and_signs_ou
     assert "Synced from worker 0 to 3 worker(s): 15 file copies" in relayed.stderr
 
     # Ctrl-C detaches; the job goes on.
-    follow = laptop.start([TPU, "run", "tpu5", "--venv", "~/jax", "--", "sh", "-c",
-                           "echo start; sleep 300"], cwd=home)  # fmt: skip
+    follow = laptop.start([*PYTHON, "-m", "tpu_cli", "run", "tpu5", "--venv", "~/jax", "--",
+                           "sh", "-c", "echo start; sleep 300"], cwd=home)  # fmt: skip
     # Both pipes are read as the client writes: a pipe nobody reads fills up and stalls it.
     told: list[str] = []
     reader = threading.Thread(target=lambda: told.extend(follow.stderr), daemon=True)
@@ -297,7 +326,7 @@ def test_milo_syncs_through_worker_0_detaches_cancels_follows_again_and_signs_ou
     serve = "cd proj2 && (nohup python3 -m http.server 8765 --bind 127.0.0.1 >/dev/null 2>&1 &)"
     _ok(scene.tpu("exec", "tpu5", "--worker", "0", "--", serve))
     local = free_port()
-    tunnel = laptop.start([TPU, "forward", "tpu5", f"8765:{local}"], cwd=home)
+    tunnel = laptop.start([*PYTHON, "-m", "tpu_cli", "forward", "tpu5", f"8765:{local}"], cwd=home)
     try:
         assert _fetch(f"http://127.0.0.1:{local}/f0.txt") == "file 0 on every worker\n"
     finally:
@@ -307,8 +336,11 @@ def test_milo_syncs_through_worker_0_detaches_cancels_follows_again_and_signs_ou
     assert f"Forwarding http://localhost:{local} to port 8765 on tpu5" in tunnel.stderr.read()
 
     # Signing out revokes the token on the portal and forgets it here.
+    shared = _shared(scene)
+    assert len(_masters(scene, shared)) == 4
     gone = _ok(scene.tpu("logout"))
     assert "the token is revoked" in gone.stderr
+    assert _masters(scene, shared) == []  # its connections closed
     assert ApiToken.objects.get(pk=scene.token_row.pk).revoked_at is not None
     assert not laptop.path("~/.config/tpu-portal/credentials.json").exists()
     assert scene.tpu("ls").returncode == 3

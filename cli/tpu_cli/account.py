@@ -109,6 +109,7 @@ def logout(args) -> int:
         else:
             raise
     credentials.forget()
+    sshfiles.close_shared(sshfiles.ssh_base())
     say(f"Signed out of {sign_in.url}" + (" (the token is revoked)." if revoked else "."))
     return 0 if revoked else FAILED
 

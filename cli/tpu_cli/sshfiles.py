@@ -5,8 +5,13 @@ workers (host names, addresses, the unix username)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import shutil
+import socket
+import stat
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -197,3 +202,135 @@ def ssh_base() -> list[str]:
     if include_installed():
         return ["ssh"]
     return ["ssh", "-F", str(paths.ssh_config_file())]
+
+
+# --- one connection per worker, shared --------------------------------------------------
+
+# How long a worker's shared connection stays open once its last session ended, for the
+# next command (the next `tpu run` of an edit-run loop).
+PERSIST_SECONDS = 300
+# A socket's path is at most 104 bytes on macOS (108 on Linux); ssh adds a 17-byte
+# suffix while it makes one, and %C is 40.
+_SOCKET_PATH_MAX = 104 - 17 - 41
+
+
+def sockets_base() -> Path:
+    """Where the person's shared connections are: ``$XDG_RUNTIME_DIR/tpu-portal`` (a
+    per-user directory the system empties at logout), else ``/tmp/tpu-portal-<uid>``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+        return Path(runtime) / "tpu-portal"
+    # Checked before each use to be the person's own and 0700 (``_own_private_dir``);
+    # not $TMPDIR, which on macOS is too long a prefix for a socket.
+    return Path("/tmp") / f"tpu-portal-{os.getuid()}"  # noqa: S108
+
+
+def _own_private_dir(path: Path) -> bool:
+    """Whether ``path`` is (or was just made) a directory of this user's, 0700: never one
+    someone else made or a symlink, where another user could reach the sockets."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return False
+    if info.st_mode & 0o077:
+        path.chmod(0o700)
+    return True
+
+
+def _short_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:8]
+
+
+def _home_sockets() -> Path:
+    """This home's folder of sockets (one account may have several homes, each with its
+    own portal files)."""
+    return sockets_base() / _short_hash(str(paths.home()).encode())
+
+
+def _generation() -> str:
+    """A name for the portal's files as they are now: a changed address or host key
+    makes a new one, so a connection made before the change is never used after it."""
+    content = b""
+    for path in (paths.ssh_config_file(), paths.known_hosts_file()):
+        try:
+            content += path.read_bytes() + b"\0"
+        except FileNotFoundError:
+            content += b"\0"
+    return _short_hash(content)
+
+
+def _tidy(folder: Path, ssh: list[str] | None = None) -> None:
+    """Remove the sockets in ``folder`` whose connection has ended, and the folder once
+    it is empty; with ``ssh``, close the live connections first."""
+    for path in folder.iterdir():
+        if ssh is not None:
+            # Any host name: the socket says which connection.
+            subprocess.run([*ssh, "-o", f"ControlPath={path}", "-O", "exit", "tpu-portal"],
+                           stdin=subprocess.DEVNULL, capture_output=True)  # fmt: skip
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
+def _folders(home: Path) -> list[Path]:
+    if not home.is_dir() or home.is_symlink() or not _own_private_dir(home):
+        return []
+    return [f for f in home.iterdir() if f.is_dir() and not f.is_symlink()]
+
+
+def close_shared(ssh: list[str]) -> None:
+    """Close the shared connections to the workers the portal's files name now (at
+    sign-out); those made before the files changed are no longer used and end by
+    themselves."""
+    home = _home_sockets()
+    for folder in _folders(home):
+        _tidy(folder, ssh if folder.name == _generation() else None)
+    try:
+        home.rmdir()
+    except OSError:
+        pass
+
+
+def shared(ssh: list[str], host: str) -> list[str]:
+    """``ssh`` that shares one connection per worker (OpenSSH's ControlMaster) between
+    this command's ssh and rsync sessions and the next commands', for
+    ``PERSIST_SECONDS`` after the last session: a worker's second session skips the key
+    exchange and the login. The connection is made and its host key checked as the
+    person's ssh config says (the pinned keys, StrictHostKeyChecking). ``ssh`` as it is
+    when the person's own config shares connections already (their ControlPath wins),
+    or when no private place for the sockets can be made."""
+    effective = subprocess.run([*ssh, "-G", host], stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True)  # fmt: skip
+    options = dict(line.partition(" ")[::2] for line in effective.stdout.splitlines())
+    if effective.returncode != 0 or options.get("controlpath", "none") != "none":
+        return ssh
+    if options.get("controlmaster", "false") != "false":
+        return ssh
+    home = _home_sockets()
+    folder = home / _generation()
+    if len(str(folder)) > _SOCKET_PATH_MAX or not _own_private_dir(home.parent):
+        return ssh
+    for old in _folders(home):
+        # Connections made before the files changed are never used again; they end by
+        # themselves (a session in another terminal may still use one).
+        if old != folder:
+            _tidy(old)
+    if not _own_private_dir(home) or not _own_private_dir(folder):
+        return ssh
+    return [*ssh, "-o", "ControlMaster=auto", "-o", f"ControlPath={folder}/%C",
+            "-o", f"ControlPersist={PERSIST_SECONDS}"]  # fmt: skip

@@ -78,9 +78,11 @@ def run(args) -> int:
     session = Session()
     vm = session.vm(args.vm)
     folder = ""
+    ssh = None
     if local is not None:
         folder = remote_folder(local)
-        sync(vm, local, folder, args.sync)
+        ssh = _ssh(vm)
+        sync(vm, local, folder, args.sync, ssh)
     body = {"args": command, "cwd": folder, "python": worker_path(args.venv or ""), "env": env,
             "time_limit_minutes": args.time_limit, "notify": args.notify}  # fmt: skip
     job = session.api.post(f"{vm.api_path}/jobs", body)
@@ -89,12 +91,20 @@ def run(args) -> int:
         if args.json:
             out.print_json(json.dumps(job))
         return 0
-    return _follow(session, vm, job["id"], args.worker)
+    return _follow(session, vm, job["id"], args.worker, ssh)
 
 
-def _follow(session: Session, vm, job_id: int, worker) -> int:
+def _ssh(vm) -> list[str]:
+    """The person's ssh for the VM's workers, sharing one connection per worker."""
+    hosts = vm.hosts()
+    return sshfiles.shared(sshfiles.ssh_base(), hosts[min(hosts)])
+
+
+def _follow(session: Session, vm, job_id: int, worker, ssh: list[str] | None = None) -> int:
     index = None if worker in (None, "all") else int(worker)
-    follower = follow.Follow(session.api, vm, job_id, sshfiles.ssh_base(), say, worker=index)
+    if ssh is None:
+        ssh = _ssh(vm) if vm.ssh is not None and vm.ssh.hosts else sshfiles.ssh_base()
+    follower = follow.Follow(session.api, vm, job_id, ssh, say, worker=index)
     try:
         job = follower.run()
     except KeyboardInterrupt:
@@ -111,9 +121,8 @@ def _follow(session: Session, vm, job_id: int, worker) -> int:
     return code
 
 
-def sync(vm, local: Path, folder: str, how: str) -> None:
+def sync(vm, local: Path, folder: str, how: str, ssh: list[str]) -> None:
     hosts = vm.hosts()
-    ssh = sshfiles.ssh_base()
     if how == "via-worker0" and len(hosts) > 1:
         _sync_via_worker0(vm, hosts, local, folder, ssh)
         return
@@ -167,7 +176,10 @@ def _sync_via_worker0(vm, hosts, local, folder, ssh) -> None:
     address = {i: vm.internal_ips.get(i) or vm.ssh.addresses[i] for i in hosts}
     targets = [(i, f"{user}@{address[i]}", f"{prefix}.w{i}") for i in hosts if i != 0]
     script, stdin = remote.via_worker0_command(folder, targets, mine)
-    proc = subprocess.run([*ssh, *remote.BATCH, "-A", hosts[0], script], input=stdin.encode(),
+    # A connection of its own: through a shared one, the agent forwarded would be that of
+    # the command that opened it, not this terminal's.
+    plain = sshfiles.ssh_base()
+    proc = subprocess.run([*plain, *remote.BATCH, "-A", hosts[0], script], input=stdin.encode(),
                           capture_output=True)  # fmt: skip
     text = proc.stdout.decode(errors="replace")
     failed = re.findall(r"tpu-sync-failed w(\d+)", text)
@@ -261,7 +273,7 @@ def exec_(args) -> int:
     session = Session()
     vm = session.ssh_vm(args.vm)
     hosts = _workers(vm, args.worker)
-    codes = remote.run_everywhere(sshfiles.ssh_base(), hosts, command, label=len(hosts) > 1)
+    codes = remote.run_everywhere(_ssh(vm), hosts, command, label=len(hosts) > 1)
     failed = {i: c for i, c in codes.items() if c != 0}
     if args.json:
         out.print_json(json.dumps({f"w{i}": c for i, c in sorted(codes.items())}))

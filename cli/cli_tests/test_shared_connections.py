@@ -1,0 +1,102 @@
+"""One ssh connection per worker, shared between the client's ssh and rsync sessions
+and the next commands' (OpenSSH's ControlMaster): its sockets in a folder of the
+person's own, 0700; left alone when the person's own config shares connections; never
+used after the portal's files changed; closed at sign-out. The live connections
+themselves are exercised against the sshd fleet in test_fleet_journey."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from cli_tests.test_ssh_files import Portal
+from tpu_cli import sshfiles
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    # A short runtime folder, as the system gives: a socket's path has a length limit.
+    runtime = Path(tempfile.mkdtemp(prefix="run-", dir="/tmp"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    sshfiles.refresh(Portal())
+    yield tmp_path
+    shutil.rmtree(runtime)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+def _option(argv: list[str], name: str) -> str:
+    return next(v.split("=", 1)[1] for v in argv if v.startswith(f"{name}="))
+
+
+def test_the_workers_connections_are_shared_from_a_private_folder(home):
+    ssh = sshfiles.ssh_base()
+    argv = sshfiles.shared(ssh, "tpu5")
+    assert argv[: len(ssh)] == ssh
+    assert _option(argv, "ControlMaster") == "auto"
+    assert _option(argv, "ControlPersist") == str(sshfiles.PERSIST_SECONDS)
+    folder = Path(_option(argv, "ControlPath")).parent
+    assert _option(argv, "ControlPath").endswith("/%C")
+    base = Path(os.environ["XDG_RUNTIME_DIR"]) / "tpu-portal"
+    assert folder.parent.parent == base
+    for each in (base, folder.parent, folder):
+        assert _mode(each) == 0o700 and each.lstat().st_uid == os.getuid()
+    assert sshfiles.shared(ssh, "tpu5-w1") == argv  # one folder for every worker
+
+
+def test_the_persons_own_connection_sharing_is_left_as_it_is(home):
+    own = home / "own_config"
+    own.write_text("Host *\n    ControlMaster auto\n    ControlPath ~/.ssh/cm-%C\n")
+    ssh = ["ssh", "-F", str(own)]
+    assert sshfiles.shared(ssh, "tpu5") == ssh
+
+
+def test_a_socket_folder_someone_else_made_is_not_used(home):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a folder that another user owns")
+    base = Path(os.environ["XDG_RUNTIME_DIR"]) / "tpu-portal"
+    base.mkdir(mode=0o777)
+    os.chown(base, 65534, 65534)
+    ssh = sshfiles.ssh_base()
+    assert sshfiles.shared(ssh, "tpu5") == ssh
+    os.chown(base, 0, 0)
+    base.rmdir()
+    # Nor a link to a folder of the person's own, which someone could have placed.
+    target = home / "elsewhere"
+    target.mkdir(mode=0o700)
+    base.symlink_to(target)
+    assert sshfiles.shared(ssh, "tpu5") == ssh
+
+
+def test_a_changed_address_or_host_key_never_uses_an_earlier_connection(home):
+    ssh = sshfiles.ssh_base()
+    before = Path(_option(sshfiles.shared(ssh, "tpu5"), "ControlPath")).parent
+    # A connection that has ended leaves its socket behind.
+    ended = socket.socket(socket.AF_UNIX)
+    ended.bind(str(before / "ended"))
+    ended.close()
+    portal = Portal()
+    portal.known = "tpu-portal.vision.tpu5.w0 ssh-ed25519 BBBB\n"
+    assert sshfiles.refresh(portal).known_hosts_changed
+    after = Path(_option(sshfiles.shared(ssh, "tpu5"), "ControlPath")).parent
+    assert after != before and after.parent == before.parent
+    assert not before.exists()  # its ended socket removed, then the folder
+
+
+def test_signing_out_closes_the_connections_the_files_name_now(home):
+    ssh = sshfiles.ssh_base()
+    folder = Path(_option(sshfiles.shared(ssh, "tpu5"), "ControlPath")).parent
+    ended = socket.socket(socket.AF_UNIX)
+    ended.bind(str(folder / "ended"))
+    ended.close()
+    sshfiles.close_shared(ssh)
+    assert not folder.parent.exists()
