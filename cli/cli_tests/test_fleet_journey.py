@@ -309,11 +309,12 @@ def test_milo_syncs_through_worker_0_detaches_cancels_follows_again_and_signs_ou
     job = Job.objects.get(pk=int(number.group(1)))
     assert job.state == "running"
 
-    # Cancel it, follow it again to its end: the whole log, then a non-zero exit.
+    # Cancel it, follow it again to its end: the whole log, then the job's exit code,
+    # that of a process killed by TERM (128 + 15), as the portal gives it.
     cancelled = _ok(scene.tpu("cancel", str(job.pk)))
     assert f"Job {job.pk} on vision/tpu5: cancel" in cancelled.stderr
     again = scene.tpu("logs", "-f", str(job.pk), timeout=120)
-    assert again.returncode == 1, again
+    assert again.returncode == 143 == Job.objects.get(pk=job.pk).exit_code, again
     assert "(w0) start" in again.stdout and f"Job {job.pk} cancelled" in again.stderr
     one = _ok(scene.tpu("logs", str(job.pk), "--worker", "2"))
     assert one.stdout == "start\n"
