@@ -662,9 +662,13 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
     lost = [p for p in parts.values() if p.state == JobWorkerState.LOST]
     failed = first_failed(parts.values(), now)
     outcome, reason = None, ""
+    taken_back = vm.state in GONE_STATES or _made_anew_under(job, vm)
     if vm.state in GONE_STATES:
         outcome = JobState.LOST
         reason = f"{vm.name} was {vm.get_state_display().lower()} while the job ran."
+    elif taken_back:
+        outcome = JobState.LOST
+        reason = f"Google Cloud took {vm.name} back while the job ran; it was made anew."
     elif vm.is_missing:
         outcome = JobState.LOST
         reason = f"{vm.name} is no longer listed by Google Cloud (deleted?) while the job ran."
@@ -707,10 +711,18 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
         job.refresh_from_db()
         reason = job.reason or "Cancelled."
     _end(job, outcome, reason)
-    if outcome == JobState.LOST and (vm.state in GONE_STATES or vm.is_missing):
+    if outcome == JobState.LOST and (taken_back or vm.is_missing):
         run_again_after_preemption(job)
     report.ended.append(job.pk)
     return True
+
+
+def _made_anew_under(job: Job, vm: TpuVm) -> bool:
+    """Whether the VM's node was made anew after the job started (Google took it back
+    and a keep-alive brought it back before this pass looked): its workers are new
+    machines on which the job never ran."""
+    started = job.started_at or job.begun_at
+    return bool(vm.node_created_at and started and vm.node_created_at > started)
 
 
 def _status_round(job: Job, vm: TpuVm, hosts: _Hosts, parts) -> bool:

@@ -107,3 +107,18 @@ def test_a_job_run_again_waits_a_while_for_its_home_on_new_machines_and_no_other
     TpuVm.objects.filter(pk=scene.vm.pk).update(restored_at=restored - dt.timedelta(hours=1))
     scene.vm.refresh_from_db()
     assert _home_wait_until(again, scene.vm) is None
+
+
+def test_a_vm_made_anew_after_a_job_started_took_the_job_with_it(scene):
+    """Google took the VM back and the keep-alive brought it back before the job pass
+    looked: the VM is ready again, but on new machines, so the job is lost to a
+    preemption (and runs again when asked for), not to a reboot."""
+    from tpus.services.job_engine import _made_anew_under
+
+    job = make_job(scene.vm, scene.milo, "running")
+    scene.vm.node_created_at = job.started_at - dt.timedelta(days=1)
+    assert not _made_anew_under(job, scene.vm)
+    scene.vm.node_created_at = job.started_at + dt.timedelta(minutes=1)
+    assert _made_anew_under(job, scene.vm)
+    waiting = make_job(scene.vm, scene.ann, "queued")
+    assert not _made_anew_under(waiting, scene.vm)
