@@ -653,6 +653,8 @@ def _poll(
 def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, recovering: bool):
     parts = {p.index: p for p in job.parts.all()}
     statuses = _status_round(job, vm, hosts, parts)
+    # The round can take long with workers gone: decide on what the VM is now.
+    vm.refresh_from_db()
     job.refresh_from_db()
     parts = {p.index: p for p in job.parts.all()}
     live = [p for p in parts.values() if p.state == JobWorkerState.RUNNING]
@@ -718,11 +720,14 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
 
 
 def _made_anew_under(job: Job, vm: TpuVm) -> bool:
-    """Whether the VM's node was made anew after the job started (Google took it back
-    and a keep-alive brought it back before this pass looked): its workers are new
-    machines on which the job never ran."""
-    started = job.started_at or job.begun_at
-    return bool(vm.node_created_at and started and vm.node_created_at > started)
+    """Whether the VM came back on new machines after the job began (Google took it
+    back and the keep-alive brought it back before this pass looked): its workers are
+    not those the job ran on. Jobs wait while a VM is set up again, so one that began
+    did so before."""
+    began = job.begun_at or job.started_at
+    if vm.restore_version is not None:
+        return began is not None
+    return bool(began and vm.restored_at and vm.restored_at > began)
 
 
 def _status_round(job: Job, vm: TpuVm, hosts: _Hosts, parts) -> bool:

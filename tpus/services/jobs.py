@@ -313,6 +313,7 @@ def run_again_after_preemption(job: Job) -> Job | None:
     job again at the head of the VM's line (queued as early as the lost one was), to
     start once the VM is back. None when it was not asked for or cannot be queued now
     (the person lost access, or the lab's limit of waiting jobs)."""
+    job = Job.objects.select_related("vm__lab", "user__unix_account").get(pk=job.pk)
     if not job.rerun_after_preemption or job.state != JobState.LOST:
         return None
     if Job.objects.filter(rerun_of=job).exists():

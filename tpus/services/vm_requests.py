@@ -524,24 +524,32 @@ def bring_back() -> list[VmRequest]:
                 data={"request": again.pk, "after": old.pk, "vm": old.vm_id},
             )
             queue.send_vm_request(again.pk)
-        _run_again_what_it_lost(old)
+        _run_again_what_it_lost(again)
         revived.append(again)
     return revived
 
 
-def _run_again_what_it_lost(old: VmRequest) -> None:
+def _run_again_what_it_lost(made: VmRequest) -> None:
     """Jobs lost in the VM's last life whose owners asked for it are queued again. The
-    job pass does so when it sees the VM gone; a job whose workers vanished before the
-    sync saw the preemption ended as lost first, and is caught here."""
+    job pass does so when it sees the VM gone or made anew; a job it ended as lost
+    before the sync saw the preemption is caught here, when the VM is asked for again
+    and once more when it is back (``made`` is either request)."""
     from tpus.models import Job
     from tpus.models.jobs import JobState
     from tpus.services.jobs import run_again_after_preemption
 
     lost = Job.objects.filter(
-        vm=old.vm, state=JobState.LOST, rerun_after_preemption=True, reruns__isnull=True
+        vm_id=made.vm_id, state=JobState.LOST, rerun_after_preemption=True, reruns__isnull=True
     )
-    if old.ready_at:
-        lost = lost.filter(ended_at__gte=old.ready_at)
+    last_life = (
+        VmRequest.objects.filter(vm_id=made.vm_id, ready_at__isnull=False)
+        .exclude(pk=made.pk)
+        .order_by("-ready_at")
+        .values_list("ready_at", flat=True)
+        .first()
+    )
+    if last_life:
+        lost = lost.filter(ended_at__gte=last_life)
     for job in lost.select_related("vm__lab", "user__unix_account").order_by("queued_at"):
         run_again_after_preemption(job)
 
@@ -629,6 +637,8 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
     vm = inventory.register_created(made.lab, node, requested_by=made.requested_by)
     with transaction.atomic():
         connect.wait_for_workers(vm, made.requested_by)
+        if made.vm_id is not None:
+            _run_again_what_it_lost(made)
         if made.vm_id is not None and vm.grants.exists():
             # Whole again once every worker has what the new machines need: jobs wait
             # for it and people are told then (``settle_grants``), so that the email's

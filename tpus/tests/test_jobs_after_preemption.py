@@ -109,16 +109,32 @@ def test_a_job_run_again_waits_a_while_for_its_home_on_new_machines_and_no_other
     assert _home_wait_until(again, scene.vm) is None
 
 
-def test_a_vm_made_anew_after_a_job_started_took_the_job_with_it(scene):
+def test_a_vm_made_anew_after_a_job_began_took_the_job_with_it(scene):
     """Google took the VM back and the keep-alive brought it back before the job pass
     looked: the VM is ready again, but on new machines, so the job is lost to a
     preemption (and runs again when asked for), not to a reboot."""
     from tpus.services.job_engine import _made_anew_under
 
     job = make_job(scene.vm, scene.milo, "running")
-    scene.vm.node_created_at = job.started_at - dt.timedelta(days=1)
     assert not _made_anew_under(job, scene.vm)
-    scene.vm.node_created_at = job.started_at + dt.timedelta(minutes=1)
+    scene.vm.restore_version = 3  # back, being set up again
+    assert _made_anew_under(job, scene.vm)
+    scene.vm.restore_version = None
+    scene.vm.restored_at = job.begun_at - dt.timedelta(days=1)  # an earlier life
+    assert not _made_anew_under(job, scene.vm)
+    scene.vm.restored_at = job.begun_at + dt.timedelta(minutes=1)
     assert _made_anew_under(job, scene.vm)
     waiting = make_job(scene.vm, scene.ann, "queued")
     assert not _made_anew_under(waiting, scene.vm)
+
+
+def test_the_job_pass_asks_with_the_copy_it_had_before_the_job_ended(scene):
+    """The pass ends the job through another copy of its row: the one it holds still
+    says running, and the job is run again all the same."""
+    job = make_job(scene.vm, scene.milo, "running")
+    Job.objects.filter(pk=job.pk).update(
+        state="lost", rerun_after_preemption=True, ended_at=timezone.now()
+    )
+    assert job.state == "running"
+    again = jobs.run_again_after_preemption(job)
+    assert again is not None and again.rerun_of_id == job.pk
