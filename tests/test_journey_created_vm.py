@@ -127,15 +127,28 @@ def _expect_state(page, job: Job, text: str, timeout: int) -> None:
         raise AssertionError(f"{exc}\njob {job.pk} {job.state}: {job.reason}\n{checks}") from None
 
 
-def _wait(what: str, ready, timeout: float = 90.0):
+def _wait(what: str, ready, timeout: float = 90.0, story=lambda: ""):
     deadline = time.monotonic() + timeout
     while True:
         found = ready()
         if found:
             return found
         if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout:.0f} s: {what}")
+            raise AssertionError(f"waited {timeout:.0f} s: {what}\n{story()}")
         time.sleep(0.3)
+
+
+def _vm_story(vm: TpuVm) -> str:
+    """What the portal knows of the VM, its requests and its jobs: for a failure."""
+    vm.refresh_from_db()
+    lines = [f"{vm.name}: {vm.state} restore_version={vm.restore_version} "
+             f"restored_at={vm.restored_at} node_created_at={vm.node_created_at}"]  # fmt: skip
+    for r in VmRequest.objects.filter(lab=vm.lab).order_by("pk"):
+        lines.append(f"  request {r.pk}: {r.state} ready_at={r.ready_at} {r.error}")
+    for j in Job.objects.filter(vm=vm).order_by("pk"):
+        lines.append(f"  job {j.pk}: {j.state} began={j.begun_at} ended={j.ended_at} "
+                     f"rerun_of={j.rerun_of_id} {j.reason}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def test_a_created_spot_pod_waits_comes_up_is_preempted_and_comes_back_with_everything(
@@ -244,7 +257,11 @@ def test_a_created_spot_pod_waits_comes_up_is_preempted_and_comes_back_with_ever
 
     # His job is queued again by itself; on the new machines his home is new, so it
     # waits, saying for what, until he puts his environment back.
-    rerun = _wait("the job is queued again", lambda: Job.objects.filter(rerun_of=first).first())
+    rerun = _wait(
+        "the job is queued again",
+        lambda: Job.objects.filter(rerun_of=first).first(),
+        story=lambda: _vm_story(vm),
+    )
     milo.goto(f"/labs/{lab.slug}/vms/{vm.pk}/jobs/{rerun.pk}/")
     expect(milo.locator("body")).to_contain_text("Waiting for what it needs in your home")
     for host in workers:
