@@ -5,12 +5,17 @@ the app's own conftest.py."""
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import pytest
 from django.core.cache import cache
 
 pytest_plugins = ["tests.e2e", "testfleet.fixtures"]
+
+# gRPC's core logs each connection the emulator closes at a test's end ("Got goaway")
+# at INFO; its errors still show.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 _counter = itertools.count(1)
 
