@@ -91,6 +91,12 @@ def test_a_job_queued_with_the_form_runs_and_its_whole_log_downloads(
     assert response.status_code == 302, response.content.decode()[-2000:]
     job = _wait_until_ended(Job.objects.get(), django_capture_on_commit_callbacks)
     assert job.state == "succeeded", (job.reason, job.preflight)
+    # A reconcile after the job started (someone else's grant, a key) keeps the way to
+    # the job's folder open to milo.
+    from tpus.services import hosts, reconcile
+
+    hosts.hosts_must_change(vm, "a key changed")
+    reconcile.reconcile_vm(vm.pk)
 
     live = client.get(reverse("job_live", args=["vision", vm.pk, job.pk])).content.decode()
     assert "Succeeded" in live and "exit 0" in live and "hx-trigger" not in live
@@ -123,5 +129,13 @@ def test_a_job_queued_with_the_form_runs_and_its_whole_log_downloads(
          "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "tail", "-n", "2", path],
         capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    if done.returncode != 0:
+        seen = subprocess.run(
+            ["ssh", "-F", str(config), "-i", str(key), "-o", "IdentitiesOnly=yes",
+             "-o", f"UserKnownHostsFile={known}", "-o", "BatchMode=yes", host,
+             f"id; ls -lnd /var/lib/tpu-portal /var/lib/tpu-portal/jobs {path.rsplit('/', 1)[0]}"
+             f" {path}"],
+            capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        raise AssertionError(f"{done.stderr}\n{seen.stdout}{seen.stderr}")
     assert done.stdout.splitlines() == [f"line {LINES - 2}", f"line {LINES - 1}"]

@@ -36,8 +36,9 @@ def test_an_older_state_reaching_a_worker_after_a_revoke_changes_nothing(target)
     assert late.values["boot_id"] == target.host.boot_id
     assert target.snapshot() == before
     assert target.ssh(name, key).returncode == 255
+    # Its own, the version private; the folder only passed through (job logs are in it).
     assert target.sh("stat -c '%a %U' /var/lib/tpu-portal /var/lib/tpu-portal/version") == (
-        "700 root\n600 root\n"
+        "711 root\n600 root\n"
     )
 
 

@@ -7,15 +7,16 @@ flock -w 120 9 || die "another reconcile has been running for two minutes"
 # from a run that is still going); the lock orders them, and the host keeps the
 # highest version it has applied for the VM's series and refuses an older state,
 # changing nothing, whatever order the two got the lock in. Kept under /var/lib (a
-# reboot does not forget it), in a folder of root's own.
+# reboot does not forget it), in a folder of root's own that others may only pass
+# through (0711: the job folders are in it, and each person reads their job's log).
 VERSION_DIR=/var/lib/tpu-portal
 if [ -n "$series" ]; then
     if [ -L "$VERSION_DIR" ] || { [ -e "$VERSION_DIR" ] && [ ! -d "$VERSION_DIR" ]; }; then
         die "$VERSION_DIR exists and is not a folder"
     fi
-    [ -d "$VERSION_DIR" ] || mkdir -m 0700 "$VERSION_DIR"
+    [ -d "$VERSION_DIR" ] || mkdir -m 0711 "$VERSION_DIR"
     [ "$(stat -c '%u' "$VERSION_DIR")" = 0 ] || die "$VERSION_DIR does not belong to root"
-    chmod 0700 "$VERSION_DIR"
+    chmod 0711 "$VERSION_DIR"
     seen_series="" seen_version=""
     if [ -f "$VERSION_DIR/version" ] && [ ! -L "$VERSION_DIR/version" ]; then
         read -r seen_series seen_version _ <"$VERSION_DIR/version" || true
