@@ -173,10 +173,15 @@ def cast(make_user, make_lab, add_member) -> Cast:
     )
 
 
-# What makes a test depend on the database and broker it runs on: bin/test's second
-# pass (``--backend-bound``) runs only these, on the other pair of services; a test
-# with none of them (a script on the fleet, a parser, the emulator) would do the same
-# work again and prove nothing new.
+# What makes a test depend on the database and broker it runs on. bin/test runs the
+# suite in two passes and every test in at least one:
+# - ``--embedded-pass`` (SQLite + the embedded broker): everything but the slow
+#   journeys that use the database, which run in the other pass on the services a
+#   deployment uses; those marked ``quickstart`` (the embedded stack's own journeys:
+#   bin/demo, a real beat and worker) run here too;
+# - ``--backend-bound`` (PostgreSQL + Redis): only the tests that use the database or
+#   the broker; one with neither (a script on the fleet, a parser, the emulator) would
+#   do the same work again and prove nothing new.
 BACKEND_FIXTURES = {
     "db",
     "transactional_db",
@@ -188,6 +193,12 @@ BACKEND_FIXTURES = {
 
 
 def pytest_addoption(parser):
+    parser.addoption(
+        "--embedded-pass",
+        action="store_true",
+        help="bin/test's first pass: leave out the slow journeys that use the database "
+        "(they run in the PostgreSQL + Redis pass), except those marked quickstart",
+    )
     parser.addoption(
         "--backend-bound",
         action="store_true",
@@ -202,12 +213,25 @@ def backend_bound(item) -> bool:
     )
 
 
+def elsewhere_in_the_first_pass(item) -> bool:
+    """A slow journey on the database, run in the PostgreSQL + Redis pass only."""
+    return (
+        item.get_closest_marker("slow") is not None
+        and item.get_closest_marker("quickstart") is None
+        and backend_bound(item)
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--backend-bound"):
+    if config.getoption("--backend-bound"):
+        keep = backend_bound
+    elif config.getoption("--embedded-pass"):
+        keep = lambda item: not elsewhere_in_the_first_pass(item)  # noqa: E731
+    else:
         return
     kept, dropped = [], []
     for item in items:
-        (kept if backend_bound(item) else dropped).append(item)
+        (kept if keep(item) else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

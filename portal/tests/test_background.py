@@ -46,6 +46,7 @@ def test_the_heartbeat_is_scheduled_in_code():
 
 
 @pytest.mark.slow
+@pytest.mark.quickstart
 def test_a_real_beat_and_worker_record_the_heartbeat(
     celery_worker_process, settings, client, make_user
 ):

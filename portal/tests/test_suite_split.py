@@ -1,5 +1,7 @@
-"""bin/test runs the whole suite on one backend and, on the other, only what uses the
-database or the broker (``--backend-bound``): what decides that for a test."""
+"""bin/test runs every test in at least one of its two passes: on SQLite + the
+embedded broker all but the slow journeys on the database (``--embedded-pass``, the
+quick start's own journeys kept), on PostgreSQL + Redis only what uses the database or
+the broker (``--backend-bound``). What decides that for a test."""
 
 from __future__ import annotations
 
@@ -23,3 +25,25 @@ def test_a_test_marked_for_the_database_runs_on_both(request):
 
 def test_a_test_with_a_live_server_runs_on_both(request, live_server):
     assert backend_bound(request.node)
+
+
+@pytest.mark.slow
+def test_a_slow_journey_on_the_database_runs_on_the_services_only(request, db):
+    from conftest import elsewhere_in_the_first_pass
+
+    assert backend_bound(request.node) and elsewhere_in_the_first_pass(request.node)
+
+
+@pytest.mark.slow
+@pytest.mark.quickstart
+def test_a_journey_of_the_quick_starts_stack_runs_on_both(request, db):
+    from conftest import elsewhere_in_the_first_pass
+
+    assert backend_bound(request.node) and not elsewhere_in_the_first_pass(request.node)
+
+
+@pytest.mark.slow
+def test_a_slow_test_with_no_database_runs_in_the_first_pass(request):
+    from conftest import elsewhere_in_the_first_pass
+
+    assert not backend_bound(request.node) and not elsewhere_in_the_first_pass(request.node)

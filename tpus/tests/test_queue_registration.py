@@ -102,6 +102,7 @@ def _wait(condition, seconds: float, what: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.quickstart
 def test_a_worker_keeps_logging_after_its_first_queue_call(
     celery_worker_process,  # noqa: F811
     settings,
