@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -211,6 +212,39 @@ def celery_worker_process(transactional_db, smtp_settings, settings):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def celery_beat(celery_worker_process, settings):
+    """``celery_beat(**intervals)``: Celery beat beside the worker, with the periodic
+    passes' settings given (``PORTAL_JOB_POLL_SECONDS="1"``…); the sweeps a journey
+    does not watch run far apart, so they stay out of its way. Stopped at the end."""
+    started = []
+
+    def start(**intervals: str) -> subprocess.Popen:
+        env = {
+            **os.environ,
+            **celery_worker_process.env_for_children,
+            "PORTAL_RECONCILE_SWEEP_SECONDS": "3600",
+            "PORTAL_EXPIRY_CHECK_SECONDS": "3600",
+            **intervals,
+        }
+        log = open(Path(settings.VAR_DIR) / "celery-beat.log", "w")
+        # A schedule of its own: one left by an earlier test would carry its last runs.
+        schedule = Path(tempfile.mkdtemp(dir=settings.VAR_DIR)) / "beat-schedule"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "portal", "beat", "--loglevel=INFO",
+             "-s", str(schedule)],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        started.append((process, log))
+        return process
+
+    yield start
+    for process, log in started:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=15)
         log.close()
 
 

@@ -16,11 +16,8 @@ goes through a real SMTP server."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -39,32 +36,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.fleet]
 
 PROJECT, ZONE = "vision-lab-1", "us-central2-b"
 PASSWORD = "a long passphrase 42"  # noqa: S105 (a test account)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def beat(celery_worker_process, settings):
+def beat(celery_beat):
     """Celery beat beside the worker: requests followed every 2 s, the inventory
     synced every 5 s (how a preemption is noticed), jobs polled every second."""
-    env = {
-        **os.environ,
-        **celery_worker_process.env_for_children,
-        "PORTAL_VM_REQUEST_POLL_SECONDS": "2",
-        "PORTAL_SYNC_SECONDS": "5",
-        "PORTAL_JOB_POLL_SECONDS": "1",
-        "PORTAL_RECONCILE_SWEEP_SECONDS": "3600",
-        "PORTAL_EXPIRY_CHECK_SECONDS": "3600",
-    }
-    log = open(Path(settings.VAR_DIR) / "celery-beat.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "portal", "beat", "--loglevel=INFO",
-         "-s", str(Path(settings.VAR_DIR) / "beat-schedule-created")],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    yield process
-    os.killpg(process.pid, signal.SIGTERM)
-    process.wait(timeout=15)
-    log.close()
+    return celery_beat(
+        PORTAL_VM_REQUEST_POLL_SECONDS="2", PORTAL_SYNC_SECONDS="5", PORTAL_JOB_POLL_SECONDS="1"
+    )
 
 
 @pytest.fixture

@@ -10,10 +10,6 @@ JAX (the CPU build) across the pod with jax.distributed."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,31 +27,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.fleet]
 
 PROJECT, ZONE = "vision-lab-1", "us-central1-f"
 PASSWORD = "a long passphrase 42"  # noqa: S105 (a test account)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def beat(celery_worker_process, settings, monkeypatch):
+def beat(celery_beat):
     """Celery beat beside the worker, polling jobs every second (the other periodic
     work far apart, so it stays out of the way)."""
-    env = {
-        **os.environ,
-        **celery_worker_process.env_for_children,
-        "PORTAL_JOB_POLL_SECONDS": "1",
-        "PORTAL_SYNC_SECONDS": "3600",
-        "PORTAL_RECONCILE_SWEEP_SECONDS": "3600",
-        "PORTAL_EXPIRY_CHECK_SECONDS": "3600",
-    }
-    log = open(Path(settings.VAR_DIR) / "celery-beat.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "portal", "beat", "--loglevel=INFO",
-         "-s", str(Path(settings.VAR_DIR) / "beat-schedule-jobs")],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    yield process
-    os.killpg(process.pid, signal.SIGTERM)
-    process.wait(timeout=15)
-    log.close()
+    return celery_beat(PORTAL_JOB_POLL_SECONDS="1", PORTAL_SYNC_SECONDS="3600")
 
 
 @pytest.fixture
