@@ -242,6 +242,11 @@ def test_a_created_spot_pod_waits_comes_up_is_preempted_and_comes_back_with_ever
         lambda: Job.objects.filter(rerun_of=first).first(),
         story=lambda: _vm_story(vm),
     )
+    _wait(
+        "the job waits for milo's environment",
+        lambda: Job.objects.get(pk=rerun.pk).reason.startswith("Waiting for what it needs"),
+        story=lambda: _vm_story(vm),
+    )
     milo.goto(f"/labs/{lab.slug}/vms/{vm.pk}/jobs/{rerun.pk}/")
     expect(milo.locator("body")).to_contain_text("Waiting for what it needs in your home")
     for host in workers:

@@ -56,7 +56,7 @@ def tpu5(
     grant.refresh_from_db()
     assert grant.state == "active", grant.error
     # The fleet's JAX, as milo's own venv (a venv outside the home is refused).
-    fleet.exec(host.name, ["ln", "-s", JAX_ENV, f"/home/{fleet_username}/venv"])
+    fleet.exec(host.name, ["ln", "-sfn", JAX_ENV, f"/home/{fleet_username}/venv"])
     return vm, User.objects.get(pk=milo.pk), key, tmp_path
 
 
