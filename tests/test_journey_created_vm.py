@@ -247,8 +247,17 @@ def test_a_created_spot_pod_waits_comes_up_is_preempted_and_comes_back_with_ever
         lambda: Job.objects.get(pk=rerun.pk).reason.startswith("Waiting for what it needs"),
         story=lambda: _vm_story(vm),
     )
-    milo.goto(f"/labs/{lab.slug}/vms/{vm.pk}/jobs/{rerun.pk}/")
-    expect(milo.locator("body")).to_contain_text("Waiting for what it needs in your home")
+    # Each pass checks again (the page says "Validating" meanwhile): reload until the
+    # page shows it waiting, as milo would.
+    page_url = f"/labs/{lab.slug}/vms/{vm.pk}/jobs/{rerun.pk}/"
+    _wait(
+        "the job's page says what it waits for",
+        lambda: (
+            milo.goto(page_url)
+            and "Waiting for what it needs in your home" in milo.locator("body").inner_text()
+        ),
+        timeout=30,
+    )
     for host in workers:
         assert _ssh(config, known, key, host, f"ln -sfn {JAX_ENV} ~/jax").returncode == 0
     _expect_state(milo, rerun, "Running", 90_000)
