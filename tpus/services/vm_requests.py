@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from portal import audit
@@ -643,11 +643,7 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
             # Whole again once every worker has what the new machines need: jobs wait
             # for it and people are told then (``settle_grants``), so that the email's
             # "log in as before" is true when it arrives.
-            TpuVm.objects.filter(pk=vm.pk).update(
-                restore_version=TpuVm.objects.values_list("desired_version", flat=True).get(
-                    pk=vm.pk
-                )
-            )
+            TpuVm.objects.filter(pk=vm.pk).update(restore_version=F("desired_version"))
         VmRequest.objects.filter(pk=made.pk).update(
             state=VmRequestState.READY, vm=vm, ready_at=timezone.now(), changed_at=timezone.now()
         )
