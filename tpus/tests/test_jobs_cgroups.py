@@ -258,6 +258,24 @@ def test_the_log_is_cut_at_its_cap_with_a_line_saying_so_and_the_job_runs_on(hos
     assert state.log_size == len(log)
 
 
+def test_a_job_printing_a_line_at_a_time_keeps_every_line_up_to_the_cap(host):
+    # Each line is a read of its own for the log's writer: the cap counts bytes, not
+    # reads (with a 4 KiB cap, the first read used to end the log).
+    job_id = new_job_id()
+    lines = "".join(f"line {n}\n" for n in range(20))
+    host.start(
+        job_id,
+        "n=0; while [ $n -lt 20 ]; do echo line $n; n=$((n + 1)); sleep 0.02; done;"
+        " head -c 5000 /dev/zero | tr '\\0' b",
+        log_max_bytes=4096,
+    )
+    state = host.wait_for(job_id, lambda j: j.state == "ended").jobs[job_id]
+    assert state.exit_status == 0
+    log = state.log.decode()
+    assert log[:4096] == lines + "b" * (4096 - len(lines))
+    assert log[4096:].startswith("\n[tpu-portal] The log was cut here, after 4096 bytes")
+
+
 # --- folders -----------------------------------------------------------------------------
 
 

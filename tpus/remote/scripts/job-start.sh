@@ -427,8 +427,20 @@ echo "$started" >started_at
 # keeps running, its further output is discarded). It ends when the last process of
 # the job has closed its output.
 write_log() {
-    # dd writes what each read gave at once (head would hold it in a buffer).
-    dd bs=65536 iflag=count_bytes count="$log_max" status=none >>log
+    # dd writes what each read gave at once (head would hold it in a buffer). Its count
+    # is of reads, though, even in bytes: a short read from the pipe is one, so a job
+    # printing a line at a time would stop one dd after log_max / 64 KiB lines. Each dd
+    # goes on where the last stopped, until one reads nothing (every writer closed the
+    # pipe) or log_max bytes are in.
+    left=$log_max
+    size=0
+    while [ "$left" -gt 0 ]; do
+        dd bs=65536 iflag=count_bytes count="$left" status=none >>log
+        now=$(stat -c %s log)
+        [ "$now" -gt "$size" ] || return 0
+        left=$((left - (now - size)))
+        size=$now
+    done
     if [ "$(head -c 1 | wc -c)" -gt 0 ]; then
         printf '\n[tpu-portal] The log was cut here, after %s bytes: the lab keeps at most %s bytes of log per job and worker. The job went on running; its further output was discarded.\n' \
             "$log_max" "$log_max" >>log
