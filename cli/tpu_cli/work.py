@@ -143,11 +143,7 @@ def sync(vm, local: Path, folder: str, how: str, ssh: list[str]) -> None:
 def _report_sync(results, hosts, local, folder, seconds) -> None:
     failed = {i: r for i, r in results.items() if r.status != 0}
     if failed:
-        lines = [
-            f"  w{i} ({hosts[i]}): "
-            + (r.error.splitlines()[-1] if r.error else f"rsync exited {r.status}")
-            for i, r in sorted(failed.items())
-        ]
+        lines = [f"  w{i} ({hosts[i]}): {_why(r)}" for i, r in sorted(failed.items())]
         raise CliError("Could not sync the workdir to every worker; nothing was run.\n"
                        + "\n".join(lines), FAILED)  # fmt: skip
     moved = sorted({len(r.files) for r in results.values()})
@@ -159,6 +155,17 @@ def _report_sync(results, hosts, local, folder, seconds) -> None:
         for i, r in sorted(results.items()):
             for name in r.files:
                 say(f"  (w{i}) sent {name}")
+
+
+def _why(result) -> str:
+    """Why one worker's rsync failed: what ssh said (it could not connect, a host key
+    did not match) before rsync's own last words, which only say that the connection
+    closed."""
+    said = [line.strip() for line in result.error.splitlines() if line.strip()]
+    if not said:
+        return f"rsync exited {result.status}"
+    ssh = [line for line in said if not line.startswith("rsync")]
+    return "; ".join([*ssh[-2:], said[-1]] if ssh and ssh[-1] != said[-1] else said[-1:])
 
 
 def _sync_via_worker0(vm, hosts, local, folder, ssh) -> None:
