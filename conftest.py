@@ -181,7 +181,9 @@ def cast(make_user, make_lab, add_member) -> Cast:
 #   bin/demo, a real beat and worker) run here too;
 # - ``--backend-bound`` (PostgreSQL + Redis): only the tests that use the database or
 #   the broker; one with neither (a script on the fleet, a parser, the emulator) would
-#   do the same work again and prove nothing new.
+#   do the same work again and prove nothing new. bin/demo's own journeys (marked
+#   ``demo``) are left out too: bin/demo runs on SQLite + the embedded broker only, and
+#   the other journeys walk the same pages on these services.
 BACKEND_FIXTURES = {
     "db",
     "transactional_db",
@@ -222,9 +224,13 @@ def elsewhere_in_the_first_pass(item) -> bool:
     )
 
 
+def in_the_second_pass(item) -> bool:
+    return backend_bound(item) and item.get_closest_marker("demo") is None
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--backend-bound"):
-        keep = backend_bound
+        keep = in_the_second_pass
     elif config.getoption("--embedded-pass"):
         keep = lambda item: not elsewhere_in_the_first_pass(item)  # noqa: E731
     else:

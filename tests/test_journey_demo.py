@@ -32,7 +32,13 @@ from tests.test_journey_jobs import beat  # noqa: F401 (a fixture)
 from tpus.management.commands.demo_lab import set_up_demo
 from tpus.models import Job
 
-pytestmark = [pytest.mark.slow, pytest.mark.quickstart, pytest.mark.browser, pytest.mark.fleet]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.quickstart,
+    pytest.mark.demo,
+    pytest.mark.browser,
+    pytest.mark.fleet,
+]
 
 
 @pytest.fixture

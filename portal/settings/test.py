@@ -35,6 +35,8 @@ if TEST_BACKEND == "services":
             env.string("TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/tpu_portal")
         )
     }
+    # A test database is thrown away: its commits need not wait for the disk.
+    DATABASES["default"].setdefault("OPTIONS", {})["options"] = "-c synchronous_commit=off"
     _REDIS = env.string("TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     CACHES = {
         "default": {
@@ -50,6 +52,8 @@ elif TEST_BACKEND == "embedded":
     DATABASES = {"default": env.database(f"sqlite:///{VAR_DIR / 'db.sqlite3'}")}
     # A file, not memory: end-to-end tests share it with a real Celery worker process.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-db.sqlite3")}
+    # A test database is thrown away: its commits need not wait for the disk.
+    DATABASES["default"]["OPTIONS"]["init_command"] += " PRAGMA synchronous=OFF;"
     CACHES = {
         "default": {
             "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
