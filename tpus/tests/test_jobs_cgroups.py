@@ -67,6 +67,9 @@ class Host:
         deadline = time.monotonic() + timeout
         while True:
             report = self.status(job_id)
+            # Whenever it is looked at, a job read as ended no longer holds the TPU.
+            if report.jobs[job_id].state == "ended":
+                assert report.lock_holder != job_id, report
             if predicate(report.jobs[job_id]) or time.monotonic() > deadline:
                 return report
             time.sleep(0.1)

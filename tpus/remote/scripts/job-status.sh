@@ -64,11 +64,6 @@ alive() {
 
 read -r boot </proc/sys/kernel/random/boot_id
 echo "boot_id=$boot"
-if [ -f "$LOCK" ] && ! flock -n "$LOCK" true; then
-    echo "lock=held $(cat "$HOLDER" 2>/dev/null || echo unknown)"
-else
-    echo "lock=free"
-fi
 
 # The jobs asked about, then every job here that has not ended.
 {
@@ -127,6 +122,15 @@ while read -r job offset mode; do
         echo
     fi
 done <"$work/jobs"
+
+# The lock after the jobs: a part writes its end only once it has let the lock go, so a
+# job read as ended is never still named as the holder (looked at the other way round,
+# one ending in between the two looks would read as both).
+if [ -f "$LOCK" ] && ! flock -n "$LOCK" true; then
+    echo "lock=held $(cat "$HOLDER" 2>/dev/null || echo unknown)"
+else
+    echo "lock=free"
+fi
 
 # Who has a chip open (from /proc/*/fd, as root): the same scan as the pre-flight's.
 [ -n "$glob" ] || exit 0
