@@ -431,11 +431,15 @@ write_log() {
     # is of reads, though, even in bytes: a short read from the pipe is one, so a job
     # printing a line at a time would stop one dd after log_max / 64 KiB lines. Each dd
     # goes on where the last stopped, until one reads nothing (every writer closed the
-    # pipe) or log_max bytes are in.
+    # pipe) or log_max bytes are in. A log that cannot be written (a full disk) is left
+    # as it is and the rest read away: the job runs on, as it does past the cap.
     left=$log_max
     size=0
     while [ "$left" -gt 0 ]; do
-        dd bs=65536 iflag=count_bytes count="$left" status=none >>log
+        if ! dd bs=65536 iflag=count_bytes count="$left" status=none >>log; then
+            cat >/dev/null
+            return 0
+        fi
         now=$(stat -c %s log)
         [ "$now" -gt "$size" ] || return 0
         left=$((left - (now - size)))
