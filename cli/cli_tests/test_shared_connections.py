@@ -11,6 +11,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -84,12 +85,32 @@ def test_a_changed_address_or_host_key_never_uses_an_earlier_connection(home):
     ended = socket.socket(socket.AF_UNIX)
     ended.bind(str(before / "ended"))
     ended.close()
+    a_while_ago = time.time() - 120
+    os.utime(before, (a_while_ago, a_while_ago))
     portal = Portal()
     portal.known = "tpu-portal.vision.tpu5.w0 ssh-ed25519 BBBB\n"
     assert sshfiles.refresh(portal).known_hosts_changed
     after = Path(_option(sshfiles.shared(ssh, "tpu5"), "ControlPath")).parent
     assert after != before and after.parent == before.parent
     assert not before.exists()  # its ended socket removed, then the folder
+
+
+def test_a_folder_another_command_just_made_stays_while_it_opens_its_connections(home):
+    # Another terminal's command, started before the files changed, made its folder a
+    # moment ago and is about to open its connections there: this command's tidying
+    # leaves it (its ssh would fail with "unix_listener: cannot bind").
+    ssh = sshfiles.ssh_base()
+    theirs = Path(_option(sshfiles.shared(ssh, "tpu5"), "ControlPath")).parent
+    portal = Portal()
+    portal.known = "tpu-portal.vision.tpu5.w0 ssh-ed25519 BBBB\n"
+    assert sshfiles.refresh(portal).known_hosts_changed
+    mine = Path(_option(sshfiles.shared(ssh, "tpu5"), "ControlPath")).parent
+    assert mine != theirs and theirs.is_dir()
+    # Once it is older than a minute and still empty, the next command removes it.
+    a_while_ago = time.time() - 120
+    os.utime(theirs, (a_while_ago, a_while_ago))
+    sshfiles.shared(ssh, "tpu5")
+    assert not theirs.exists() and mine.is_dir()
 
 
 def test_signing_out_closes_the_connections_the_files_name_now(home):

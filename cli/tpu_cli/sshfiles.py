@@ -212,6 +212,8 @@ PERSIST_SECONDS = 300
 # A socket's path is at most 104 bytes on macOS (108 on Linux); ssh adds a 17-byte
 # suffix while it makes one, and %C is 40.
 _SOCKET_PATH_MAX = 104 - 17 - 41
+# How long an empty folder of connections made for other files is kept (see ``shared``).
+_YOUNG_SECONDS = 60
 
 
 def sockets_base() -> Path:
@@ -264,9 +266,15 @@ def _generation() -> str:
     return _short_hash(content)
 
 
-def _tidy(folder: Path, ssh: list[str] | None = None) -> None:
+def _tidy(folder: Path, ssh: list[str] | None = None, *, keep_if_younger: float = 0) -> None:
     """Remove the sockets in ``folder`` whose connection has ended, and the folder once
-    it is empty; with ``ssh``, close the live connections first."""
+    it is empty, unless it was changed less than ``keep_if_younger`` seconds before
+    (looked at first: removing a socket changes it); with ``ssh``, close the live
+    connections first."""
+    try:
+        young = time.time() - folder.stat().st_mtime < keep_if_younger
+    except OSError:
+        return
     for path in folder.iterdir():
         if ssh is not None:
             # Any host name: the socket says which connection.
@@ -281,6 +289,8 @@ def _tidy(folder: Path, ssh: list[str] | None = None) -> None:
             pass
         finally:
             probe.close()
+    if young:
+        return
     try:
         folder.rmdir()
     except OSError:
@@ -327,9 +337,11 @@ def shared(ssh: list[str], host: str) -> list[str]:
         return ssh
     for old in _folders(home):
         # Connections made before the files changed are never used again; they end by
-        # themselves (a session in another terminal may still use one).
+        # themselves (a session in another terminal may still use one). A folder made
+        # in the last minute stays even when empty: another command of the person's,
+        # started before the files changed, may be about to open its connections there.
         if old != folder:
-            _tidy(old)
+            _tidy(old, keep_if_younger=_YOUNG_SECONDS)
     if not _own_private_dir(home) or not _own_private_dir(folder):
         return ssh
     return [*ssh, "-o", "ControlMaster=auto", "-o", f"ControlPath={folder}/%C",
