@@ -11,11 +11,13 @@ portal says they go.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pwd
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from tests.requirements import need
@@ -30,6 +32,11 @@ class Laptop:
         need(shutil.which("ssh") is not None, "needs OpenSSH's ssh client")
         self.root = root  # what is the home inside the commands
         self.real_home = pwd.getpwuid(os.getuid()).pw_dir
+        # A runtime folder of its own, as each person's login has (the client keeps its
+        # shared connections there): laptops of one test run never meet in /tmp. Short,
+        # as a socket's path has a length limit.
+        self.runtime = tempfile.mkdtemp(prefix="l", dir="/tmp")  # as long as /run/user/1000
+        atexit.register(shutil.rmtree, self.runtime, ignore_errors=True)
         (root / ".ssh").mkdir(parents=True, exist_ok=True, mode=0o700)
         (root / "Downloads").mkdir(exist_ok=True)
 
@@ -42,7 +49,11 @@ class Laptop:
                 str(self.root), self.real_home, cwd, *args]  # fmt: skip
 
     def _env(self) -> dict[str, str]:
-        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": self.real_home}
+        return {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": self.real_home,
+            "XDG_RUNTIME_DIR": self.runtime,
+        }
 
     def run(self, args: list[str], *, cwd: str = "/", timeout: float = 30):
         """A command at home (stdin closed, so ssh can never wait for an answer)."""
