@@ -164,8 +164,10 @@ def _why(result) -> str:
     said = [line.strip() for line in result.error.splitlines() if line.strip()]
     if not said:
         return f"rsync exited {result.status}"
-    ssh = [line for line in said if not line.startswith("rsync")]
-    return "; ".join([*ssh[-2:], said[-1]] if ssh and ssh[-1] != said[-1] else said[-1:])
+    shown = [line for line in said if not line.startswith("rsync")][-2:]
+    if said[-1] not in shown:
+        shown.append(said[-1])
+    return "; ".join(shown)
 
 
 def _sync_via_worker0(vm, hosts, local, folder, ssh) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import backend_bound, in_the_second_pass
+from conftest import backend_bound, elsewhere_in_the_first_pass, in_the_second_pass
 
 
 def test_a_test_with_no_database_runs_in_one_pass_only(request):
@@ -30,23 +30,17 @@ def test_a_test_with_a_live_server_runs_on_both(request, live_server):
 
 @pytest.mark.slow
 def test_a_slow_journey_on_the_database_runs_on_the_services_only(request, db):
-    from conftest import elsewhere_in_the_first_pass
-
     assert backend_bound(request.node) and elsewhere_in_the_first_pass(request.node)
 
 
 @pytest.mark.slow
 @pytest.mark.quickstart
 def test_a_journey_of_the_quick_starts_stack_runs_on_both(request, db):
-    from conftest import elsewhere_in_the_first_pass
-
     assert backend_bound(request.node) and not elsewhere_in_the_first_pass(request.node)
 
 
 @pytest.mark.slow
 def test_a_slow_test_with_no_database_runs_in_the_first_pass(request):
-    from conftest import elsewhere_in_the_first_pass
-
     assert not backend_bound(request.node) and not elsewhere_in_the_first_pass(request.node)
 
 
@@ -54,8 +48,6 @@ def test_a_slow_test_with_no_database_runs_in_the_first_pass(request):
 @pytest.mark.quickstart
 @pytest.mark.demo
 def test_a_journey_of_bin_demo_runs_on_its_own_stack_only(request, live_server):
-    from conftest import elsewhere_in_the_first_pass
-
     assert not elsewhere_in_the_first_pass(request.node)
     assert backend_bound(request.node) and not in_the_second_pass(request.node)
 

@@ -123,19 +123,18 @@ def test_a_job_queued_with_the_form_runs_and_its_whole_log_downloads(
     config, known = tmp / "config", tmp / "known_hosts"
     config.write_text(sshconfig.render_config(milo))
     known.write_text(sshconfig.render_known_hosts(sshconfig.vms_for(milo)))
-    done = subprocess.run(
-        ["ssh", "-F", str(config), "-i", str(key), "-o", "IdentitiesOnly=yes",
-         "-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes",
-         "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, "tail", "-n", "2", path],
-        capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    if done.returncode != 0:
-        seen = subprocess.run(
+
+    def as_milo(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
             ["ssh", "-F", str(config), "-i", str(key), "-o", "IdentitiesOnly=yes",
-             "-o", f"UserKnownHostsFile={known}", "-o", "BatchMode=yes", host,
-             f"id; ls -lnd /var/lib/tpu-portal /var/lib/tpu-portal/jobs {path.rsplit('/', 1)[0]}"
-             f" {path}"],
+             "-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes",
+             "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, command],
             capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
         )  # fmt: skip
+
+    done = as_milo(f"tail -n 2 {path}")
+    if done.returncode != 0:
+        folders = f"/var/lib/tpu-portal /var/lib/tpu-portal/jobs {path.rsplit('/', 1)[0]} {path}"
+        seen = as_milo(f"id; ls -lnd {folders}")
         raise AssertionError(f"{done.stderr}\n{seen.stdout}{seen.stderr}")
     assert done.stdout.splitlines() == [f"line {LINES - 2}", f"line {LINES - 1}"]
