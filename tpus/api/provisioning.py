@@ -14,7 +14,7 @@ from portal.pagination import KeysetPagination
 from tpus import access
 from tpus.api.docs import PAGED
 from tpus.models import VmRequest
-from tpus.services import vm_lifecycle, vm_requests
+from tpus.services import allowances, vm_lifecycle, vm_requests
 
 router = Router(tags=["tpu vms"])
 
@@ -149,7 +149,7 @@ def retry_request(request, slug: str, request_id: int):
 )
 def list_allowances(request, slug: str):
     lab = access.get_admin_lab(request.user, slug)
-    return [{**use.__dict__, "left": use.left} for use in vm_requests.allowance_use(lab)]
+    return [{**use.__dict__, "left": use.left} for use in allowances.allowance_use(lab)]
 
 
 @router.put(
@@ -158,15 +158,15 @@ def list_allowances(request, slug: str):
     summary="Set one line of the lab's allowance (site admins; 0 chips removes it)",
 )
 def set_allowance(request, slug: str, payload: AllowanceIn):
-    lab = access.get_lab_for_site_admin(request.user, slug, vm_requests.ALLOWANCE_SITE_ADMIN_ONLY)
+    lab = access.get_lab_for_site_admin(request.user, slug, allowances.ALLOWANCE_SITE_ADMIN_ONLY)
     try:
-        vm_requests.set_allowance(
+        allowances.set_allowance(
             request.user, lab, payload.generation, payload.provisioning, payload.chips,
             request=request,
         )  # fmt: skip
     except ValidationError as exc:
         return _refusal(exc)
-    return [{**use.__dict__, "left": use.left} for use in vm_requests.allowance_use(lab)]
+    return [{**use.__dict__, "left": use.left} for use in allowances.allowance_use(lab)]
 
 
 def _change(request, slug: str, vm_id: int, change, *args):

@@ -26,18 +26,15 @@ from tpus import access, queue
 from tpus.cloud import CloudError, NodeInfo, NodeRequest
 from tpus.cloud.config import cloud_tpu
 from tpus.cloud.sshkeys import KeyLine
-from tpus.models import AuditAction, Lab, TpuVm, Worker
-from tpus.models.inventory import HostKeySource, NodeState, validate_node_name
+from tpus.models import AuditAction, Lab, TpuVm
+from tpus.models.inventory import NodeState, validate_node_name
 from tpus.models.provisioning import (
     OPEN_REQUEST_STATES,
-    LabAllowance,
-    LabNotice,
     Provisioning,
     VmRequest,
     VmRequestState,
-    chips_of,
 )
-from tpus.services import connect, emails, inventory, leases
+from tpus.services import allowances, connect, emails, inventory, keep_alive, leases
 from tpus.services.labkeys import lab_key
 
 log = logging.getLogger(__name__)
@@ -45,10 +42,6 @@ log = logging.getLogger(__name__)
 # How long past its window's end a request may still be waiting at Google before the
 # portal cancels it there itself.
 WINDOW_GRACE = dt.timedelta(minutes=5)
-# Node states in which Google took a VM back (a stopped VM was stopped by the lab).
-TAKEN_BACK = {NodeState.PREEMPTED, NodeState.TERMINATED}
-# Node states in which a VM holds none of the lab's allowance.
-NOT_HOLDING = {NodeState.PREEMPTED, NodeState.TERMINATED, NodeState.STOPPED}
 
 
 @dataclass(frozen=True)
@@ -64,141 +57,6 @@ class VmSpec:
     valid_after: dt.datetime | None = None
     valid_until: dt.datetime | None = None
     keep_alive: bool = False
-
-
-# --- what a lab holds ----------------------------------------------------------------
-
-
-def holding(lab: Lab, generation: str, provisioning: str) -> int:
-    """Chips of a generation and kind the lab holds or has asked for now: its VMs that
-    are up (or coming up) and its open requests."""
-    spot_like = provisioning != Provisioning.ON_DEMAND
-    used = 0
-    for accelerator_type, preemptible in (
-        TpuVm.objects.filter(lab=lab, missing_since__isnull=True)
-        .exclude(state__in=NOT_HOLDING)
-        .exclude(requests__state__in=OPEN_REQUEST_STATES)  # counted as a request below
-        .values_list("accelerator_type", "preemptible")
-    ):
-        kind_matches = preemptible if spot_like else not preemptible
-        found, chips = chips_of(accelerator_type)
-        if found == generation and kind_matches:
-            used += chips
-    for accelerator_type in VmRequest.objects.filter(
-        lab=lab, provisioning=provisioning, state__in=OPEN_REQUEST_STATES
-    ).values_list("accelerator_type", flat=True):
-        found, chips = chips_of(accelerator_type)
-        if found == generation:
-            used += chips
-    return used
-
-
-def check_allowance(lab: Lab, accelerator_type: str, provisioning: str) -> None:
-    """ValidationError with the numbers when one more VM of this type and kind would
-    take the lab past its allowance (or past its grant's end)."""
-    if lab.grant_end_date and timezone.localdate() > lab.grant_end_date:
-        raise ValidationError(
-            f"The lab's TPU grant ended on {lab.grant_end_date:%-d %B %Y}; no VM can be made."
-        )
-    generation, chips = chips_of(accelerator_type)
-    kind = Provisioning(provisioning).label.lower()
-    allowance = LabAllowance.objects.filter(
-        lab=lab, generation=generation, provisioning=provisioning
-    ).first()
-    if allowance is None:
-        raise ValidationError(
-            f"The lab has no allowance for {kind} {generation} chips; a site admin sets the "
-            "lab's allowance from its TPU grant."
-        )
-    used = holding(lab, generation, provisioning)
-    if used + chips > allowance.chips:
-        raise ValidationError(
-            f"A {accelerator_type} is {chips} {generation} chips; the lab holds {used} {kind} "
-            f"{generation} chips of its {allowance.chips}, so {allowance.chips - used} are left."
-        )
-
-
-@dataclass(frozen=True)
-class AllowanceUse:
-    """One allowance, the chips the lab holds against it now, and the day it ends (the
-    lab's TPU grant's end) with the days left counted from ``today``: 0 on its last
-    day, below 0 once it has ended."""
-
-    generation: str
-    provisioning: str
-    chips: int
-    used: int
-    ends_on: dt.date | None = None
-    days_left: int | None = None
-
-    @property
-    def left(self) -> int:
-        return max(0, self.chips - self.used)
-
-    @property
-    def ended(self) -> bool:
-        return self.days_left is not None and self.days_left < 0
-
-
-def allowance_use(lab: Lab, today: dt.date | None = None) -> list[AllowanceUse]:
-    """Each of the lab's allowances with the chips it holds against it now."""
-    today = today or timezone.localdate()
-    ends_on = lab.grant_end_date
-    days_left = (ends_on - today).days if ends_on else None
-    return [
-        AllowanceUse(
-            a.generation,
-            a.provisioning,
-            a.chips,
-            holding(lab, a.generation, a.provisioning),
-            ends_on,
-            days_left,
-        )
-        for a in LabAllowance.objects.filter(lab=lab)
-    ]
-
-
-ALLOWANCE_SITE_ADMIN_ONLY = (
-    "Only a site admin sets what a lab may hold: it comes from the lab's TPU grant."
-)
-GENERATIONS = ("v2", "v3", "v4", "v5litepod", "v5p", "v6e")
-
-
-def set_allowance(
-    site_admin, lab: Lab, generation: str, provisioning: str, chips: int, *, request=None
-):
-    """How many chips of a generation and kind the lab may hold at once; 0 removes the
-    allowance. Site admins only (it is what the lab's TPU grant says)."""
-    if not getattr(site_admin, "is_site_admin", False):
-        raise PermissionDenied(ALLOWANCE_SITE_ADMIN_ONLY)
-    errors = {}
-    if generation not in GENERATIONS:
-        errors["generation"] = [f"Choose one of {', '.join(GENERATIONS)}."]
-    if provisioning not in Provisioning.values:
-        errors["provisioning"] = ["Choose on-demand, spot or preemptible."]
-    if not isinstance(chips, int) or not 0 <= chips <= 100_000:
-        errors["chips"] = ["A number of chips, 0 to 100000 (0 removes the allowance)."]
-    if errors:
-        raise ValidationError(errors)
-    with transaction.atomic():
-        if chips == 0:
-            LabAllowance.objects.filter(
-                lab=lab, generation=generation, provisioning=provisioning
-            ).delete()
-        else:
-            LabAllowance.objects.update_or_create(
-                lab=lab, generation=generation, provisioning=provisioning, defaults={"chips": chips}
-            )
-        audit.record(
-            AuditAction.ALLOWANCE_SET,
-            actor=site_admin,
-            lab=lab,
-            summary=f"{chips} {provisioning} {generation} chips"
-            if chips
-            else f"no {provisioning} {generation} chips",
-            data={"generation": generation, "provisioning": provisioning, "chips": chips},
-            request=request,
-        )
 
 
 @dataclass(frozen=True)
@@ -267,7 +125,7 @@ def check_spec(lab: Lab, spec: VmSpec) -> VmSpec:
             add("zone", f"The Cloud TPU API could not say what {spec.zone} offers: {exc}")
     if not errors:
         try:
-            check_allowance(lab, spec.accelerator_type, spec.provisioning)
+            allowances.check_allowance(lab, spec.accelerator_type, spec.provisioning)
         except ValidationError as exc:
             add("accelerator_type", exc.messages[0])
     if errors:
@@ -439,7 +297,7 @@ def _send(made: VmRequest) -> None:
     now = timezone.now()
     try:
         if made.vm_id is not None:
-            _clear_leftovers(made)
+            keep_alive.clear_leftovers(made)
         elif made.queued:
             _clear_failed_requests(made)
         if made.queued:
@@ -476,98 +334,11 @@ def _send(made: VmRequest) -> None:
 def follow_open() -> int:
     """The periodic pass: VMs kept alive that Google took back are asked for again,
     then every open request gets a look."""
-    bring_back()
+    keep_alive.bring_back()
     ids = list(VmRequest.objects.filter(state__in=OPEN_REQUEST_STATES).values_list("pk", flat=True))
     for request_id in ids:
         queue.send_vm_request(request_id)
     return len(ids)
-
-
-# --- keep alive -----------------------------------------------------------------------
-
-
-def bring_back() -> list[VmRequest]:
-    """Each VM kept alive that Google preempted, terminated or deleted gets a new
-    queued request of the same name, type, version and kind (its own row, by the
-    portal). When it is up, ``_arrived`` restores everything on it."""
-    gone = (
-        VmRequest.objects.filter(state=VmRequestState.READY, keep_alive=True, vm__isnull=False)
-        .filter(Q(vm__state__in=TAKEN_BACK) | Q(vm__missing_since__isnull=False))
-        .select_related("vm", "lab")
-    )
-    revived = []
-    for old in gone:
-        with transaction.atomic():
-            # The keep-alive duty moves to the new request, so the next pass skips this one.
-            if not VmRequest.objects.filter(pk=old.pk, keep_alive=True).update(keep_alive=False):
-                continue
-            try:
-                with transaction.atomic():
-                    again = VmRequest.objects.create(
-                        lab=old.lab,
-                        name=old.name,
-                        zone=old.zone,
-                        accelerator_type=old.accelerator_type,
-                        runtime_version=old.runtime_version,
-                        provisioning=old.provisioning,
-                        queued=True,
-                        keep_alive=True,
-                        vm=old.vm,
-                    )
-            except IntegrityError:  # someone asked for that name already
-                continue
-            why = "deleted" if old.vm.missing_since else old.vm.get_state_display().lower()
-            audit.record(
-                AuditAction.VM_REQUESTED,
-                lab=old.lab,
-                summary=f"{old.name} in {old.zone} again: it was {why} and is kept alive",
-                data={"request": again.pk, "after": old.pk, "vm": old.vm_id},
-            )
-            queue.send_vm_request(again.pk)
-        _run_again_what_it_lost(again)
-        revived.append(again)
-    return revived
-
-
-def _run_again_what_it_lost(made: VmRequest) -> None:
-    """Jobs lost in the VM's last life whose owners asked for it are queued again. The
-    job pass does so when it sees the VM gone or made anew; a job it ended as lost
-    before the sync saw the preemption is caught here, when the VM is asked for again
-    and once more when it is back (``made`` is either request)."""
-    from tpus.models import Job
-    from tpus.models.jobs import JobState
-    from tpus.services.jobs import run_again_after_preemption
-
-    lost = Job.objects.filter(
-        vm_id=made.vm_id, state=JobState.LOST, rerun_after_preemption=True, reruns__isnull=True
-    )
-    last_life = (
-        VmRequest.objects.filter(vm_id=made.vm_id, ready_at__isnull=False)
-        .exclude(pk=made.pk)
-        .order_by("-ready_at")
-        .values_list("ready_at", flat=True)
-        .first()
-    )
-    if last_life:
-        lost = lost.filter(ended_at__gte=last_life)
-    for job in lost.select_related("vm__lab", "user__unix_account").order_by("queued_at"):
-        run_again_after_preemption(job)
-
-
-def _clear_leftovers(made: VmRequest) -> None:
-    """Before a kept-alive VM is asked for again: what Google still has of its last
-    life (the preempted node, a suspended or failed queued resource of it) is deleted,
-    or the new request could not take the name."""
-    client = cloud_tpu()
-    project = made.lab.gcp_project_id
-    for info in client.list_queued_resources(project, made.zone):
-        if info.node_id == made.name and info.name != made.cloud_id:
-            client.delete_queued_resource(project, made.zone, info.name, with_node=True)
-    try:
-        client.delete_node(project, made.zone, made.name)
-    except CloudError as exc:
-        if exc.code != "NOT_FOUND":
-            raise
 
 
 def _clear_failed_requests(made: VmRequest) -> None:
@@ -633,12 +404,12 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
         # expected here, not an alarm: the pins are dropped and taken again from what
         # the new workers publish, before anyone has a shell on them. (A changed key on
         # a VM that was not made anew still stops provisioning and alerts the admins.)
-        forget_host_keys(made.vm)
+        keep_alive.forget_host_keys(made.vm)
     vm = inventory.register_created(made.lab, node, requested_by=made.requested_by)
     with transaction.atomic():
         connect.wait_for_workers(vm, made.requested_by)
         if made.vm_id is not None:
-            _run_again_what_it_lost(made)
+            keep_alive.run_again_what_it_lost(made)
         if made.vm_id is not None and vm.grants.exists():
             # Whole again once every worker has what the new machines need: jobs wait
             # for it and people are told then (``settle_grants``), so that the email's
@@ -653,22 +424,6 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
             summary=f"{vm.name} ({vm.accelerator_type}, {vm.workers.count()} workers) is up",
             data={"request": made.pk, "vm": vm.pk},
         )
-
-
-def forget_host_keys(vm: TpuVm) -> None:
-    Worker.objects.filter(vm=vm).update(
-        host_keys=[],
-        host_keys_source=HostKeySource.NONE,
-        host_keys_pinned_at=None,
-        host_keys_pinned_by=None,
-        host_key_mismatch_at=None,
-        presented_host_key="",
-        host_key_alarm_published=False,
-        host_key_alerted_at=None,
-        published_host_keys=[],
-        published_keys_checked_at=None,
-        published_keys_recheck=False,
-    )
 
 
 def _set(made: VmRequest, state: str, **fields) -> None:
@@ -690,25 +445,3 @@ def _fail(made: VmRequest, code: str, text: str) -> None:
                 data={"request": made.pk, "code": code},
             )
     made.state = VmRequestState.FAILED
-
-
-# --- the end of the lab's grant -------------------------------------------------------
-
-
-def warn_grant_ending(days: int = 7, today: dt.date | None = None) -> int:
-    """Email a lab's admins once, a week before its TPU grant (and so its allowance)
-    ends: what they hold, and that access ends and nothing can be made after it."""
-    today = today or timezone.localdate()
-    horizon = today + dt.timedelta(days=days)
-    warned = 0
-    for lab in Lab.objects.filter(grant_end_date__gte=today, grant_end_date__lte=horizon):
-        try:
-            with transaction.atomic():
-                LabNotice.objects.create(
-                    lab=lab, kind=LabNotice.Kind.GRANT_ENDING, about=lab.grant_end_date
-                )
-                emails.send_grant_ending(lab.pk, [u.__dict__ for u in allowance_use(lab)])
-        except IntegrityError:  # told already
-            continue
-        warned += 1
-    return warned

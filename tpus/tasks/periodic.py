@@ -7,7 +7,7 @@ from django.conf import settings
 from portal import heartbeat
 from portal.celery import every
 from tpus.models import Lab
-from tpus.services import disk_mounts, grants, maintenance, sync, vm_requests
+from tpus.services import allowances, disk_mounts, grants, maintenance, sync
 from tpus.tasks.naming import task
 
 
@@ -62,4 +62,4 @@ def expire_grants() -> None:
     lab's admins a week before its TPU grant ends."""
     grants.expire_grants()
     grants.warn_expiring_grants()
-    vm_requests.warn_grant_ending()
+    allowances.warn_grant_ending()

@@ -12,7 +12,7 @@ import pytest
 
 from testfleet.guestagent import offer_hosts
 from tpus.models import LabAllowance, TpuVm, VmConnection, VmRequest
-from tpus.services import connect, sync, vm_requests
+from tpus.services import connect, keep_alive, sync, vm_requests
 from tpus.services.vm_requests import VmSpec
 
 pytestmark = pytest.mark.fleet
@@ -73,7 +73,7 @@ def test_a_queued_spot_pod_comes_up_on_fleet_hosts_connected_and_pinned(
     # Google preempts it; kept alive, it is asked for again and made of new machines.
     tpu_emulator.controls.preempt("tpu5")
     sync.sync_inventory([lab])
-    [again] = vm_requests.bring_back()
+    [again] = keep_alive.bring_back()
     # The guest agent's pass makes the released hosts new machines and offers them again.
     assert tpu_emulator.controls.released_hosts()
     deadline = time.monotonic() + 60

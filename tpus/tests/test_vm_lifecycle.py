@@ -11,7 +11,7 @@ from django.urls import reverse
 
 from portal.models import OutboxMessage
 from tpus.models import Grant, Job, LabAllowance, TpuVm, VmRequest
-from tpus.services import vm_lifecycle, vm_requests
+from tpus.services import keep_alive, vm_lifecycle, vm_requests
 from tpus.services.vm_requests import VmSpec
 
 PROJECT = "vision-project"
@@ -82,7 +82,7 @@ def test_deleting_cancels_jobs_tells_people_and_ends_access(client, cast, vm, tp
     vm.refresh_from_db()
     assert vm.missing_since is not None
     assert Grant.objects.get(vm=vm).state == "revoked"
-    assert vm_requests.bring_back() == []  # deleted on purpose: not brought back
+    assert keep_alive.bring_back() == []  # deleted on purpose: not brought back
 
 
 def test_stop_and_start_follow_the_node(cast, vm, tpu_emulator):
@@ -113,4 +113,4 @@ def test_a_kept_alive_vm_the_lab_stopped_is_not_brought_back(cast, vm, tpu_emula
     vm_lifecycle.stop_vm(cast.admin, vm)
     vm_lifecycle.run(vm.pk, vm_lifecycle.STOP)
     assert TpuVm.objects.get(pk=vm.pk).state == "STOPPED"
-    assert vm_requests.bring_back() == []
+    assert keep_alive.bring_back() == []

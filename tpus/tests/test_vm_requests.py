@@ -20,7 +20,7 @@ from tpus.models import (
     Worker,
     WorkerSync,
 )
-from tpus.services import reconcile, vm_requests
+from tpus.services import allowances, keep_alive, reconcile, vm_requests
 from tpus.services.vm_requests import VmSpec
 
 PROJECT = "vision-project"
@@ -257,7 +257,7 @@ def test_a_vm_not_kept_alive_stays_preempted(cast, lab, tpu_emulator):
     VmRequest.objects.filter(pk=made.pk).update(keep_alive=False)
     tpu_emulator.controls.preempt("tpu5")
     sync.sync_inventory([lab])
-    assert vm_requests.bring_back() == []
+    assert keep_alive.bring_back() == []
     assert VmRequest.objects.count() == 1
 
 
@@ -297,8 +297,8 @@ def test_the_admins_hear_once_a_week_before_the_labs_grant_ends(cast, lab, tpu_e
 
     lab.grant_end_date = timezone.localdate() + dt.timedelta(days=6)
     lab.save()
-    assert vm_requests.warn_grant_ending() == 1
-    assert vm_requests.warn_grant_ending() == 0
+    assert allowances.warn_grant_ending() == 1
+    assert allowances.warn_grant_ending() == 0
     [message] = OutboxMessage.objects.filter(kind="lab_grant_ending")
     assert message.to == cast.admin.email
     assert "ends in 6 days" in message.subject
@@ -306,7 +306,7 @@ def test_the_admins_hear_once_a_week_before_the_labs_grant_ends(cast, lab, tpu_e
     # A grant ending later than a week from now is not announced yet.
     lab.grant_end_date = timezone.localdate() + dt.timedelta(days=30)
     lab.save()
-    assert vm_requests.warn_grant_ending() == 0
+    assert allowances.warn_grant_ending() == 0
 
 
 def test_a_marked_job_lost_before_the_sync_saw_the_preemption_runs_again(cast, lab, tpu_emulator):

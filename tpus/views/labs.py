@@ -31,7 +31,7 @@ from tpus.forms.labs import (
 from tpus.models import Worker
 from tpus.models.grants import GrantState
 from tpus.models.labs import Membership, MembershipState, Role
-from tpus.services import directory, sync_health, vm_requests
+from tpus.services import allowances, directory, sync_health
 from tpus.services import labs as lab_services
 from tpus.services.hosts import STOPPED
 from tpus.services.labs import LabError
@@ -231,7 +231,7 @@ def lab_admin(request, slug):
             "invites": lab.invites.filter(used_at=None, revoked_at=None),
             "invite_form": InviteForm(),
             "zone_syncs": sync_health.for_lab(lab),
-            "allowances": vm_requests.allowance_use(lab),
+            "allowances": allowances.allowance_use(lab),
         },
     )
 

@@ -13,7 +13,7 @@ from django.views.decorators.http import require_POST
 from tpus import access
 from tpus.forms.provisioning import VmCreateForm
 from tpus.models import Provisioning, VmRequest
-from tpus.services import vm_lifecycle, vm_requests
+from tpus.services import allowances, vm_lifecycle, vm_requests
 
 
 @login_required
@@ -42,9 +42,9 @@ def vm_create(request, slug):
         "lab": lab,
         "form": form,
         "offered": offered,
-        "allowances": vm_requests.allowance_use(lab),
+        "allowances": allowances.allowance_use(lab),
         "requests": VmRequest.objects.filter(lab=lab).select_related("vm", "requested_by")[:50],
-        "generations": vm_requests.GENERATIONS,
+        "generations": allowances.GENERATIONS,
         "kinds": Provisioning.choices,
     }
     return render(request, "tpus/vm_create.html", context, status=400 if form.errors else 200)
@@ -87,13 +87,13 @@ def vm_request_retry(request, slug, request_id):
 @require_POST
 def allowance_set(request, slug):
     """Site admins: one line of the lab's allowance (0 chips removes it)."""
-    lab = access.get_lab_for_site_admin(request.user, slug, vm_requests.ALLOWANCE_SITE_ADMIN_ONLY)
+    lab = access.get_lab_for_site_admin(request.user, slug, allowances.ALLOWANCE_SITE_ADMIN_ONLY)
     try:
         chips = int(request.POST.get("chips", ""))
     except ValueError:
         chips = -1
     try:
-        vm_requests.set_allowance(
+        allowances.set_allowance(
             request.user,
             lab,
             request.POST.get("generation", ""),

@@ -1,0 +1,120 @@
+"""VMs kept alive: one that Google preempted, terminated or deleted is asked for again
+as a queued request of the same name, type, version and kind, and when it is back the
+portal restores what it had (accounts, disks, the jobs its people asked to run again).
+"""
+
+from __future__ import annotations
+
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+
+from portal import audit
+from tpus import queue
+from tpus.cloud import CloudError
+from tpus.cloud.config import cloud_tpu
+from tpus.models import AuditAction, TpuVm, Worker
+from tpus.models.inventory import HostKeySource, NodeState
+from tpus.models.provisioning import VmRequest, VmRequestState
+
+# Node states in which Google took a VM back (a stopped VM was stopped by the lab).
+TAKEN_BACK = {NodeState.PREEMPTED, NodeState.TERMINATED}
+
+
+def bring_back() -> list[VmRequest]:
+    """Each VM kept alive that Google preempted, terminated or deleted gets a new
+    queued request of the same name, type, version and kind (its own row, by the
+    portal). When it is up, ``_arrived`` restores everything on it."""
+    gone = (
+        VmRequest.objects.filter(state=VmRequestState.READY, keep_alive=True, vm__isnull=False)
+        .filter(Q(vm__state__in=TAKEN_BACK) | Q(vm__missing_since__isnull=False))
+        .select_related("vm", "lab")
+    )
+    revived = []
+    for old in gone:
+        with transaction.atomic():
+            # The keep-alive duty moves to the new request, so the next pass skips this one.
+            if not VmRequest.objects.filter(pk=old.pk, keep_alive=True).update(keep_alive=False):
+                continue
+            try:
+                with transaction.atomic():
+                    again = VmRequest.objects.create(
+                        lab=old.lab,
+                        name=old.name,
+                        zone=old.zone,
+                        accelerator_type=old.accelerator_type,
+                        runtime_version=old.runtime_version,
+                        provisioning=old.provisioning,
+                        queued=True,
+                        keep_alive=True,
+                        vm=old.vm,
+                    )
+            except IntegrityError:  # someone asked for that name already
+                continue
+            why = "deleted" if old.vm.missing_since else old.vm.get_state_display().lower()
+            audit.record(
+                AuditAction.VM_REQUESTED,
+                lab=old.lab,
+                summary=f"{old.name} in {old.zone} again: it was {why} and is kept alive",
+                data={"request": again.pk, "after": old.pk, "vm": old.vm_id},
+            )
+            queue.send_vm_request(again.pk)
+        run_again_what_it_lost(again)
+        revived.append(again)
+    return revived
+
+
+def run_again_what_it_lost(made: VmRequest) -> None:
+    """Jobs lost in the VM's last life whose owners asked for it are queued again. The
+    job pass does so when it sees the VM gone or made anew; a job it ended as lost
+    before the sync saw the preemption is caught here, when the VM is asked for again
+    and once more when it is back (``made`` is either request)."""
+    from tpus.models import Job
+    from tpus.models.jobs import JobState
+    from tpus.services.jobs import run_again_after_preemption
+
+    lost = Job.objects.filter(
+        vm_id=made.vm_id, state=JobState.LOST, rerun_after_preemption=True, reruns__isnull=True
+    )
+    last_life = (
+        VmRequest.objects.filter(vm_id=made.vm_id, ready_at__isnull=False)
+        .exclude(pk=made.pk)
+        .order_by("-ready_at")
+        .values_list("ready_at", flat=True)
+        .first()
+    )
+    if last_life:
+        lost = lost.filter(ended_at__gte=last_life)
+    for job in lost.select_related("vm__lab", "user__unix_account").order_by("queued_at"):
+        run_again_after_preemption(job)
+
+
+def clear_leftovers(made: VmRequest) -> None:
+    """Before a kept-alive VM is asked for again: what Google still has of its last
+    life (the preempted node, a suspended or failed queued resource of it) is deleted,
+    or the new request could not take the name."""
+    client = cloud_tpu()
+    project = made.lab.gcp_project_id
+    for info in client.list_queued_resources(project, made.zone):
+        if info.node_id == made.name and info.name != made.cloud_id:
+            client.delete_queued_resource(project, made.zone, info.name, with_node=True)
+    try:
+        client.delete_node(project, made.zone, made.name)
+    except CloudError as exc:
+        if exc.code != "NOT_FOUND":
+            raise
+
+
+def forget_host_keys(vm: TpuVm) -> None:
+    Worker.objects.filter(vm=vm).update(
+        host_keys=[],
+        host_keys_source=HostKeySource.NONE,
+        host_keys_pinned_at=None,
+        host_keys_pinned_by=None,
+        host_key_mismatch_at=None,
+        presented_host_key="",
+        host_key_alarm_published=False,
+        host_key_alerted_at=None,
+        published_host_keys=[],
+        published_keys_checked_at=None,
+        published_keys_recheck=False,
+    )
