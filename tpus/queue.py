@@ -2,6 +2,11 @@
 queued only once the current transaction commits (at once outside a transaction),
 so no worker acts on a change that rolled back, or reads a row before it exists.
 
+No task waits on the outside world (a worker that has not accepted a key yet): it
+looks once and, when it must look again, queues itself with a countdown, keeping its
+place (a count, a deadline) in the database row, so one lab's waits never hold the
+workers another lab's sync, revoke or job start needs.
+
 Tasks are named, not imported (as Zulip names its queues): the tasks call the
 services, and the services call this module, so importing the tasks here would tie
 the two into one knot. Tasks carry ids; they reload and re-check what they are given.
@@ -22,7 +27,11 @@ in the transaction of the change it tells of, and the outbox delivers it.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import threading
+import time
 
 from django.db import transaction
 
@@ -31,23 +40,54 @@ from portal.celery import app
 logger = logging.getLogger(__name__)
 
 
-def _send(name: str, *args) -> None:
-    """Hand one task to the broker. Where tasks run in-process (eager), the task runs
-    here and its own errors are raised; otherwise nothing is raised: a broker that
-    cannot take the task is logged, and the sweep queues the work again."""
+def _send(name: str, *args, countdown: float | None = None) -> None:
+    """Hand one task to the broker (to run ``countdown`` seconds from now, when given).
+    Where tasks run in-process (eager), the task runs here and its own errors are
+    raised; otherwise nothing is raised: a broker that cannot take the task is logged,
+    and the sweep queues the work again."""
     if app.conf.task_always_eager:
-        app.tasks[name].apply_async(args)
+        _run_in_process(name, args, countdown)
         return
     try:
-        app.tasks[name].apply_async(args)
+        app.tasks[name].apply_async(args, countdown=countdown)
     except Exception:
         logger.exception(
             "could not queue %s%r; the periodic sweep will queue the work again", name, args
         )
 
 
-def _on_commit(name: str, *args) -> None:
-    transaction.on_commit(lambda: _send(name, *args))
+_in_process = threading.local()
+
+
+def _run_in_process(name: str, args: tuple, countdown: float | None) -> None:
+    """Eager tasks run in this process as they are queued; one queued for later (a
+    re-check) runs once the task that queued it has returned and its countdown is
+    over, as a worker would run it: one after another, never inside the task that
+    queued it, so a check that looks again a hundred times does not nest a hundred
+    deep."""
+    later = getattr(_in_process, "later", None)
+    outermost = later is None
+    if outermost:
+        _in_process.later = later = []
+    try:
+        if countdown:
+            heapq.heappush(later, (time.monotonic() + countdown, next(_order), name, args))
+        else:
+            app.tasks[name].apply_async(args)
+        while outermost and later:
+            due, _, due_name, due_args = heapq.heappop(later)
+            time.sleep(max(0.0, due - time.monotonic()))  # in-process: nothing else waits
+            app.tasks[due_name].apply_async(due_args)
+    finally:
+        if outermost:
+            _in_process.later = None
+
+
+_order = itertools.count()
+
+
+def _on_commit(name: str, *args, countdown: float | None = None) -> None:
+    transaction.on_commit(lambda: _send(name, *args, countdown=countdown))
 
 
 # Hosts
@@ -63,9 +103,12 @@ def run_disk_operation(operation_id: int) -> None:
     _on_commit("tpus.tasks.run_disk_operation", operation_id)
 
 
-def check_vm_connection(connection_id: int, attempt: int) -> None:
-    """Wait until every worker of a VM accepts the lab's key (one attempt's check)."""
-    _on_commit("tpus.tasks.check_vm_connection", connection_id, attempt)
+def check_vm_connection(
+    connection_id: int, attempt: int, check: int, *, countdown: float | None = None
+) -> None:
+    """Look once whether every worker of a VM accepts the lab's key (one check of one
+    attempt; the check queues the next itself while the workers are not there yet)."""
+    _on_commit("tpus.tasks.check_vm_connection", connection_id, attempt, check, countdown=countdown)
 
 
 def scan_host_keys(scan_id: int) -> None:

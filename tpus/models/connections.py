@@ -34,6 +34,13 @@ class VmConnection(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     # A new Connect bumps it; a check still running for an older one stops writing.
     attempt = models.PositiveIntegerField(default=0)
+    # The attempt's checks so far: each is one short task that looks at every worker
+    # once and queues the next with a countdown; the one holding the current number
+    # runs, so a check queued twice (the sweep, a lost task found again) runs once.
+    checks = models.PositiveIntegerField(default=0)
+    # When the next check is due (while one runs: when it should have ended); a
+    # connecting row long past it lost its task, and the sweep queues it again.
+    next_check_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"{self.vm} {self.state}"

@@ -4,17 +4,19 @@ portal's account with sudo on every worker, and the portal waits until each work
 accepts the lab's key with its pinned host key. Disconnect takes the line out again.
 
 The metadata change happens in the admin's request (it is one API call and its
-operation); the wait for the workers is queued work that records progress per worker.
+operation); the wait for the workers is queued work that records progress per worker:
+short checks, each looking at every worker once and queuing the next with a
+countdown, so no Celery worker sleeps while a lab's VMs come up.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import time
 from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F, Q
 from django.utils import timezone
 
 from portal import audit
@@ -23,7 +25,7 @@ from tpus.cloud import CloudError, KeyLine, cloud_tpu
 from tpus.cloud.sshkeys import OSLOGIN, is_true
 from tpus.models import AuditAction, ConnectionState, TpuVm, VmConnection
 from tpus.models.inventory import VmSource
-from tpus.remote import HostKeyPins, RemoteError, run_script
+from tpus.remote import HostKeyPins, RemoteError, run_on_workers
 from tpus.remote import Worker as RemoteWorker
 from tpus.services.hosts import hosts_must_change
 from tpus.services.labkeys import lab_key, login_for
@@ -150,8 +152,10 @@ def wait_for_workers(vm: TpuVm, by) -> VmConnection:
     connection.started_at = timezone.now()
     connection.finished_at = None
     connection.attempt += 1
+    connection.checks = 0
+    connection.next_check_at = connection.started_at
     connection.save()
-    queue.check_vm_connection(connection.pk, connection.attempt)
+    queue.check_vm_connection(connection.pk, connection.attempt, 0)
     return connection
 
 
@@ -207,22 +211,48 @@ def disconnect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:
     return connection
 
 
-def stalled_connections() -> list[tuple[int, int]]:
-    """Connections still "connecting" long after any check of them could be running
-    (the worker that ran it died): ``(id, attempt)`` pairs to check again."""
-    wait = float(settings.PORTAL_CONNECT_WAIT_SECONDS) + 60
-    before = timezone.now() - dt.timedelta(seconds=wait)
+# A check is presumed lost (its task gone with a broker or a worker) this long after
+# it was due; the sweep queues it again. Queued twice, it still runs once.
+LOST_AFTER_SECONDS = 60
+# The first look again after Connect: a new node's guest agent puts the key in place
+# within a second or two of boot, so look soon at first, then less often.
+FIRST_PAUSE_SECONDS = 0.25
+
+
+def stalled_connections() -> list[tuple[int, int, int]]:
+    """Connections still "connecting" whose next check is long overdue (its task was
+    lost, or the worker running it died): ``(id, attempt, check)`` to queue again. A
+    row an earlier version left without a due time counts from when it started."""
+    now = timezone.now()
+    late = now - dt.timedelta(seconds=LOST_AFTER_SECONDS)
+    old = now - dt.timedelta(seconds=float(settings.PORTAL_CONNECT_WAIT_SECONDS) + 60)
     return list(
-        VmConnection.objects.filter(
-            state=ConnectionState.CONNECTING, started_at__lt=before
-        ).values_list("pk", "attempt")
+        VmConnection.objects.filter(state=ConnectionState.CONNECTING)
+        .filter(Q(next_check_at__lt=late) | Q(next_check_at=None, started_at__lt=old))
+        .order_by("pk")
+        .values_list("pk", "attempt", "checks")
     )
 
 
-def _still_current(connection_id: int, attempt: int) -> bool:
-    return VmConnection.objects.filter(
+def _look_seconds() -> float:
+    """How long one look at the workers may take (they are tried all at once)."""
+    return float(settings.PORTAL_REMOTE_CONNECT_TIMEOUT + settings.PORTAL_REMOTE_AUTH_TIMEOUT + 30)
+
+
+def _claim(connection_id: int, attempt: int, check: int | None) -> VmConnection | None:
+    """Take the attempt's next look with a conditional UPDATE of its count: a check
+    queued twice runs once, and one for an older attempt (Connect pressed again,
+    Disconnect) not at all. ``None`` (a task an earlier version queued) takes
+    whichever look is current."""
+    rows = VmConnection.objects.filter(
         pk=connection_id, attempt=attempt, state=ConnectionState.CONNECTING
-    ).exists()
+    )
+    if check is not None:
+        rows = rows.filter(checks=check)
+    until = timezone.now() + dt.timedelta(seconds=_look_seconds())
+    if not rows.update(checks=F("checks") + 1, next_check_at=until):
+        return None
+    return VmConnection.objects.select_related("vm__lab").get(pk=connection_id)
 
 
 def _save_workers(connection_id: int, attempt: int, workers: dict) -> bool:
@@ -233,46 +263,67 @@ def _save_workers(connection_id: int, attempt: int, workers: dict) -> bool:
     )
 
 
-def check_connection(connection_id: int, attempt: int) -> None:
-    """Try every worker with the lab's login until all accept it or the wait is over;
-    record each worker's answer as it comes, then the outcome."""
-    connection = VmConnection.objects.select_related("vm__lab").filter(pk=connection_id).first()
-    if connection is None or not _still_current(connection_id, attempt):
+def check_connection(connection_id: int, attempt: int, check: int | None = None) -> None:
+    """One look at every worker of a connecting VM with the lab's login, all at once:
+    record each worker's answer, then end connected, or failed with the reason, or
+    queue the next look with a countdown (soon at first, then every
+    PORTAL_CONNECT_POLL_SECONDS) until PORTAL_CONNECT_WAIT_SECONDS after Connect.
+    It never waits for the workers itself, so a lab's Connects hold no Celery worker
+    another lab's work needs."""
+    connection = _claim(connection_id, attempt, check)
+    if connection is None:
         return
     vm = connection.vm
     login = login_for(vm.lab)
-    deadline = time.monotonic() + float(settings.PORTAL_CONNECT_WAIT_SECONDS)
-    # A new node's guest agent puts the key in place within a second or two of boot:
-    # look again soon at first, then every PORTAL_CONNECT_POLL_SECONDS at most.
-    most = float(settings.PORTAL_CONNECT_POLL_SECONDS)
-    pause = min(0.25, most)
     workers = dict(connection.workers)
-    rows = {str(w.index): w for w in vm.workers.all()}
-    while True:
-        for index, row in sorted(rows.items()):
-            if workers.get(index, {}).get("state") == ACCEPTED:
-                continue
-            remote = RemoteWorker(
-                address=row.external_ip or "",
-                pins=HostKeyPins.parse(row.host_keys),
-                name=row.alias,
-                login=login,
-            )
-            try:
-                run_script(remote, "whoami.sh")
-                workers[index] = {"state": ACCEPTED, "detail": ""}
-            except RemoteError as error:
-                workers[index] = {"state": REFUSED, "detail": str(error)[:300]}
-                if error.kind in (RemoteError.HOST_KEY, RemoteError.NO_PIN):
-                    return _finish(connection_id, attempt, workers, str(error))
-        if not _save_workers(connection_id, attempt, workers):
-            return  # disconnected or connected again meanwhile
-        if all(w["state"] == ACCEPTED for w in workers.values()):
-            return _finish(connection_id, attempt, workers, "")
-        if time.monotonic() + pause > deadline:
-            return _finish(connection_id, attempt, workers, WHY_REFUSED)
-        time.sleep(pause)
-        pause = min(pause * 2, most)
+    rows = [
+        row
+        for row in sorted(vm.workers.all(), key=lambda w: w.index)
+        if workers.get(str(row.index), {}).get("state") != ACCEPTED
+    ]
+    remotes = [
+        RemoteWorker(
+            address=row.external_ip or "",
+            pins=HostKeyPins.parse(row.host_keys),
+            name=row.alias,
+            login=login,
+        )
+        for row in rows
+    ]
+    stop = ""
+    for row, outcome in zip(rows, run_on_workers(remotes, "whoami.sh"), strict=True):
+        if outcome.ok:
+            workers[str(row.index)] = {"state": ACCEPTED, "detail": ""}
+            continue
+        error = outcome.error
+        workers[str(row.index)] = {"state": REFUSED, "detail": str(error)[:300]}
+        if error.kind in (RemoteError.HOST_KEY, RemoteError.NO_PIN) and not stop:
+            stop = str(error)
+    if stop:
+        return _finish(connection_id, attempt, workers, stop)
+    if not _save_workers(connection_id, attempt, workers):
+        return  # disconnected or connected again meanwhile
+    if all(w["state"] == ACCEPTED for w in workers.values()):
+        return _finish(connection_id, attempt, workers, "")
+    _look_again(connection, workers)
+
+
+def _look_again(connection: VmConnection, workers: dict) -> None:
+    """Queue the next look, or end the wait when the next would come too late."""
+    looks = connection.checks  # this one included
+    pause = min(
+        float(settings.PORTAL_CONNECT_POLL_SECONDS), FIRST_PAUSE_SECONDS * 2 ** min(looks - 1, 16)
+    )
+    now = timezone.now()
+    deadline = connection.started_at + dt.timedelta(
+        seconds=float(settings.PORTAL_CONNECT_WAIT_SECONDS)
+    )
+    if now + dt.timedelta(seconds=pause) > deadline:
+        return _finish(connection.pk, connection.attempt, workers, WHY_REFUSED)
+    if VmConnection.objects.filter(
+        pk=connection.pk, attempt=connection.attempt, checks=looks
+    ).update(next_check_at=now + dt.timedelta(seconds=pause)):
+        queue.check_vm_connection(connection.pk, connection.attempt, looks, countdown=pause)
 
 
 def _finish(connection_id: int, attempt: int, workers: dict, reason: str) -> None:

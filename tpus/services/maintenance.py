@@ -61,8 +61,8 @@ def requeue_stuck_work() -> None:
     due a drift check. Each task re-checks, so queuing twice does no harm."""
     for vm_id in vms_to_reconcile():
         queue.reconcile_vm(vm_id)
-    for connection_id, attempt in connect.stalled_connections():
-        queue.check_vm_connection(connection_id, attempt)
+    for connection_id, attempt, check in connect.stalled_connections():
+        queue.check_vm_connection(connection_id, attempt, check)
     for operation_id in disk_operations.operations_to_resume():
         queue.run_disk_operation(operation_id)
     for notice_id in ipchanges.notices_to_resend():

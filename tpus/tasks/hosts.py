@@ -1,5 +1,5 @@
-"""Work on a VM's workers: reconcile them, wait for Connect, run a disk operation,
-scan a worker's host keys."""
+"""Work on a VM's workers: reconcile them, look whether Connect is done, run a disk
+operation, scan a worker's host keys."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ def reconcile_vm(self, vm_id: int) -> None:
 
 
 @task(ignore_result=True)
-def check_vm_connection(connection_id: int, attempt: int) -> None:
-    """Wait (bounded) until every worker of a VM accepts the lab's key."""
-    connect.check_connection(connection_id, attempt)
+def check_vm_connection(connection_id: int, attempt: int, check: int | None = None) -> None:
+    """Look once whether every worker of a VM accepts the lab's key; the look queues
+    the next itself (``check`` counts them; ``None`` from an earlier version)."""
+    connect.check_connection(connection_id, attempt, check)
 
 
 @task(ignore_result=True)

@@ -207,7 +207,91 @@ def test_a_lab_on_the_site_key_has_nothing_to_connect(make_lab, make_user, add_m
         connect.connect_vm(admin, vm)
 
 
-def test_a_connection_left_connecting_by_a_dead_check_is_checked_again(make_lab, settings):
+class Queued:
+    """What the portal hands to Celery, recorded at ``tpus.queue``'s one door instead
+    of sent, so a test runs each task itself, when it is due."""
+
+    def __init__(self, monkeypatch):
+        self.tasks: list[tuple[str, tuple, float | None]] = []
+        monkeypatch.setattr(
+            connect.queue,
+            "_send",
+            lambda name, *args, countdown=None: self.tasks.append((name, args, countdown)),
+        )
+
+    def take(self) -> tuple[str, tuple, float | None]:
+        [task] = self.tasks
+        self.tasks.clear()
+        return task
+
+
+def test_a_check_looks_once_and_queues_the_next_while_the_workers_refuse_the_key(
+    scene, django_capture_on_commit_callbacks, settings, monkeypatch
+):
+    from tpus.tasks import check_vm_connection
+
+    emulator, admin, vm = scene
+    settings.PORTAL_CONNECT_WAIT_SECONDS = 4
+    emulator.controls.set_oslogin(PROJECT, True)  # the key never becomes a login
+    queued = Queued(monkeypatch)
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.connect_vm(admin, vm)
+    name, args, countdown = queued.take()
+    assert (name, countdown) == ("tpus.tasks.check_vm_connection", None)
+
+    took, looks = [], 0
+    while True:
+        started = time.monotonic()
+        with django_capture_on_commit_callbacks(execute=True):
+            check_vm_connection.apply(args)
+        took.append(time.monotonic() - started)
+        connection = VmConnection.objects.get(vm=vm)
+        looks += 1
+        if connection.state != ConnectionState.CONNECTING:
+            break
+        # Not there yet: the check recorded what each worker said, and queued the next
+        # look for later instead of waiting for it.
+        assert {w["state"] for w in connection.workers.values()} == {"refused"}
+        name, args, countdown = queued.take()
+        assert name == "tpus.tasks.check_vm_connection"
+        assert args == (connection.pk, connection.attempt, looks)
+        assert 0 < countdown <= settings.PORTAL_CONNECT_POLL_SECONDS
+        time.sleep(countdown)
+
+    # Each look came back at once, well before the wait was over; the wait as a whole
+    # still ends as it did, failed with the reason, once PORTAL_CONNECT_WAIT_SECONDS passed.
+    assert max(took) < 1.0, took
+    assert looks >= 4
+    assert connection.state == ConnectionState.FAILED
+    assert connection.reason == connect.WHY_REFUSED
+    waited = (connection.finished_at - connection.started_at).total_seconds()
+    assert (
+        settings.PORTAL_CONNECT_WAIT_SECONDS - 3.5 <= waited <= settings.PORTAL_CONNECT_WAIT_SECONDS
+    )
+    assert queued.tasks == []
+
+
+def test_a_check_queued_twice_looks_once(scene, django_capture_on_commit_callbacks, monkeypatch):
+    emulator, admin, vm = scene
+    emulator.controls.set_oslogin(PROJECT, True)
+    queued = Queued(monkeypatch)
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.connect_vm(admin, vm)
+    _, (connection_id, attempt, check), _ = queued.take()
+
+    for _ in range(2):  # the task, and the same task again (the sweep found it late)
+        with django_capture_on_commit_callbacks(execute=True):
+            connect.check_connection(connection_id, attempt, check)
+
+    assert VmConnection.objects.get(pk=connection_id).checks == 1
+    assert len(queued.tasks) == 1  # one chain of looks goes on, not two
+    # A look of an earlier attempt (Connect pressed again meanwhile) does nothing.
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.check_connection(connection_id, attempt - 1, 1)
+    assert VmConnection.objects.get(pk=connection_id).checks == 1
+
+
+def test_a_connection_whose_check_was_lost_is_checked_again(make_lab, settings):
     import datetime as dt
 
     from django.utils import timezone
@@ -217,13 +301,16 @@ def test_a_connection_left_connecting_by_a_dead_check_is_checked_again(make_lab,
 
     settings.PORTAL_CONNECT_WAIT_SECONDS = 10
     lab = make_lab()
-    vm = TpuVm.objects.create(lab=lab, name="tpu8", zone="us-central1-f", source="imported")
-    old = VmConnection.objects.create(
-        vm=vm, state=ConnectionState.CONNECTING, attempt=3,
-        started_at=timezone.now() - dt.timedelta(seconds=71),
-    )  # fmt: skip
-    fresh_vm = TpuVm.objects.create(lab=lab, name="tpu9", zone="us-central1-f", source="imported")
-    VmConnection.objects.create(
-        vm=fresh_vm, state=ConnectionState.CONNECTING, attempt=1, started_at=timezone.now()
-    )
-    assert connect.stalled_connections() == [(old.pk, 3)]
+    now = timezone.now()
+
+    def connecting(name: str, **fields) -> VmConnection:
+        vm = TpuVm.objects.create(lab=lab, name=name, zone="us-central1-f", source="imported")
+        return VmConnection.objects.create(vm=vm, state=ConnectionState.CONNECTING, **fields)
+
+    lost = connecting("tpu8", attempt=3, checks=7, next_check_at=now - dt.timedelta(seconds=61))
+    connecting("tpu9", attempt=1, checks=2, next_check_at=now - dt.timedelta(seconds=5))
+    # Left by an earlier version, which kept no due time: counted from its start.
+    earlier = connecting("tpu10", attempt=2, started_at=now - dt.timedelta(seconds=71))
+    connecting("tpu11", attempt=1, started_at=now)
+
+    assert connect.stalled_connections() == [(lost.pk, 3, 7), (earlier.pk, 2, 0)]

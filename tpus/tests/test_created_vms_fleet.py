@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from django.utils import timezone
 
 from testfleet.guestagent import offer_hosts
 from tpus.models import LabAllowance, TpuVm, VmConnection, VmRequest
@@ -35,9 +36,14 @@ def scene(tpu_emulator, fleet, fleet_hosts, fleet_settings, guest_agent, cast, s
 
 
 def _connected(vm: TpuVm) -> VmConnection:
+    """Run the connection's checks one after another, each when it is due, as a worker
+    runs the tasks they queue (inside the test's transaction those never leave)."""
     connection = VmConnection.objects.get(vm=vm)
-    connect.check_connection(connection.pk, connection.attempt)
-    connection.refresh_from_db()
+    while connection.state == "connecting":
+        connect.check_connection(connection.pk, connection.attempt, connection.checks)
+        connection.refresh_from_db()
+        if connection.next_check_at is not None:
+            time.sleep(max(0.0, (connection.next_check_at - timezone.now()).total_seconds()))
     return connection
 
 
