@@ -13,7 +13,7 @@ from accounts import devices, keys, services, unix
 from accounts.access import get_own_key, get_own_token
 from accounts.models import UnixAccount, hash_token
 from accounts.sshkeys import KeyRejected
-from portal.audit import client_ip
+from portal.addresses import client_ip
 from portal.pagination import PAGED, KeysetPagination
 from portal.schemas import Error, PlainText
 

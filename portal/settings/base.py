@@ -7,6 +7,7 @@ Values that differ between deployments are read from typed environment variables
 from pathlib import Path
 
 from portal import env
+from portal.addresses import check_trusted_proxies
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 # Runtime state of a local install: the SQLite database, the embedded broker's file,
@@ -28,6 +29,11 @@ SECRET_KEY = env.secret("SECRET_KEY", "")  # each environment insists on its own
 ALLOWED_HOSTS = env.listing("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
 SITE_URL = env.string("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
 CSRF_TRUSTED_ORIGINS = env.listing("CSRF_TRUSTED_ORIGINS", [SITE_URL])
+# The proxies in front of the portal (comma-separated addresses or CIDRs): a request
+# from one of them comes from the right-most X-Forwarded-For hop that is not one of
+# them (portal/addresses.py). Rate limits, the audit log and the device page use it;
+# empty ignores X-Forwarded-For, so each request comes from its direct peer.
+PORTAL_TRUSTED_PROXIES = check_trusted_proxies(env.listing("PORTAL_TRUSTED_PROXIES", []))
 # A refused form (a stale tab, a proxy that drops Origin) lands on the portal's own page.
 CSRF_FAILURE_VIEW = "portal.errors.csrf_failure"
 
