@@ -128,7 +128,7 @@ def device_login(request):
     row = None
     if typed:
         try:
-            row = devices.find_for_approval(request.user, typed)
+            row = devices.find_for_approval(request, typed)
         except devices.DeviceCodeRefused as exc:
             context["code_error"] = str(exc)
     if request.method == "POST" and row is not None:
@@ -138,7 +138,7 @@ def device_login(request):
                 context["done"] = "denied"
             else:
                 devices.approve(
-                    request.user,
+                    request,
                     row,
                     password=request.POST.get("password", ""),
                     totp_code=request.POST.get("totp_code", ""),

@@ -196,7 +196,15 @@ PORTAL_SITE_NAME = env.string("PORTAL_SITE_NAME", "TPU Portal")
 ACCOUNT_EMAIL_SUBJECT_PREFIX = f"[{PORTAL_SITE_NAME}] "
 ACCOUNT_DEFAULT_HTTP_PROTOCOL = "https" if SITE_URL.startswith("https") else "http"
 # allauth's defaults (login 30/m/ip, failed logins 10/m/ip and 5/5m per account,
-# signup 20/m/ip, …) stay on; they count in the shared cache above.
+# signup 20/m/ip, …) stay on; they count in the shared cache above, per the client
+# address PORTAL_TRUSTED_PROXIES gives. The device sign-in's confirmation counts as a
+# failed login. The device sign-in adds its own: codes a client address asks for, and
+# wrong codes typed on the device page per person and per address (past either, every
+# code is refused).
+ACCOUNT_RATE_LIMITS = {
+    "device_code_request": "30/10m/ip",
+    "device_code_wrong": "10/10m/user,30/10m/ip",
+}
 MFA_SUPPORTED_TYPES = ["totp", "recovery_codes"]
 MFA_TOTP_ISSUER = "TPU Portal"
 # Site admins and lab admins must have TOTP before they can use the portal.
