@@ -33,6 +33,7 @@ class TokenOut(Schema):
     created_at: datetime
     last_used_at: datetime | None
     revoked_at: datetime | None
+    expires_at: datetime
 
 
 class TokenIn(Schema):

@@ -211,7 +211,7 @@ def approve(request, row: DeviceAuthorization, *, password: str = "", totp_code:
     have another token; DeviceCodeRefused when the code was used or expired meanwhile."""
     user = request.user
     check_confirmation(request, password=password, totp_code=totp_code)
-    if user.api_tokens.filter(revoked_at=None).count() >= MAX_ACTIVE_TOKENS:
+    if user.api_tokens.live().count() >= MAX_ACTIVE_TOKENS:
         raise ValidationError(
             f"You already have {MAX_ACTIVE_TOKENS} API tokens; revoke one on the API tokens "
             "page first."

@@ -27,9 +27,15 @@ def token_list(request):
             form.add_error("name", str(exc))
         else:
             form = TokenForm()
-    tokens = request.user.api_tokens.all()
     return render(
-        request, "accounts/token_list.html", {"form": form, "tokens": tokens, "new_token": raw}
+        request,
+        "accounts/token_list.html",
+        {
+            "form": form,
+            "tokens": request.user.api_tokens.all(),
+            "new_token": raw,
+            "lifetime_days": services.token_lifetime_days(request.user),
+        },
     )
 
 

@@ -207,6 +207,16 @@ ACCOUNT_RATE_LIMITS = {
 }
 MFA_SUPPORTED_TYPES = ["totp", "recovery_codes"]
 MFA_TOTP_ISSUER = "TPU Portal"
+# API tokens (the tokens page's and the command-line client's) expire: after the
+# shortest token lifetime of the labs the person belongs to (each lab admin sets it;
+# a new lab starts with this), or after this many days for someone in no lab.
+PORTAL_TOKEN_LIFETIME_DAYS = env.integer("PORTAL_TOKEN_LIFETIME_DAYS", 90, minimum=1)
+if PORTAL_TOKEN_LIFETIME_DAYS > 3650:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        f"PORTAL_TOKEN_LIFETIME_DAYS must be at most 3650, not {PORTAL_TOKEN_LIFETIME_DAYS}."
+    )
 # Site admins and lab admins must have TOTP before they can use the portal.
 PORTAL_REQUIRE_ADMIN_MFA = env.boolean("PORTAL_REQUIRE_ADMIN_MFA", True)
 
