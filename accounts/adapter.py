@@ -8,8 +8,10 @@ from allauth.account.adapter import DefaultAccountAdapter
 from allauth.account.internal.flows.login import AUTHENTICATION_METHODS_SESSION_KEY
 from allauth.core import context as allauth_context
 from django.conf import settings
+from django.core.exceptions import PermissionDenied
 
 from portal import mail
+from portal.addresses import client_ip
 
 # A password typed this recently counts as confirming it again: setting up two-factor
 # right after signing in does not ask for the password a second time.
@@ -23,6 +25,14 @@ class AccountAdapter(DefaultAccountAdapter):
         from accounts.services import record_login
 
         record_login(request, user)
+
+    def get_client_ip(self, request) -> str:
+        """allauth's rate limits count per client address as the rest of the portal
+        sees it: behind ``PORTAL_TRUSTED_PROXIES``, the address they forwarded."""
+        address = client_ip(request)
+        if not address:
+            raise PermissionDenied("The address this request came from is unknown.")
+        return address
 
     def send_mail(self, template_prefix: str, email: str, context: dict) -> None:
         """allauth's messages (address verification, password reset, notices) go

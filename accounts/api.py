@@ -13,7 +13,6 @@ from accounts import devices, keys, services, unix
 from accounts.access import get_own_key, get_own_token
 from accounts.models import UnixAccount, hash_token
 from accounts.sshkeys import KeyRejected
-from portal.audit import client_ip
 from portal.pagination import PAGED, KeysetPagination
 from portal.schemas import Error, PlainText
 
@@ -34,6 +33,7 @@ class TokenOut(Schema):
     created_at: datetime
     last_used_at: datetime | None
     revoked_at: datetime | None
+    expires_at: datetime
 
 
 class TokenIn(Schema):
@@ -232,7 +232,7 @@ class DeviceRefusal(Schema):
 )
 def start_device_login(request, payload: DeviceCodeIn):
     try:
-        started = devices.start(payload.device_name, address=client_ip(request))
+        started = devices.start(payload.device_name, request=request)
     except DjangoValidationError as exc:
         return Status(400, {"detail": " ".join(exc.messages)})
     row = started.authorization

@@ -20,15 +20,18 @@ import datetime as dt
 import secrets
 from dataclasses import dataclass
 
+from allauth.account.adapter import get_adapter as get_account_adapter
+from allauth.core.internal import ratelimit
+from allauth.mfa.base.internal.flows import check_rate_limit as check_mfa_rate_limit
 from allauth.mfa.models import Authenticator
 from allauth.mfa.totp.internal.auth import TOTP
-from django.core.cache import cache
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from accounts.models import ApiToken, DeviceAuthorization, User, hash_token
 from accounts.services import MAX_ACTIVE_TOKENS, TokenError, create_token
+from portal.addresses import client_ip
 from portal.validators import validate_plain_text
 
 LIFETIME = dt.timedelta(minutes=10)
@@ -37,11 +40,11 @@ SLOW_DOWN_STEP = 5
 # Letters only, no vowels (no words) and none that read alike: 20^8 codes.
 ALPHABET = "BCDFGHJKLMNPQRSTVWXZ"
 CODE_LENGTH = 8
-# Per client address: codes asked for, and per person: wrong codes typed, in 10 minutes.
-MAX_CODES_PER_ADDRESS = 30
-MAX_WRONG_CODES_PER_PERSON = 10
-WINDOW_SECONDS = 600
 DEVICE_NAME_MAX = 100
+# allauth's rate limits (ACCOUNT_RATE_LIMITS in settings): codes asked for per client
+# address, and wrong codes typed per person and per client address.
+CODE_REQUESTS = "device_code_request"
+WRONG_CODES = "device_code_wrong"
 
 
 class DeviceFlowError(Exception):
@@ -85,22 +88,30 @@ def normalise_user_code(text: str) -> str:
     return "".join(ch for ch in (text or "").upper() if ch.isalnum())
 
 
-def _over_limit(key: str, limit: int) -> bool:
-    """Count one more in the shared cache; True once ``limit`` is passed this window."""
-    cache.add(key, 0, timeout=WINDOW_SECONDS)
-    try:
-        return cache.incr(key) > limit
-    except ValueError:  # expired between add and incr
-        cache.set(key, 1, timeout=WINDOW_SECONDS)
-        return False
+def _within_limit(request, action: str, *, user=None, record: bool = True) -> bool:
+    """Count one more ``action`` in allauth's rate limits (in the shared cache), or with
+    ``record`` False only look: False once one of its rates is used up. GETs count too:
+    the device page looks a code up from its link."""
+    return bool(
+        ratelimit.consume(
+            request,
+            app="allauth.account",
+            action=action,
+            user=user,
+            dry_run=not record,
+            limit_get=True,
+        )
+    )
 
 
-def start(device_name: str, *, address: str | None) -> Started:
-    """A new pending authorization. Raises ValidationError for a bad name or when this
-    address asked for too many codes lately."""
+def start(device_name: str, *, request) -> Started:
+    """A new pending authorization, noting the client's address. Raises
+    ValidationError for a bad name or when this address asked for too many codes
+    lately."""
     name = clean_device_name(device_name)
-    if address and _over_limit(f"device-codes:{address}", MAX_CODES_PER_ADDRESS):
+    if not _within_limit(request, CODE_REQUESTS):
         raise ValidationError("Too many sign-in codes from this address; wait ten minutes.")
+    address = client_ip(request)
     now = timezone.now()
     DeviceAuthorization.objects.filter(expires_at__lt=now - dt.timedelta(days=1)).delete()
     for _ in range(5):
@@ -123,16 +134,23 @@ def start(device_name: str, *, address: str | None) -> Started:
     raise RuntimeError("could not draw a free user code")
 
 
-def find_for_approval(user: User, typed: str) -> DeviceAuthorization:
-    """The pending authorization a person typed the code of, or DeviceCodeRefused with
-    why not. Wrong codes count against the person, so codes cannot be guessed here."""
+def find_for_approval(request, typed: str) -> DeviceAuthorization:
+    """The pending authorization the signed-in person typed the code of, or
+    DeviceCodeRefused with why not. Wrong codes count against the person and against
+    the address they come from; past either limit every code is refused, the right
+    one too, so codes cannot be guessed here."""
+    user = request.user
+    if not _within_limit(request, WRONG_CODES, user=user, record=False):
+        raise DeviceCodeRefused(
+            "Too many wrong codes from your account or from this address; every code is "
+            "refused for now. Wait ten minutes and try again."
+        )
     code = normalise_user_code(typed)
     row = None
     if len(code) == CODE_LENGTH:
         row = DeviceAuthorization.objects.filter(user_code=code).first()
     if row is None:
-        if _over_limit(f"device-wrong:{user.pk}", MAX_WRONG_CODES_PER_PERSON):
-            raise DeviceCodeRefused("Too many wrong codes; wait ten minutes and try again.")
+        _within_limit(request, WRONG_CODES, user=user)
         raise DeviceCodeRefused(
             "No device is waiting with that code. Check it against the one your terminal "
             "shows (eight letters, such as WDJB-MJHT)."
@@ -152,26 +170,48 @@ def totp_of(user: User) -> Authenticator | None:
     return Authenticator.objects.filter(user=user, type=Authenticator.Type.TOTP).first()
 
 
-def check_confirmation(user: User, *, password: str = "", totp_code: str = "") -> None:
-    """The person proves it is them, as the site requires for a new credential: a code
-    from their authenticator app when they have one, else their password."""
+TOO_MANY_CONFIRMATIONS = (
+    "Too many wrong confirmations; nothing more is checked for a few minutes. Wait and try again."
+)
+
+
+def check_confirmation(request, *, password: str = "", totp_code: str = "") -> None:
+    """The signed-in person proves it is them, as the site requires for a new
+    credential: a code from their authenticator app when they have one, else their
+    password. Both are throttled by allauth's own failed-login limits, in the same
+    counts as its sign-in and two-factor forms, so this page is no way around them."""
+    user = request.user
     authenticator = totp_of(user)
     if authenticator is not None:
+        try:
+            clear_limit = check_mfa_rate_limit(user)
+        except ValidationError:
+            raise ValidationError(TOO_MANY_CONFIRMATIONS) from None
         if not totp_code.strip() or not TOTP(authenticator).validate_code(totp_code.strip()):
             raise ValidationError("That is not the current code from your authenticator app.")
+        clear_limit()
         return
     if not user.has_usable_password():
         raise ValidationError("Set a password for your account first (Account settings).")
-    if not password or not user.check_password(password):
+    try:
+        # allauth counts the attempt (per address and per email address) and takes it
+        # back when the password is right, as its sign-in form does.
+        confirmed = get_account_adapter(request).authenticate(
+            request, email=user.email, password=password
+        )
+    except ValidationError:
+        raise ValidationError(TOO_MANY_CONFIRMATIONS) from None
+    if confirmed is None or confirmed.pk != user.pk:
         raise ValidationError("That is not your password.")
 
 
-def approve(user: User, row: DeviceAuthorization, *, password: str = "", totp_code: str = ""):
-    """Give the waiting device a token of ``user`` (it collects it on its next poll).
-    Raises ValidationError when the confirmation fails or the person cannot have
-    another token; DeviceCodeRefused when the code was used or expired meanwhile."""
-    check_confirmation(user, password=password, totp_code=totp_code)
-    if user.api_tokens.filter(revoked_at=None).count() >= MAX_ACTIVE_TOKENS:
+def approve(request, row: DeviceAuthorization, *, password: str = "", totp_code: str = ""):
+    """Give the waiting device a token of the signed-in person (it collects it on its
+    next poll). Raises ValidationError when the confirmation fails or the person cannot
+    have another token; DeviceCodeRefused when the code was used or expired meanwhile."""
+    user = request.user
+    check_confirmation(request, password=password, totp_code=totp_code)
+    if user.api_tokens.live().count() >= MAX_ACTIVE_TOKENS:
         raise ValidationError(
             f"You already have {MAX_ACTIVE_TOKENS} API tokens; revoke one on the API tokens "
             "page first."

@@ -73,6 +73,12 @@ def hash_token(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
+class ApiTokenQuerySet(models.QuerySet):
+    def live(self):
+        """Tokens that still work: neither revoked nor expired."""
+        return self.filter(revoked_at=None, expires_at__gt=timezone.now())
+
+
 class ApiToken(models.Model):
     """A personal access token for the JSON API. Only its hash is stored; the token
     itself is shown once, when it is made."""
@@ -85,6 +91,11 @@ class ApiToken(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Set when it is made, from the token lifetime of the person's labs
+    # (``accounts.services.token_lifetime_days``); the API refuses it from then on.
+    expires_at = models.DateTimeField()
+
+    objects = ApiTokenQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at"]
@@ -94,7 +105,11 @@ class ApiToken(models.Model):
 
     @property
     def is_active(self) -> bool:
-        return self.revoked_at is None
+        return self.revoked_at is None and not self.is_expired
+
+    @property
+    def is_expired(self) -> bool:
+        return timezone.now() >= self.expires_at
 
     @staticmethod
     def generate() -> str:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 from allauth.mfa.models import Authenticator
+from django.conf import settings
 from django.db import transaction
+from django.db.models import Min
 from django.utils import timezone
 
 from accounts.models import ApiToken, User, hash_token
@@ -62,16 +66,31 @@ def create_token(user: User, name: str, request=None) -> tuple[ApiToken, str]:
     except ValidationError as exc:
         raise TokenError(exc.messages[0]) from None
     User.objects.select_for_update().filter(pk=user.pk).first()  # serialise per user
-    if user.api_tokens.filter(revoked_at=None).count() >= MAX_ACTIVE_TOKENS:
+    if user.api_tokens.live().count() >= MAX_ACTIVE_TOKENS:
         raise TokenError(f"You already have {MAX_ACTIVE_TOKENS} tokens; revoke one first.")
     raw = ApiToken.generate()
+    now = timezone.now()
     token = ApiToken.objects.create(
-        user=user, name=name, hint=raw[: len("tpp_") + 6], digest=hash_token(raw)
+        user=user,
+        name=name,
+        hint=raw[: len("tpp_") + 6],
+        digest=hash_token(raw),
+        created_at=now,
+        expires_at=now + dt.timedelta(days=token_lifetime_days(user)),
     )
     audit.record(
         AuditAction.TOKEN_CREATED, actor=user, target_user=user, summary=name, request=request
     )
     return token, raw
+
+
+def token_lifetime_days(user: User) -> int:
+    """How long a token made now for ``user`` lives: the shortest lifetime of the labs
+    it could act in (each lab admin's choice), or the site's for someone in no lab."""
+    from tpus.access import member_labs
+
+    shortest = member_labs(user).aggregate(days=Min("token_lifetime_days"))["days"]
+    return shortest or settings.PORTAL_TOKEN_LIFETIME_DAYS
 
 
 def revoke_token(user: User, token: ApiToken, request=None) -> None:
@@ -92,8 +111,17 @@ def revoke_token(user: User, token: ApiToken, request=None) -> None:
         )
 
 
+class TokenExpired(Exception):
+    """A real token whose time is over: the client must sign in again."""
+
+    def __init__(self, expired_at: dt.datetime):
+        super().__init__(f"expired at {expired_at.isoformat()}")
+        self.expired_at = expired_at
+
+
 def authenticate_token(raw: str) -> User | None:
-    """The active user a bearer token belongs to, or None."""
+    """The active user a bearer token belongs to, or None; TokenExpired for one that
+    was good until its expiry, so the client can say why."""
     if not raw or not raw.startswith("tpp_") or len(raw) > 100:
         return None
     token = (
@@ -104,6 +132,8 @@ def authenticate_token(raw: str) -> User | None:
     if token is None:
         return None
     now = timezone.now()
+    if now >= token.expires_at:
+        raise TokenExpired(token.expires_at)
     if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
     return token.user

@@ -27,9 +27,15 @@ def token_list(request):
             form.add_error("name", str(exc))
         else:
             form = TokenForm()
-    tokens = request.user.api_tokens.all()
     return render(
-        request, "accounts/token_list.html", {"form": form, "tokens": tokens, "new_token": raw}
+        request,
+        "accounts/token_list.html",
+        {
+            "form": form,
+            "tokens": request.user.api_tokens.all(),
+            "new_token": raw,
+            "lifetime_days": services.token_lifetime_days(request.user),
+        },
     )
 
 
@@ -128,7 +134,7 @@ def device_login(request):
     row = None
     if typed:
         try:
-            row = devices.find_for_approval(request.user, typed)
+            row = devices.find_for_approval(request, typed)
         except devices.DeviceCodeRefused as exc:
             context["code_error"] = str(exc)
     if request.method == "POST" and row is not None:
@@ -138,7 +144,7 @@ def device_login(request):
                 context["done"] = "denied"
             else:
                 devices.approve(
-                    request.user,
+                    request,
                     row,
                     password=request.POST.get("password", ""),
                     totp_code=request.POST.get("totp_code", ""),

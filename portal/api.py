@@ -10,12 +10,12 @@ from ninja import NinjaAPI
 from ninja.errors import HttpError
 from ninja.security import HttpBearer, SessionAuth
 
+from accounts.services import TokenExpired, authenticate_token, needs_mfa_enrolment
+
 
 class TokenAuth(HttpBearer):
     def authenticate(self, request: HttpRequest, token: str):
-        from accounts.services import authenticate_token, needs_mfa_enrolment
-
-        user = authenticate_token(token)
+        user = authenticate_token(token)  # TokenExpired: answered by _token_expired
         if user is None:
             return None
         # A token must not be a way around the two-factor rule the pages enforce.
@@ -58,6 +58,25 @@ def _forbidden(request, exc):
     """A refusal inside the API is JSON like every other answer, with its reason."""
     detail = str(exc) or "You may not do that."
     return api.create_response(request, {"detail": detail}, status=403)
+
+
+@api.exception_handler(TokenExpired)
+def _token_expired(request, exc):
+    """401 with a code a client recognises (``token_expired``) and when it happened, so
+    it can tell the person to sign in again rather than that something is broken."""
+    when = exc.expired_at.strftime("%Y-%m-%d %H:%M UTC")
+    response = api.create_response(
+        request,
+        {
+            "detail": f"This API token expired on {when}. Sign in again (`tpu login`) or "
+            "make a new token on the API tokens page.",
+            "error": "token_expired",
+            "expired_at": exc.expired_at.isoformat(),
+        },
+        status=401,
+    )
+    response["WWW-Authenticate"] = 'Bearer error="invalid_token", error_description="expired"'
+    return response
 
 
 @api.exception_handler(DjangoValidationError)

@@ -15,6 +15,8 @@ from typing import Any
 from django.apps import apps
 from django.db import models
 
+from portal.addresses import client_ip
+
 
 class AuditAction(models.TextChoices):
     LAB_CREATED = "lab.created", "Lab created"
@@ -73,14 +75,6 @@ class AuditAction(models.TextChoices):
     JOB_STARTED = "job.started", "Job running on every worker"
     JOB_ENDED = "job.ended", "Job ended"
     JOB_CANCEL_REQUESTED = "job.cancel_requested", "Job cancelled"
-
-
-def client_ip(request) -> str | None:
-    """The address the request came from, as Django saw it. Behind a proxy, the proxy
-    is expected to set REMOTE_ADDR (for example with a trusted-proxy middleware)."""
-    if request is None:
-        return None
-    return request.META.get("REMOTE_ADDR") or None
 
 
 def record(

@@ -18,7 +18,6 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from accounts import devices
 from accounts.models import ApiToken, DeviceAuthorization, hash_token
 
 PASSWORD = "correct horse battery"
@@ -167,18 +166,6 @@ def test_codes_are_typed_in_any_case_with_or_without_the_dash(browser):
     assert "milo-laptop" in page
 
 
-def test_wrong_codes_are_limited_per_person(browser):
-    for _ in range(devices.MAX_WRONG_CODES_PER_PERSON):
-        page = browser.get(reverse("device_login"), {"code": "BCDF-GHJK"}).content.decode()
-        assert "No device is waiting with that code" in page
-    body = start(Client()).json()
-    page = browser.get(reverse("device_login"), {"code": "BCDF-GHJL"}).content.decode()
-    assert "Too many wrong codes" in page
-    # A right code still works: only guessing is slowed.
-    page = browser.get(reverse("device_login"), {"code": body["user_code"]}).content.decode()
-    assert "milo-laptop" in page
-
-
 @pytest.mark.parametrize(
     "name, message",
     [
@@ -196,11 +183,13 @@ def test_a_bad_device_name_is_refused_and_nothing_is_stored(db, name, message):
 
 def test_one_address_may_ask_for_a_bounded_number_of_codes(db):
     client = Client()
-    for _ in range(devices.MAX_CODES_PER_ADDRESS):
+    for _ in range(30):
         assert start(client).status_code == 201
     refused = start(client)
     assert refused.status_code == 400
     assert "Too many sign-in codes" in refused.json()["detail"]
+    # Another address is not held up.
+    assert start(Client(REMOTE_ADDR="198.51.100.9")).status_code == 201
 
 
 def test_the_device_page_asks_to_sign_in_first_and_comes_back_with_the_code(client):

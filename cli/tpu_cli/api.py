@@ -54,9 +54,7 @@ class Api:
             time.sleep(float(wait) if wait.isdigit() else delay)
             delay = min(delay * 2, 30)
         if response.status_code == 401 and self.token:
-            raise CliError(
-                f"Your sign-in to {self.url} has ended; run `tpu login` again.", SIGNED_OUT
-            )
+            raise CliError(signed_out_message(self.url, response), SIGNED_OUT)
         if response.status_code >= 400:
             raise error_of(response)
         return response
@@ -83,6 +81,19 @@ class Api:
             if not page.get("next"):
                 return
             page = self.send("GET", page["next"]).json()
+
+
+def signed_out_message(url: str, response: httpx.Response) -> str:
+    """Why the token stopped working: its lifetime ended (the portal says when), or it
+    was revoked."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("error") == "token_expired":
+        when = str(body.get("expired_at") or "")[:10] or "its end date"
+        return f"Your login to {url} expired on {when}; run `tpu login` again."
+    return f"Your sign-in to {url} has ended; run `tpu login` again."
 
 
 def error_of(response: httpx.Response) -> CliError:

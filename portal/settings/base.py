@@ -7,6 +7,7 @@ Values that differ between deployments are read from typed environment variables
 from pathlib import Path
 
 from portal import env
+from portal.addresses import check_trusted_proxies
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 # Runtime state of a local install: the SQLite database, the embedded broker's file,
@@ -28,6 +29,11 @@ SECRET_KEY = env.secret("SECRET_KEY", "")  # each environment insists on its own
 ALLOWED_HOSTS = env.listing("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
 SITE_URL = env.string("SITE_URL", "http://127.0.0.1:8000").rstrip("/")
 CSRF_TRUSTED_ORIGINS = env.listing("CSRF_TRUSTED_ORIGINS", [SITE_URL])
+# The proxies in front of the portal (comma-separated addresses or CIDRs): a request
+# from one of them comes from the right-most X-Forwarded-For hop that is not one of
+# them (portal/addresses.py). Rate limits, the audit log and the device page use it;
+# empty ignores X-Forwarded-For, so each request comes from its direct peer.
+PORTAL_TRUSTED_PROXIES = check_trusted_proxies(env.listing("PORTAL_TRUSTED_PROXIES", []))
 # A refused form (a stale tab, a proxy that drops Origin) lands on the portal's own page.
 CSRF_FAILURE_VIEW = "portal.errors.csrf_failure"
 
@@ -190,9 +196,27 @@ PORTAL_SITE_NAME = env.string("PORTAL_SITE_NAME", "TPU Portal")
 ACCOUNT_EMAIL_SUBJECT_PREFIX = f"[{PORTAL_SITE_NAME}] "
 ACCOUNT_DEFAULT_HTTP_PROTOCOL = "https" if SITE_URL.startswith("https") else "http"
 # allauth's defaults (login 30/m/ip, failed logins 10/m/ip and 5/5m per account,
-# signup 20/m/ip, …) stay on; they count in the shared cache above.
+# signup 20/m/ip, …) stay on; they count in the shared cache above, per the client
+# address PORTAL_TRUSTED_PROXIES gives. The device sign-in's confirmation counts as a
+# failed login. The device sign-in adds its own: codes a client address asks for, and
+# wrong codes typed on the device page per person and per address (past either, every
+# code is refused).
+ACCOUNT_RATE_LIMITS = {
+    "device_code_request": "30/10m/ip",
+    "device_code_wrong": "10/10m/user,30/10m/ip",
+}
 MFA_SUPPORTED_TYPES = ["totp", "recovery_codes"]
 MFA_TOTP_ISSUER = "TPU Portal"
+# API tokens (the tokens page's and the command-line client's) expire: after the
+# shortest token lifetime of the labs the person belongs to (each lab admin sets it;
+# a new lab starts with this), or after this many days for someone in no lab.
+PORTAL_TOKEN_LIFETIME_DAYS = env.integer("PORTAL_TOKEN_LIFETIME_DAYS", 90, minimum=1)
+if PORTAL_TOKEN_LIFETIME_DAYS > 3650:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        f"PORTAL_TOKEN_LIFETIME_DAYS must be at most 3650, not {PORTAL_TOKEN_LIFETIME_DAYS}."
+    )
 # Site admins and lab admins must have TOTP before they can use the portal.
 PORTAL_REQUIRE_ADMIN_MFA = env.boolean("PORTAL_REQUIRE_ADMIN_MFA", True)
 

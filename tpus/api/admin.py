@@ -93,6 +93,8 @@ class LabSettingsOut(Schema):
     job_tasks_max: int
     job_memory_max_mb: int
     job_log_max_mb: int
+    # API tokens its members make expire after this many days (the shortest of their labs').
+    token_lifetime_days: int
 
 
 class LabSettingsIn(StrictIn):
@@ -110,6 +112,7 @@ class LabSettingsIn(StrictIn):
     job_tasks_max: int = None
     job_memory_max_mb: int = None
     job_log_max_mb: int = None
+    token_lifetime_days: int = None
 
 
 def _settings_form(request, lab, given: dict[str, Any]):

@@ -83,22 +83,28 @@ class LabSettingsForm(forms.ModelForm):
             "job_tasks_max",
             "job_memory_max_mb",
             "job_log_max_mb",
+            "token_lifetime_days",
         ]
         widgets = {"grant_end_date": forms.DateInput(attrs={"type": "date"})}
 
     # Left out (an older form, a script that predates them): the lab keeps what it has,
     # and a new lab gets the defaults.
-    JOB_LIMITS = ("job_tasks_max", "job_memory_max_mb", "job_log_max_mb")
+    KEPT_WHEN_LEFT_OUT = (
+        "job_tasks_max",
+        "job_memory_max_mb",
+        "job_log_max_mb",
+        "token_lifetime_days",
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        for name in self.JOB_LIMITS:
+        for name in self.KEPT_WHEN_LEFT_OUT:
             if name in self.fields:
                 self.fields[name].required = False
 
     def clean(self):
         data = super().clean()
-        for name in self.JOB_LIMITS:
+        for name in self.KEPT_WHEN_LEFT_OUT:
             if name in self.fields and data.get(name) is None and name not in self.errors:
                 data[name] = getattr(self.instance, name)
         return data

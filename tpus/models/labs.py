@@ -49,6 +49,14 @@ def validate_job_memory_mb(value: int) -> None:
         raise ValidationError("Give 0 (90% of the worker's memory) or at least 32 MB.")
 
 
+MAX_TOKEN_LIFETIME_DAYS = 3650
+
+
+def default_token_lifetime_days() -> int:
+    """A new lab's API token lifetime: the site's (PORTAL_TOKEN_LIFETIME_DAYS)."""
+    return settings.PORTAL_TOKEN_LIFETIME_DAYS
+
+
 class Lab(models.Model):
     """A research lab with its own GCP project: the unit of tenancy. Everything a
     collaborator can see hangs off a lab they belong to."""
@@ -113,6 +121,13 @@ class Lab(models.Model):
         validators=[MinValueValidator(1), MaxValueValidator(1_000_000)],
         help_text="Past it the log ends with a line saying where it was cut; the job keeps "
         "running.",
+    )
+    token_lifetime_days = models.PositiveSmallIntegerField(
+        "API token lifetime (days)",
+        default=default_token_lifetime_days,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_TOKEN_LIFETIME_DAYS)],
+        help_text="API tokens (the command-line client's sign-in too) made by the lab's "
+        "members expire after this long; someone in several labs gets the shortest.",
     )
     created_at = models.DateTimeField(default=timezone.now)
 

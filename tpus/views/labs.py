@@ -50,7 +50,7 @@ def dashboard(request):
         {
             "memberships": memberships,
             "admin_labs": admin_labs,
-            "tokens": user.api_tokens.filter(revoked_at=None).count(),
+            "tokens": user.api_tokens.live().count(),
             "my_grants": user.grants.exclude(state="revoked").select_related("vm__lab"),
             "ssh_keys": user.ssh_keys.all(),
             "worker_seen": heartbeat.last_seen() if user.is_site_admin else None,
