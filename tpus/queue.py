@@ -31,23 +31,25 @@ from portal.celery import app
 logger = logging.getLogger(__name__)
 
 
-def _send(name: str, *args) -> None:
-    """Hand one task to the broker. Where tasks run in-process (eager), the task runs
-    here and its own errors are raised; otherwise nothing is raised: a broker that
-    cannot take the task is logged, and the sweep queues the work again."""
+def _send(name: str, *args, countdown: float | None = None) -> None:
+    """Hand one task to the broker (to run ``countdown`` seconds from now, if given).
+    Where tasks run in-process (eager), the task runs here, at once, and its own errors
+    are raised; otherwise nothing is raised: a broker that cannot take the task is
+    logged, and the sweep queues the work again."""
+    options = {} if countdown is None else {"countdown": countdown}
     if app.conf.task_always_eager:
-        app.tasks[name].apply_async(args)
+        app.tasks[name].apply_async(args, **options)
         return
     try:
-        app.tasks[name].apply_async(args)
+        app.tasks[name].apply_async(args, **options)
     except Exception:
         logger.exception(
             "could not queue %s%r; the periodic sweep will queue the work again", name, args
         )
 
 
-def _on_commit(name: str, *args) -> None:
-    transaction.on_commit(lambda: _send(name, *args))
+def _on_commit(name: str, *args, countdown: float | None = None) -> None:
+    transaction.on_commit(lambda: _send(name, *args, countdown=countdown))
 
 
 # Hosts
@@ -56,6 +58,12 @@ def _on_commit(name: str, *args) -> None:
 def reconcile_vm(vm_id: int) -> None:
     """Make every worker of the VM match the database."""
     _on_commit("tpus.tasks.reconcile_vm", vm_id)
+
+
+def recheck_disks(vm_id: int, seconds: float) -> None:
+    """Look again, ``seconds`` from now, at the VM's disks its workers wait for (the
+    beat task ``disk-recheck`` stands behind it)."""
+    _on_commit("tpus.tasks.recheck_vm_disks", vm_id, countdown=max(seconds, 0.0))
 
 
 def run_disk_operation(operation_id: int) -> None:
