@@ -98,6 +98,12 @@ def reconcile_vm(vm_id: int) -> None:
     _on_commit("tpus.tasks.reconcile_vm", vm_id)
 
 
+def recheck_disks(vm_id: int, seconds: float) -> None:
+    """Look again, ``seconds`` from now, at the VM's disks its workers wait for (the
+    beat task ``disk-recheck`` stands behind it)."""
+    _on_commit("tpus.tasks.recheck_vm_disks", vm_id, countdown=max(seconds, 0.0))
+
+
 def run_disk_operation(operation_id: int) -> None:
     """Attach or detach a disk through the Cloud TPU API."""
     _on_commit("tpus.tasks.run_disk_operation", operation_id)

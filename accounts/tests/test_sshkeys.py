@@ -22,6 +22,7 @@ from accounts.sshkeys import (
 from accounts.tests import keydata
 from accounts.tests.conftest import GENERATED
 from accounts.tests.keydata import ACCEPTED, ED25519, HOSTILE, RSA_2048, SK_ECDSA, SK_ED25519
+from accounts.tests.keystore import run_keygen
 from accounts.tests.leaks import PUTTY_V3
 
 NEW_KEY_COMMAND = 'ssh-keygen -t ed25519 -C "you@laptop"'
@@ -59,10 +60,8 @@ def test_fingerprints_match_what_ssh_keygen_prints(text, key_type, bits, keygen_
 def test_freshly_generated_keys_match_ssh_keygen_in_fingerprint_and_size(
     name, generated_keys, keygen_fingerprint
 ):
-    from accounts.tests.conftest import _run_keygen
-
     path = generated_keys[name]
-    bits, fingerprint = _run_keygen("-lf", str(path)).split()[:2]
+    bits, fingerprint = run_keygen("-lf", str(path)).split()[:2]
 
     key = parse_public_key(path.read_text())
 

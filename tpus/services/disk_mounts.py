@@ -9,9 +9,10 @@ about each, and the re-checks that follow a disk that is not there yet.
 - ``after_run``: what a reconcile's answers mean for the disks. A device the worker
   does not show yet (hot-plug is not instant, and after a reboot it comes back late)
   is looked for again every PORTAL_DISK_RECHECK_SECONDS for up to
-  PORTAL_DISK_DEVICE_WAIT_SECONDS, by the beat task (``due_rechecks``), not by a
-  request that sleeps; so is a disk being detached that a worker cannot unmount yet.
-  Detaches waiting for the workers are handed on.
+  PORTAL_DISK_DEVICE_WAIT_SECONDS, by a task queued to run when the next look is due
+  (``recheck_vm``), not by a request that sleeps; so is a disk being detached that a
+  worker cannot unmount yet. The beat task (``due_rechecks``) finds the looks whose
+  task was lost. Detaches waiting for the workers are handed on.
 - ``boot_seen``: a reboot noticed outside a reconcile (a job's status) asks for one.
 - ``disk_rows``: each attached disk's state on the VM's page.
 """
@@ -135,12 +136,16 @@ def late_message(device: str) -> str:
     )
 
 
-def after_run(vm_id: int, answered: list[int]) -> None:
+def after_run(vm_id: int, answered: list[int], looked_at: dt.datetime | None = None) -> None:
     """Record, for each worker that answered (``answered``: worker indexes), which
     devices it waits for and since when (a new boot starts the wait again), and when
     to look again: while a device is within its wait, or a disk being detached is
-    still held on it. Then hand the VM's waiting detaches on."""
+    still held on it, one interval after this look began (``looked_at``: when the
+    workers were contacted), and queue that look. Then hand the VM's waiting detaches
+    on."""
     now = timezone.now()
+    next_look = max((looked_at or now) + _recheck_in(), now)
+    queued = False
     unmounting = {
         op.disk.name: op
         for op in DiskOperation.objects.filter(
@@ -165,31 +170,44 @@ def after_run(vm_id: int, answered: list[int]) -> None:
             started = op.unmount_started_at if op is not None else None
             if started is not None and now - started < _unmount_wait():
                 again = True  # a disk being detached is still held here
-        recheck = now + _recheck_in() if again else None
+        recheck = next_look if again else None
         if waits != before or recheck != sync.disk_recheck_at:
             WorkerSync.objects.filter(pk=sync.pk).update(disk_waits=waits, disk_recheck_at=recheck)
+        if recheck is not None and not queued:
+            queue.recheck_disks(vm_id, (recheck - now).total_seconds())
+            queued = True
     for op in unmounting.values():
         queue.run_disk_operation(op.pk)
 
 
-def due_rechecks() -> list[int]:
-    """VMs to reconcile again now for their disks (claimed: the next look is put
-    off by one interval, so a beat that comes again before the run does not queue it
-    twice; the run sets the next look itself)."""
+def due_rechecks(vm_id: int | None = None) -> list[int]:
+    """VMs (all, or ``vm_id`` only) to reconcile again now for their disks (claimed:
+    the next look is put off by one interval, so a beat or a queued look that comes
+    before the run does not queue it twice; the run sets the next look itself)."""
     now = timezone.now()
     vm_ids = set()
     due = WorkerSync.objects.filter(disk_recheck_at__lte=now)
-    for pk, vm_id in due.values_list("pk", "worker__vm_id"):
+    if vm_id is not None:
+        due = due.filter(worker__vm_id=vm_id)
+    for pk, found in due.values_list("pk", "worker__vm_id"):
         if WorkerSync.objects.filter(pk=pk, disk_recheck_at__lte=now).update(
             disk_recheck_at=now + _recheck_in()
         ):
-            vm_ids.add(vm_id)
+            vm_ids.add(found)
     return sorted(vm_ids)
 
 
 def recheck_due() -> None:
-    """Queue the reconciles that ``due_rechecks`` finds (the beat task's work)."""
+    """Queue the reconciles that ``due_rechecks`` finds (the beat task's work: the
+    looks whose queued task was lost)."""
     for vm_id in due_rechecks():
+        queue.reconcile_vm(vm_id)
+
+
+def recheck_vm(vm_id: int) -> None:
+    """Reconcile the VM if a look at its disks is due now (the task ``after_run``
+    queued for the moment it is due; nothing if the beat took it meanwhile)."""
+    if due_rechecks(vm_id):
         queue.reconcile_vm(vm_id)
 
 

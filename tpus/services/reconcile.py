@@ -303,6 +303,7 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
         _record(worker, version, error=reason, retryable=retryable)
     # Only ever the VM's own lab's key: a host that was never given it refuses us.
     login = login_for(vm.lab) if reachable else None
+    looked_at = timezone.now()  # the next look at a late disk counts from here
     outcomes = run_on_workers([remote_worker(w, login) for w in reachable], "reconcile.sh", data)
     for worker, outcome in zip(reachable, outcomes, strict=True):
         if outcome.ok:
@@ -333,7 +334,7 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
         bucket[worker.index] = str(error)
         _record(worker, version, error=str(error), retryable=error.retryable)
     settle_grants(vm_id)
-    disk_mounts.after_run(vm_id, report.ok)
+    disk_mounts.after_run(vm_id, report.ok, looked_at=looked_at)
     audit.record(
         AuditAction.VM_RECONCILED,
         lab=vm.lab,

@@ -55,6 +55,13 @@ def recheck_disks() -> None:
     disk_mounts.recheck_due()
 
 
+@task(ignore_result=True)
+def recheck_vm_disks(vm_id: int) -> None:
+    """Reconcile the VM again if one of its workers' look at its disks is due (queued
+    by the reconcile that found the wait, to run when the look is due)."""
+    disk_mounts.recheck_vm(vm_id)
+
+
 @every(settings.PORTAL_EXPIRY_CHECK_SECONDS, name="expire-grants")
 @task(ignore_result=True)
 def expire_grants() -> None:

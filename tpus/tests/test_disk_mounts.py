@@ -10,6 +10,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from tpus import queue
 from tpus.models import DataDisk, DiskAttachment, TpuVm, Worker, WorkerSync
 from tpus.models.inventory import AttachmentState, DiskOperation, DiskOperationState
 from tpus.services import disk_mounts, disk_operations, inventory
@@ -264,6 +265,36 @@ def test_a_device_that_is_not_there_yet_is_looked_for_again_then_reported(
     assert "disk imagenet: the disk&#x27;s device (/dev/disk/by-id/google-imagenet) did not" in (
         progress
     )
+
+
+def test_the_next_look_is_one_interval_after_this_one_began_and_queued_for_then(
+    scene, mounted, settings, monkeypatch, django_capture_on_commit_callbacks
+):
+    settings.PORTAL_DISK_RECHECK_SECONDS = 5
+    sent = []
+    monkeypatch.setattr(
+        queue, "_send", lambda name, *args, countdown=None: sent.append((name, args, countdown))
+    )
+    worker = scene.vm.workers.get()
+    _answered(worker, scene.vm.desired_version, waiting_device=["imagenet"])
+    began = timezone.now() - dt.timedelta(seconds=1.5)  # the run took 1.5 s
+
+    with django_capture_on_commit_callbacks(execute=True):
+        disk_mounts.after_run(scene.vm.pk, [worker.index], looked_at=began)
+
+    due = WorkerSync.objects.get(worker=worker).disk_recheck_at
+    assert due == began + dt.timedelta(seconds=5)  # not 5 s after the run ended
+    [(name, args, countdown)] = sent
+    assert (name, args) == ("tpus.tasks.recheck_vm_disks", (scene.vm.pk,))
+    assert 3.3 <= countdown <= 3.5
+    # The look, when it comes, reconciles the VM once; the beat finds nothing left.
+    sent.clear()
+    WorkerSync.objects.update(disk_recheck_at=timezone.now())
+    with django_capture_on_commit_callbacks(execute=True):
+        disk_mounts.recheck_vm(scene.vm.pk)
+        disk_mounts.recheck_vm(scene.vm.pk)
+    assert sent == [("tpus.tasks.reconcile_vm", (scene.vm.pk,), None)]
+    assert disk_mounts.due_rechecks() == []
 
 
 def test_a_new_boot_starts_the_wait_again(scene, mounted):

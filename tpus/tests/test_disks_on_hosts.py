@@ -20,12 +20,14 @@ from django.urls import reverse
 from accounts.keys import add_key
 from accounts.models import User
 from accounts.unix import choose_username
+from portal.audit import AuditAction
 from testfleet.fixtures import add_fleet_node, give_lab_key
 from tpus.cloud import CloudTPU
-from tpus.models import DataDisk, DiskAttachment, Grant, TpuVm
+from tpus.models import AuditEvent, DataDisk, DiskAttachment, Grant, TpuVm
 from tpus.models.inventory import DiskOperation, DiskOperationState
 from tpus.services import disk_mounts, disk_operations, inventory, job_engine
 from tpus.services.grants import grant_access, revoke_access
+from tpus.services.hosts import hosts_must_change
 
 pytestmark = pytest.mark.fleet
 
@@ -226,10 +228,10 @@ def test_a_revoke_goes_through_on_a_vm_whose_disks_share_a_mount_point(
     )
     assert scene.sh(gone).strip() == "gone"
     assert scene.sh(f"getent shadow {username}").split(":")[1] == "!*"
-    # The disk part is reported on its own: the first disk waits for its device, the
-    # second is not mounted, and the page says why.
-    fstab = scene.sh("grep tpu-portal /etc/fstab; true")
-    assert "google-imagenet /mnt/disks/shared" in fstab and "laion" not in fstab
+    # The disk part is reported on its own: the first disk waits for its device (no
+    # fstab line until it is mounted), the second is not mounted, and the page says why.
+    assert scene.sh("grep tpu-portal /etc/fstab; true") == ""
+    assert scene.vm.workers.get().sync.last_report["waiting_device"] == ["imagenet"]
     page = _vm_page(client, scene)
     assert "Not mounted: /mnt/disks/shared is already where imagenet is mounted" in page
     assert not Grant.objects.filter(state="revoking").exists()
@@ -333,3 +335,43 @@ def test_a_device_that_appears_after_the_attach_is_mounted_and_again_after_a_reb
     _until(lambda: scene.mounted_at(point), 30, "the disk was not mounted again", beat=beat)
     timer.join()
     assert "mounted on every worker" in _vm_page(client, scene)
+
+
+# --- the looks at a late device, as often as the setting says ----------------------
+
+
+@pytest.fixture
+def worker_env(monkeypatch, settings, tpu_emulator, fleet_settings, fleet_uids):
+    """What the Celery worker process must see: the test's emulator, the fleet's admin
+    key, this run's UIDs, and a look at a late disk every 2 s for up to a minute."""
+    monkeypatch.setenv("PORTAL_UID_MIN", str(settings.PORTAL_UID_MIN))
+    monkeypatch.setenv("PORTAL_UID_MAX", str(settings.PORTAL_UID_MAX))
+    monkeypatch.setenv("PORTAL_TEST_TPU_API_ENDPOINT", settings.TPU_API_ENDPOINT)
+    monkeypatch.setenv("PORTAL_ADMIN_SSH_KEY_FILE", settings.PORTAL_ADMIN_SSH_KEY_FILE)
+    monkeypatch.setenv("PORTAL_ADMIN_SSH_USER", settings.PORTAL_ADMIN_SSH_USER)
+    monkeypatch.setenv("PORTAL_REMOTE_CONNECT_TIMEOUT", "5")
+    monkeypatch.setenv("PORTAL_REMOTE_AUTH_TIMEOUT", "10")
+    monkeypatch.setenv("PORTAL_REMOTE_SCRIPT_TIMEOUT", "60")
+    monkeypatch.setenv("PORTAL_DISK_RECHECK_SECONDS", "2")
+    monkeypatch.setenv("PORTAL_DISK_DEVICE_WAIT_SECONDS", "60")
+
+
+def test_a_late_device_is_looked_for_again_every_recheck_interval(
+    worker_env, celery_worker_process, celery_beat, scene, loop_disk
+):
+    # A real worker and beat (whose disk-recheck only stands behind lost looks: the
+    # reconcile queues the next look for when it is due).
+    celery_beat(PORTAL_DISK_RECHECK_SECONDS="2", PORTAL_SYNC_SECONDS="3600")
+    disk = _register(scene, loop_disk.name, f"/mnt/disks/{loop_disk.name}")
+    DiskAttachment.objects.create(disk=disk, vm=scene.vm)
+    hosts_must_change(scene.vm, "a disk was attached")
+
+    looks = AuditEvent.objects.filter(action=AuditAction.VM_RECONCILED, data__vm=scene.vm.pk)
+    _until(lambda: looks.count() >= 5, 40, "the workers were not looked at five times")
+
+    times = list(looks.order_by("created_at").values_list("created_at", flat=True))[:5]
+    gaps = [round((b - a).total_seconds(), 2) for a, b in zip(times, times[1:], strict=False)]
+    # Every 2 s, counted from when the last look began: not 2 s after it ended, then
+    # up to a beat later (which made 5 s into 10 s).
+    assert all(1.5 <= gap <= 2.8 for gap in gaps), gaps
+    assert "waiting for the device" in disk_mounts.disk_rows(scene.vm)[0].state

@@ -706,36 +706,28 @@ def test_an_in_place_edit_of_another_sshd_file_is_checked_by_the_next_run(target
 # --- data disks ---------------------------------------------------------------------
 
 
-def test_a_disk_gets_one_fstab_line_and_waits_for_its_device(target):
+def test_a_disk_whose_device_is_not_there_yet_waits_without_an_fstab_line(target):
     # /mnt is private to each fleet host; the fleet has no Google disks.
     point = f"/mnt/disks/{new_name()}"
     data = DesiredMount("persistent-disk-7", point, read_only=True)
     scratch = DesiredMount("scratch-2", f"{point}-scratch", read_only=False)
 
-    others = target.sh("grep -v tpu-portal /etc/fstab; true")
+    before = target.sh("cat /etc/fstab")
 
     first = target.reconcile(state(mounts=(data, scratch)))
     second = target.reconcile(state(mounts=(data, scratch)))
 
-    assert first.values["fstab_written"] == "1"
     assert first.all("waiting_device") == ["persistent-disk-7", "scratch-2"]
     assert second.values["noop"] == "1"
     assert second.all("waiting_device") == ["persistent-disk-7", "scratch-2"]
-    assert target.fstab_lines() == [
-        f"/dev/disk/by-id/google-persistent-disk-7 {point} ext4 "
-        "ro,nosuid,nodev,discard,defaults,nofail 0 2 # tpu-portal",
-        f"/dev/disk/by-id/google-scratch-2 {point}-scratch ext4 "
-        "rw,nosuid,nodev,discard,defaults,nofail 0 2 # tpu-portal",
-    ]
+    # Not mounted, so not in fstab: at the next boot mount would otherwise put the
+    # disk over whatever the folder holds by then.
+    assert first.values["fstab_written"] == "0"
+    assert target.sh("cat /etc/fstab") == before
     assert target.sh(f"stat -c '%F %U %a' {point}").strip() == "directory root 755"
-    assert target.sh("grep -v tpu-portal /etc/fstab; true") == others
 
-    third = target.reconcile(state(mounts=(scratch,)))
-
-    assert third.values["fstab_written"] == "1"
-    assert [ln.split()[1] for ln in target.fstab_lines()] == [f"{point}-scratch"]
     target.reconcile(state())
-    assert target.fstab_lines() == []
+    assert target.sh("cat /etc/fstab") == before
 
 
 def test_a_mount_point_reached_through_a_symlink_is_refused(target):
@@ -848,9 +840,10 @@ def test_an_attached_disk_is_mounted_remounted_and_unmounted(target, google_disk
     assert target.sh(f"findmnt -n {point}; true") == ""
 
 
-def test_a_disk_is_never_mounted_over_files(target, google_disk):
+def test_a_disk_is_never_mounted_over_files_nor_given_an_fstab_line(target, google_disk):
     point = f"/mnt/disks/{new_name()}"
     target.sh(f"mkdir -p {point} && echo keep > {point}/notes")
+    before = target.sh("cat /etc/fstab")
 
     result = target.reconcile(state(mounts=(DesiredMount(google_disk, point, False),)))
 
@@ -858,6 +851,35 @@ def test_a_disk_is_never_mounted_over_files(target, google_disk):
         f"{google_disk}:{point} is not empty, not mounting over it"
     ]
     assert target.sh(f"cat {point}/notes") == "keep\n"
+    # No fstab line either: the next boot would mount the disk over the files.
+    assert result.values["fstab_written"] == "0"
+    assert target.sh("cat /etc/fstab") == before
+    assert target.sh(f"findmnt -n {point}; true") == ""
+
+    # Once the folder is empty, the disk is mounted, and only then has its line.
+    target.sh(f"mv {point}/notes /root/notes-{google_disk}")
+    mounted = target.reconcile(state(mounts=(DesiredMount(google_disk, point, False),)))
+
+    assert mounted.values["mounted"] == "1" and mounted.values["fstab_written"] == "1"
+    assert target.fstab_lines() == [
+        f"/dev/disk/by-id/google-{google_disk} {point} ext4 "
+        "rw,nosuid,nodev,discard,defaults,nofail 0 2 # tpu-portal"
+    ]
+    assert target.sh(f"findmnt -n -o OPTIONS {point}").startswith("rw,nosuid,nodev")
+
+
+def test_a_disk_mounted_elsewhere_by_hand_gets_no_fstab_line(target, google_disk):
+    point = f"/mnt/disks/{new_name()}"
+    target.sh(f"mkdir -p {point} && mount -t tmpfs scratch {point}")
+    before = target.sh("cat /etc/fstab")
+
+    result = target.reconcile(state(mounts=(DesiredMount(google_disk, point, True),)))
+
+    assert result.all("mount_error") == [
+        f"{google_disk}:{point} has another filesystem mounted (scratch)"
+    ]
+    assert result.values["fstab_written"] == "0"
+    assert target.sh("cat /etc/fstab") == before
 
 
 def test_a_disk_that_went_away_while_mounted_is_unmounted_not_left_stale(target, google_disk):

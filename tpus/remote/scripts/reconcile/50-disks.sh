@@ -1,6 +1,8 @@
 # ---------------------------------------------------------------------------------
-# 4. Data disks: an fstab line each (nofail, so a missing disk never stops a boot),
-#    mounted when the disk is there.
+# 4. Data disks: mounted when the disk is there, and then given an fstab line (nofail,
+#    so a disk missing at boot never stops it). A disk that is not mounted (its device
+#    is not there yet, or it was refused) has no line: at the next boot, mount would
+#    otherwise put it over whatever the folder holds by then.
 # ---------------------------------------------------------------------------------
 # A disk moves between VMs, and whoever had root on the last one could leave a setuid
 # binary or a device node on it. Mounted nosuid,nodev, neither gives anything to the
@@ -58,6 +60,9 @@ END
 # a disk is wanted here, or fstab still has a line of ours.
 converge_disks() {
     local device point mode source rest line options fstype now current remount out wanted fresh blank
+    # The lines of the disks wanted here that pass the checks below; each goes into
+    # fstab (fstab-managed) only once its disk is mounted.
+    : >"$work/fstab-wanted"
     : >"$work/fstab-managed"
     while IFS=' ' read -r device point mode <&3; do
         # A line the portal does not manage already mounts something here: leave both.
@@ -66,13 +71,14 @@ converge_disks() {
             mount_error "$device" "fstab already has an entry for $point"
             continue
         fi
-        # Checked before the fstab line is written: at boot, mount would follow the path too.
+        # Checked before anything is mounted or written: at boot, mount would follow the
+        # path too.
         if ! safe_path "$point"; then
             mount_error "$device" "$point is not a plain folder or lies below a symlink or a folder others can write to"
             continue
         fi
         echo "/dev/disk/by-id/google-$device $point ext4 $mode,$DISK_OPTIONS,discard,defaults,nofail 0 2 $FSTAB_MARK" \
-            >>"$work/fstab-managed"
+            >>"$work/fstab-wanted"
     done 3<"$work/mounts"
 
     # Mount points of ours that are no longer wanted: unmount them first (the portal
@@ -83,9 +89,9 @@ converge_disks() {
     wanted=" "
     while read -r source point rest <&3; do
         wanted="$wanted$point "
-    done 3<"$work/fstab-managed"
+    done 3<"$work/fstab-wanted"
     : >"$work/still-mounted"
-    grep -e " $FSTAB_MARK\$" "$FSTAB" 2>/dev/null | grep -v -x -F -f "$work/fstab-managed" >"$work/unwanted" || true
+    grep -e " $FSTAB_MARK\$" "$FSTAB" 2>/dev/null | grep -v -x -F -f "$work/fstab-wanted" >"$work/unwanted" || true
     while IFS= read -r line <&3; do
         IFS=' ' read -r source point rest <<END
 $line
@@ -106,20 +112,11 @@ END
         fi
     done 3<"$work/unwanted"
 
-    if [ -e "$FSTAB" ]; then
-        grep -v -e " $FSTAB_MARK\$" "$FSTAB" >"$work/fstab" || true
-    else
-        : >"$work/fstab"
-    fi
-    cat "$work/fstab-managed" "$work/still-mounted" >>"$work/fstab"
-    if ! { [ -e "$FSTAB" ] && cmp -s "$work/fstab" "$FSTAB"; }; then
-        replace_file "$FSTAB" "$work/fstab" 644 || true
-        fstab_written=1
-        changed=$((changed + 1))
-    fi
-
     # shellcheck disable=SC2034  # fstype: always ext4, read to reach the options
-    while read -r source point fstype options rest <&3; do
+    while IFS= read -r line <&3; do
+        read -r source point fstype options rest <<END
+$line
+END
         device=${source#/dev/disk/by-id/google-}
         mode=${options%%,*}
         if [ ! -d "$point" ]; then
@@ -151,6 +148,7 @@ END
                     mount_error "$device" "cannot remount $point $mode,$DISK_OPTIONS: $out"
                 fi
             fi
+            echo "$line" >>"$work/fstab-managed"
             continue
         fi
         # Mounting over files would hide them (a collaborator's data written there while
@@ -182,14 +180,31 @@ END
             formatted=$((formatted + 1))
             changed=$((changed + 1))
         fi
-        if out=$(mount -- "$point" 2>&1); then
+        # With the same options as its fstab line (less defaults,nofail), which is
+        # written below, once the disk is there.
+        if out=$(mount -t ext4 -o "${options%,defaults,nofail}" -- "$source" "$point" 2>&1); then
             mounted=$((mounted + 1))
             changed=$((changed + 1))
             if [ "$fresh" = 1 ]; then chmod 1777 -- "$point"; fi
+            echo "$line" >>"$work/fstab-managed"
         else
             mount_error "$device" "mount $point: $out"
         fi
-    done 3<"$work/fstab-managed"
+    done 3<"$work/fstab-wanted"
+
+    # fstab: the lines of others as they were, then ours: the disks mounted now, and
+    # the unwanted ones still busy (their line stays until they can be unmounted).
+    if [ -e "$FSTAB" ]; then
+        grep -v -e " $FSTAB_MARK\$" "$FSTAB" >"$work/fstab" || true
+    else
+        : >"$work/fstab"
+    fi
+    cat "$work/fstab-managed" "$work/still-mounted" >>"$work/fstab"
+    if ! { [ -e "$FSTAB" ] && cmp -s "$work/fstab" "$FSTAB"; }; then
+        replace_file "$FSTAB" "$work/fstab" 644 || true
+        fstab_written=1
+        changed=$((changed + 1))
+    fi
 }
 
 # The disks' part runs on its own, after the accounts, keys and revokes are done:
