@@ -59,13 +59,24 @@ def holding(lab: Lab, generation: str, provisioning: str) -> int:
     return used
 
 
+def grant_ended(lab: Lab) -> bool:
+    return bool(lab.grant_end_date and timezone.localdate() > lab.grant_end_date)
+
+
+def check_grant_open(lab: Lab) -> None:
+    """ValidationError once the lab's TPU grant has ended: nothing can be made or
+    started for it after that day."""
+    if grant_ended(lab):
+        raise ValidationError(
+            f"The lab's TPU grant ended on {lab.grant_end_date:%-d %B %Y}; no VM can be made "
+            "or started. A site admin moves the date when the grant is extended."
+        )
+
+
 def check_allowance(lab: Lab, accelerator_type: str, provisioning: str) -> None:
     """ValidationError with the numbers when one more VM of this type and kind would
     take the lab past its allowance (or past its grant's end)."""
-    if lab.grant_end_date and timezone.localdate() > lab.grant_end_date:
-        raise ValidationError(
-            f"The lab's TPU grant ended on {lab.grant_end_date:%-d %B %Y}; no VM can be made."
-        )
+    check_grant_open(lab)
     generation, chips = chips_of(accelerator_type)
     kind = Provisioning(provisioning).label.lower()
     allowance = LabAllowance.objects.filter(
@@ -84,17 +95,21 @@ def check_allowance(lab: Lab, accelerator_type: str, provisioning: str) -> None:
         )
 
 
-def claim(lab: Lab, accelerator_type: str, provisioning: str) -> Lab:
+def claim(lab: Lab, accelerator_type: str, provisioning: str, *, grant_only: bool = False) -> Lab:
     """``check_allowance`` inside the transaction that makes the lab hold the chips (a
     request stored, a VM's state moved to starting, a kept-alive VM asked for again),
     with the lab's row locked first: concurrent claims of one lab wait for each other,
     and each counts what the ones before it made. The grant's end date is read as it is
-    now. Returns the locked lab. (SQLite takes its write lock when the transaction
-    begins, which serialises them the same way.)"""
+    now. ``grant_only`` checks the grant's end alone (a VM the lab made itself, in a
+    lab without any allowance). Returns the locked lab. (SQLite takes its write lock
+    when the transaction begins, which serialises them the same way.)"""
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("claim() must run inside the transaction that takes the chips")
     locked = Lab.objects.select_for_update().get(pk=lab.pk)
-    check_allowance(locked, accelerator_type, provisioning)
+    if grant_only:
+        check_grant_open(locked)
+    else:
+        check_allowance(locked, accelerator_type, provisioning)
     return locked
 
 
