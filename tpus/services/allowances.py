@@ -1,7 +1,13 @@
 """What a lab may hold at once, as its TPU grant says: chips per generation and kind
-(on-demand, spot, preemptible) until the grant's end date. A site admin sets it; every
-way a lab comes to hold chips (a request, a VM brought back after a preemption) is
-checked against it here, with the numbers."""
+(on-demand, spot, preemptible) until the grant's end date. A site admin sets both; every
+way a lab comes to hold chips (a request, a stopped VM started again, a VM kept alive
+asked for again after a preemption) is checked against them here, with the numbers.
+
+A stopped VM holds none of the allowance (Google does not charge the lab's grant for
+it), so a lab may stop a VM to make room for another; starting it again is then checked
+like a new request. Each of those checks runs with the lab's row locked, in the
+transaction that makes the lab hold the chips (``claim``): two at once for one lab run
+one after the other, and the second counts what the first made."""
 
 from __future__ import annotations
 
@@ -53,13 +59,24 @@ def holding(lab: Lab, generation: str, provisioning: str) -> int:
     return used
 
 
+def grant_ended(lab: Lab) -> bool:
+    return bool(lab.grant_end_date and timezone.localdate() > lab.grant_end_date)
+
+
+def check_grant_open(lab: Lab) -> None:
+    """ValidationError once the lab's TPU grant has ended: nothing can be made or
+    started for it after that day."""
+    if grant_ended(lab):
+        raise ValidationError(
+            f"The lab's TPU grant ended on {lab.grant_end_date:%-d %B %Y}; no VM can be made "
+            "or started. A site admin moves the date when the grant is extended."
+        )
+
+
 def check_allowance(lab: Lab, accelerator_type: str, provisioning: str) -> None:
     """ValidationError with the numbers when one more VM of this type and kind would
     take the lab past its allowance (or past its grant's end)."""
-    if lab.grant_end_date and timezone.localdate() > lab.grant_end_date:
-        raise ValidationError(
-            f"The lab's TPU grant ended on {lab.grant_end_date:%-d %B %Y}; no VM can be made."
-        )
+    check_grant_open(lab)
     generation, chips = chips_of(accelerator_type)
     kind = Provisioning(provisioning).label.lower()
     allowance = LabAllowance.objects.filter(
@@ -76,6 +93,24 @@ def check_allowance(lab: Lab, accelerator_type: str, provisioning: str) -> None:
             f"A {accelerator_type} is {chips} {generation} chips; the lab holds {used} {kind} "
             f"{generation} chips of its {allowance.chips}, so {allowance.chips - used} are left."
         )
+
+
+def claim(lab: Lab, accelerator_type: str, provisioning: str, *, grant_only: bool = False) -> Lab:
+    """``check_allowance`` inside the transaction that makes the lab hold the chips (a
+    request stored, a VM's state moved to starting, a kept-alive VM asked for again),
+    with the lab's row locked first: concurrent claims of one lab wait for each other,
+    and each counts what the ones before it made. The grant's end date is read as it is
+    now. ``grant_only`` checks the grant's end alone (a VM the lab made itself, in a
+    lab without any allowance). Returns the locked lab. (SQLite takes its write lock
+    when the transaction begins, which serialises them the same way.)"""
+    if not transaction.get_connection().in_atomic_block:
+        raise RuntimeError("claim() must run inside the transaction that takes the chips")
+    locked = Lab.objects.select_for_update().get(pk=lab.pk)
+    if grant_only:
+        check_grant_open(locked)
+    else:
+        check_allowance(locked, accelerator_type, provisioning)
+    return locked
 
 
 @dataclass(frozen=True)

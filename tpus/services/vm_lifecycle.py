@@ -5,6 +5,10 @@ takes minutes); jobs are cancelled cleanly first, and a deletion tells everyone 
 had access, once. Deleting needs the VM's name typed and says first what goes with it:
 who has access, the jobs running and waiting, and everything in the homes on its
 workers. A deleted VM is not brought back, even when it was kept alive.
+
+A stopped VM holds none of the lab's allowance, so a start takes the chips again: it
+is checked like a new request (``allowances.claim``, with the lab locked) and refused
+with the numbers when they are no longer free or the lab's grant has ended.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from tpus.models import AuditAction, Grant, Job, TpuVm, VmRequest
 from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.inventory import NodeState, VmSource
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
-from tpus.services import emails, inventory, jobs
+from tpus.models.provisioning import LabAllowance, Provisioning
+from tpus.services import allowances, emails, inventory, jobs
 from tpus.services.hosts import hosts_must_change
 
 log = logging.getLogger(__name__)
@@ -85,11 +90,40 @@ def stop_vm(admin, vm: TpuVm, *, request=None) -> TpuVm:
 
 def start_vm(admin, vm: TpuVm, *, request=None) -> TpuVm:
     _check(admin, vm)
+    return _change(admin, vm, START, NodeState.STARTING, request=request)
+
+
+def _may_start(vm: TpuVm) -> None:
+    """A stopped VM holds none of the lab's allowance, so starting it takes its chips
+    again: checked like a new request, with the lab locked (``allowances.claim``), and
+    refused with the numbers when they are no longer free or the lab's grant ended. The
+    VM's state is read again under the lock: of two starts at once, one goes."""
     if vm.state != NodeState.STOPPED:
         raise ValidationError(
             f"{vm.name} is {vm.get_state_display().lower()}; only a stopped VM starts."
         )
-    return _change(admin, vm, START, NodeState.STARTING, request=request)
+    # An imported VM in a lab that has no allowance at all: the portal never counted
+    # such a lab's chips (it makes none for it), so only the grant's end applies.
+    grant_only = (
+        vm.source != VmSource.CREATED and not LabAllowance.objects.filter(lab=vm.lab).exists()
+    )
+    try:
+        allowances.claim(vm.lab, vm.accelerator_type, _provisioning(vm), grant_only=grant_only)
+    except ValidationError as exc:
+        why = f"{vm.name} cannot start: {exc.messages[0]}"
+        if not allowances.grant_ended(vm.lab):
+            why += (
+                " A stopped VM holds none of the allowance: stop or delete another VM to "
+                "make room, or ask a site admin to raise it."
+            )
+        raise ValidationError(why) from None
+
+
+def _provisioning(vm: TpuVm) -> str:
+    """The kind of chips the VM holds: as the portal asked for it, else (an imported
+    VM) spot when Google may take it back."""
+    asked = VmRequest.objects.filter(vm=vm).order_by("-pk").values_list("provisioning", flat=True)
+    return asked.first() or (Provisioning.SPOT if vm.preemptible else Provisioning.ON_DEMAND)
 
 
 def delete_vm(admin, vm: TpuVm, typed_name: str, *, request=None) -> TpuVm:
@@ -102,8 +136,11 @@ def delete_vm(admin, vm: TpuVm, typed_name: str, *, request=None) -> TpuVm:
 def _change(admin, vm: TpuVm, action: str, state: str, *, request=None) -> TpuVm:
     verb = {STOP: "stopped", START: "started", DELETE: "deleted"}[action]
     with transaction.atomic():
+        # The VM's row and its lab's (the join is locked too, as a job's submit locks them).
         vm = TpuVm.objects.select_for_update().select_related("lab").get(pk=vm.pk)
-        if action != START:
+        if action == START:
+            _may_start(vm)
+        else:
             _cancel_jobs(vm, admin, f"{vm.name} is being {verb} by the lab's admins.")
         if action == DELETE:
             # Deleted on purpose: never brought back by keep alive.

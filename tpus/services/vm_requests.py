@@ -154,9 +154,15 @@ def request_vm(admin, lab: Lab, spec: VmSpec, *, request=None) -> VmRequest:
         raise PermissionDenied("Only the lab's admins can make TPU VMs.")
     if not lab.gcp_project_id:
         raise ValidationError("The lab has no GCP project yet; a site admin sets it.")
-    spec = check_spec(lab, spec)
+    spec = check_spec(lab, spec)  # the Cloud TPU API's answers, before any lock
     try:
         with transaction.atomic():
+            # Counted again with the lab locked: requests that passed the check above
+            # together are stored one after the other, each seeing the ones before it.
+            try:
+                allowances.claim(lab, spec.accelerator_type, spec.provisioning)
+            except ValidationError as exc:
+                raise ValidationError({"accelerator_type": exc.messages}) from None
             made = VmRequest.objects.create(
                 lab=lab,
                 requested_by=admin,
