@@ -27,6 +27,7 @@ from typing import Any
 
 from grpc import StatusCode
 
+from tpus.emulator import disks as emulated_disks
 from tpus.emulator import hostpool
 from tpus.emulator.catalog import ACCELERATOR_TYPES, RUNTIME_VERSIONS, default_workers
 from tpus.emulator.store import State
@@ -104,8 +105,9 @@ def zone_of(name: str) -> str:
 
 def advance(state: State, create_node) -> bool:
     """Move every request on as far as the lab allows now. ``create_node(state, request
-    name, record)`` makes the node of a request that got capacity. True if anything
-    changed (the caller then writes the state)."""
+    name, record)`` makes the node of a request that got capacity (False when it failed
+    the request instead). True if anything changed (the caller then writes the
+    state)."""
     changed = False
     moment = now()
     for name in sorted(requests(state), key=lambda n: (requests(state)[n]["create_time"], n)):
@@ -137,7 +139,9 @@ def advance(state: State, create_node) -> bool:
             state, zone_of(name), record["node"]["accelerator_type"]
         ):
             continue
-        create_node(state, name, record)
+        changed = True
+        if create_node(state, name, record) is False:
+            continue  # refused when it got capacity; the request says why
         record["state"] = "PROVISIONING"
         record["provisioned_at"] = iso(moment)
         changed = True
@@ -250,9 +254,20 @@ class QueuedResourceCalls:
             advance(data, self._provision)
             return data
 
-    def _provision(self, data: State, name: str, record: dict[str, Any]) -> None:
+    def _provision(self, data: State, name: str, record: dict[str, Any]) -> bool:
         project, zone = name.split("/")[1], zone_of(name)
         spec = record["node"]
+        # The node comes with the disks asked for, checked as an attach is when it is
+        # made (a read-write disk another VM took meanwhile fails the request).
+        try:
+            disks = emulated_disks.checked(
+                data,
+                f"projects/{project}/locations/{zone}/nodes/{record['node_id']}",
+                [(d["source_disk"], d["mode"]) for d in spec.get("data_disks", [])],
+            )
+        except emulated_disks.DiskRefused as exc:
+            record.update(state="FAILED", error={"code": exc.code.name, "message": exc.message})
+            return False
         node = self.controls.add_node(
             project,
             zone,
@@ -264,8 +279,9 @@ class QueuedResourceCalls:
             preemptible=spec.get("preemptible", False),
             spot=spec.get("spot", False) or record.get("spot", False),
         )
-        data["nodes"][node]["data_disks"] = list(spec.get("data_disks", []))
+        data["nodes"][node]["data_disks"] = disks
         record["node_name"] = node
+        return True
 
     def _queued(self, state: State, name: str) -> dict[str, Any]:
         if not _QUEUED.match(name):

@@ -22,6 +22,7 @@ import grpc
 from google.cloud import tpu_v2, tpu_v2alpha1
 from google.longrunning import operations_pb2
 
+from tpus.emulator import disks as emulated_disks
 from tpus.emulator import hostpool, queued
 from tpus.emulator.catalog import ACCELERATOR_TYPES, RUNTIME_VERSIONS
 from tpus.emulator.controls import (
@@ -37,7 +38,6 @@ from tpus.emulator.store import State
 
 _NODE = re.compile(r"^projects/([^/]+)/locations/([^/]+)/nodes/([^/]+)$")
 _PARENT = re.compile(r"^projects/([^/]+)/locations/([^/]+)$")
-_DISK = re.compile(r"^projects/([^/]+)/zones/([^/]+)/disks/([^/]+)$")
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 # v2's documented UpdateNode masks leave data disks out; gcloud attaches disks through
@@ -314,6 +314,10 @@ class TpuEmulator(queued.QueuedResourceCalls):
                     stockout = True
                 else:
                     stockout = False
+                    # Checked before the node is made: a refused disk makes nothing.
+                    disks = _checked_disks(
+                        data, f"{request.parent}/nodes/{request.node_id}", node.data_disks
+                    )
                     name = self.controls.add_node(
                         project,
                         zone,
@@ -325,6 +329,7 @@ class TpuEmulator(queued.QueuedResourceCalls):
                         preemptible=node.scheduling_config.preemptible,
                         spot=node.scheduling_config.spot,
                     )
+                    data["nodes"][name]["data_disks"] = disks
         except ControlError as exc:
             code = grpc.StatusCode.ALREADY_EXISTS if "exists" in str(exc) else None
             raise Abort(code or grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
@@ -388,34 +393,10 @@ class TpuEmulator(queued.QueuedResourceCalls):
 
 
 def _checked_disks(data: State, node: str, disks) -> list[dict[str, str]]:
-    """The node's new disk list, refused the way Compute Engine refuses it: unknown disk,
-    other zone, or a read-write disk shared with another VM (FAILED_PRECONDITION)."""
-    _, zone, _ = split_node_name(node)
-    wanted: list[dict[str, str]] = []
-    for disk in disks:
-        source = disk.source_disk
-        match = _DISK.match(source)
-        if not match:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Malformed source_disk '{source}'")
-        if source not in data["disks"]:
-            raise Abort(
-                grpc.StatusCode.NOT_FOUND, f"The resource '{source}' of type 'Disk' was not found"
-            )
-        if match.group(2) != zone:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Disk '{source}' is not in zone {zone}")
-        if any(w["source_disk"] == source for w in wanted):
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Disk '{source}' is listed twice")
-        # An unset mode is READ_WRITE, as the API documents.
-        mode = "READ_ONLY" if disk.mode.name == "READ_ONLY" else "READ_WRITE"
-        for other, record in data["nodes"].items():
-            if other == node:
-                continue
-            for attached in record["data_disks"]:
-                if attached["source_disk"] == source and "READ_WRITE" in (mode, attached["mode"]):
-                    raise Abort(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"The disk resource '{source}' is already being used by '{other}'"
-                        f" ({attached['mode']}); a READ_WRITE disk attaches to one VM only",
-                    )
-        wanted.append({"source_disk": source, "mode": mode})
-    return wanted
+    """The node's new disk list from the request's ``AttachedDisk`` messages."""
+    try:
+        return emulated_disks.checked(
+            data, node, [(d.source_disk, emulated_disks.mode_name(d.mode)) for d in disks]
+        )
+    except emulated_disks.DiskRefused as exc:
+        raise Abort(exc.code, exc.message) from None

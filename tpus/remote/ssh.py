@@ -476,9 +476,14 @@ class _Exec:
         self.worker = worker
         self.timeout = timeout
         self.out, self.err = bytearray(), bytearray()
+        # None until the channel is open: a connection that broke before (the host
+        # went away between the login and the exec) has nothing to close.
+        self.channel: paramiko.Channel | None = None
         self.restart_clock()
         with self._errors():
             transport = client.get_transport()
+            if transport is None or not transport.is_active():
+                raise paramiko.SSHException("the connection closed before the script began")
             self.channel = transport.open_session(timeout=self._left(1.0))
             self.channel.settimeout(self._left(0.1))
             self.channel.exec_command(command)
@@ -540,6 +545,8 @@ class _Exec:
         return out, err
 
     def close(self) -> None:
+        if self.channel is None:
+            return
         with contextlib.suppress(paramiko.SSHException, OSError, EOFError):
             self.channel.close()  # what may be broken already
 

@@ -664,8 +664,17 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
     lost = [p for p in parts.values() if p.state == JobWorkerState.LOST]
     failed = first_failed(parts.values(), now)
     outcome, reason = None, ""
-    taken_back = vm.state in GONE_STATES or _made_anew_under(job, vm)
-    if vm.state in GONE_STATES:
+    # The lab's admins stop or delete the VM: its jobs were cancelled first, and the
+    # call waits for them (``vm_lifecycle.jobs_still_stopping``): the machines are
+    # still there, and the job is stopped like any cancel, not lost with them.
+    stopped_for_it = job.cancel_requested_at and vm.state in (
+        TpuVm.State.STOPPING,
+        TpuVm.State.DELETING,
+    )
+    taken_back = not stopped_for_it and (vm.state in GONE_STATES or _made_anew_under(job, vm))
+    if stopped_for_it:
+        outcome = JobState.CANCELLED
+    elif vm.state in GONE_STATES:
         outcome = JobState.LOST
         reason = f"{vm.name} was {vm.get_state_display().lower()} while the job ran."
     elif taken_back:

@@ -13,7 +13,7 @@ from tpus import queue
 from tpus.cloud import CloudError
 from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, TpuVm, Worker
-from tpus.models.inventory import HostKeySource, NodeState
+from tpus.models.inventory import AttachmentState, DiskAttachment, HostKeySource, NodeState
 from tpus.models.provisioning import VmRequest, VmRequestState
 
 # Node states in which Google took a VM back (a stopped VM was stopped by the lab).
@@ -86,6 +86,23 @@ def run_again_what_it_lost(made: VmRequest) -> None:
         lost = lost.filter(ended_at__gte=last_life)
     for job in lost.select_related("vm__lab", "user__unix_account").order_by("queued_at"):
         run_again_after_preemption(job)
+
+
+def disks_to_carry(made: VmRequest) -> list[tuple[str, str]]:
+    """``(source disk, mode)`` of each disk the VM had attached (not being detached)
+    when it is asked for again, for the new node to be made with: Google's new node
+    has only the disks its request names."""
+    if made.vm_id is None:
+        return []
+    attached = (
+        DiskAttachment.objects.filter(vm_id=made.vm_id, state=AttachmentState.ATTACHED)
+        .select_related("disk")
+        .order_by("attached_at", "pk")
+    )
+    project = made.lab.gcp_project_id
+    return [
+        (f"projects/{project}/zones/{a.disk.zone}/disks/{a.disk.name}", a.mode) for a in attached
+    ]
 
 
 def clear_leftovers(made: VmRequest) -> None:

@@ -1,10 +1,11 @@
 """Stopping, starting and deleting a lab's TPU VM through the Cloud TPU API.
 
 The admin's click changes the VM's row and queues the call (``run``, a task: Google
-takes minutes); jobs are cancelled cleanly first, and a deletion tells everyone who
-had access, once. Deleting needs the VM's name typed and says first what goes with it:
-who has access, the jobs running and waiting, and everything in the homes on its
-workers. A deleted VM is not brought back, even when it was kept alive.
+takes minutes); jobs are cancelled cleanly first (the call waits until they ended on
+the workers, so each ends ``cancelled``, not lost with the machines), and a deletion
+tells everyone who had access, once. Deleting needs the VM's name typed and says first
+what goes with it: who has access, the jobs running and waiting, and everything in the
+homes on its workers. A deleted VM is not brought back, even when it was kept alive.
 
 A stopped VM holds none of the lab's allowance, so a start takes the chips again: it
 is checked like a new request (``allowances.claim``, with the lab locked) and refused
@@ -13,9 +14,11 @@ with the numbers when they are no longer free or the lab's grant has ended.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.utils import timezone
@@ -35,6 +38,8 @@ from tpus.services.hosts import hosts_must_change
 log = logging.getLogger(__name__)
 
 STOP, START, DELETE = "stop", "start", "delete"
+# How often a stop or delete looks whether the jobs it cancelled have ended.
+JOB_STOP_RECHECK_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -161,11 +166,40 @@ def _change(admin, vm: TpuVm, action: str, state: str, *, request=None) -> TpuVm
     return vm
 
 
-def run(vm_id: int, action: str) -> None:
-    """The call behind a stop, start or delete, and what follows it in the lab."""
+def jobs_still_stopping(vm: TpuVm) -> float | None:
+    """Seconds until a stop or delete looks again, or None to go ahead: the jobs it
+    cancelled are still being stopped on the workers (TERM, the grace period, then
+    the job's cgroup killed), and the machines must outlive that for the job to end
+    ``cancelled``, its owner told once. Waited for at most ``stop_wait`` after the
+    cancel; past that, the VM goes and the job with it."""
+    ending = Job.objects.filter(vm=vm, state__in=ACTIVE_STATES)
+    since = min((j.cancel_requested_at or j.changed_at for j in ending), default=None)
+    if since is None or timezone.now() - since > stop_wait():
+        return None
+    return JOB_STOP_RECHECK_SECONDS
+
+
+def stop_wait() -> dt.timedelta:
+    """How long a stop or delete waits for the jobs it cancelled: the grace period,
+    two job polls and the pass's own stop."""
+    return dt.timedelta(
+        seconds=settings.PORTAL_JOB_CANCEL_GRACE_SECONDS + 2 * settings.PORTAL_JOB_POLL_SECONDS + 30
+    )
+
+
+def run(vm_id: int, action: str, *, may_wait: bool = True) -> float | None:
+    """The call behind a stop, start or delete, and what follows it in the lab. A stop
+    or delete first lets the jobs it cancelled end (``jobs_still_stopping``): then it
+    returns the seconds after which to run it again, and calls nothing."""
     vm = TpuVm.objects.select_related("lab").filter(pk=vm_id).first()
     if vm is None:
-        return
+        return None
+    if may_wait and action in (STOP, DELETE):
+        again = jobs_still_stopping(vm)
+        if again is not None:
+            # The job's pass ends it; make sure one runs soon, whatever the poll.
+            queue.advance_jobs(vm.pk)
+            return again
     client = cloud_tpu()
     project = vm.lab.gcp_project_id
     try:
@@ -186,6 +220,7 @@ def run(vm_id: int, action: str) -> None:
         )
         # The next sync puts the VM's real state back on its row.
         queue.refresh_lab(vm.lab_id)
+    return None
 
 
 def _delete(vm: TpuVm, client, project: str) -> None:

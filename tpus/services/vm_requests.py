@@ -292,6 +292,8 @@ def _wanted(made: VmRequest) -> NodeRequest:
         runtime_version=made.runtime_version,
         provisioning=made.provisioning,
         metadata=key_metadata(made.lab),
+        # A VM asked for again comes back with the disks it had, in the modes it had.
+        data_disks=keep_alive.disks_to_carry(made),
         valid_after=made.valid_after,
         valid_until=made.valid_until,
     )
@@ -416,10 +418,11 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
         connect.wait_for_workers(vm, made.requested_by)
         if made.vm_id is not None:
             keep_alive.run_again_what_it_lost(made)
-        if made.vm_id is not None and vm.grants.exists():
-            # Whole again once every worker has what the new machines need: jobs wait
-            # for it and people are told then (``settle_grants``), so that the email's
-            # "log in as before" is true when it arrives.
+        if made.vm_id is not None and (vm.grants.exists() or vm.attachments.exists()):
+            # Whole again once every worker has what the new machines need (accounts,
+            # the disks mounted): jobs wait for it and people are told then
+            # (``settle_grants``), so that the email's "log in as before" is true when
+            # it arrives.
             TpuVm.objects.filter(pk=vm.pk).update(restore_version=F("desired_version"))
         VmRequest.objects.filter(pk=made.pk).update(
             state=VmRequestState.READY, vm=vm, ready_at=timezone.now(), changed_at=timezone.now()

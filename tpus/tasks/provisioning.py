@@ -26,8 +26,13 @@ def follow_vm_requests() -> None:
     vm_requests.follow_open()
 
 
-@task(ignore_result=True)
-def change_vm(vm_id: int, action: str) -> None:
-    """Stop, start or delete a VM at Google, and follow it in the lab."""
-    if action in (vm_lifecycle.STOP, vm_lifecycle.START, vm_lifecycle.DELETE):
-        vm_lifecycle.run(vm_id, action)
+@task(bind=True, ignore_result=True, max_retries=None)
+def change_vm(self, vm_id: int, action: str) -> None:
+    """Stop, start or delete a VM at Google, and follow it in the lab; a stop or
+    delete looks again a little later while the jobs it cancelled still end (bounded
+    by ``vm_lifecycle.stop_wait``). Run in-process, it cannot wait: it goes ahead."""
+    if action not in (vm_lifecycle.STOP, vm_lifecycle.START, vm_lifecycle.DELETE):
+        return
+    again = vm_lifecycle.run(vm_id, action, may_wait=not self.request.is_eager)
+    if again is not None:
+        raise self.retry(countdown=again)

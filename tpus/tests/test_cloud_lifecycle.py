@@ -35,6 +35,28 @@ def test_a_node_is_created_with_the_lab_key_in_its_metadata(tpu_emulator):
     assert tpu_emulator.requests["GetOperation"] >= 1
 
 
+def test_a_node_is_created_with_its_data_disks_and_an_unknown_disk_makes_nothing(tpu_emulator):
+    client = tpu_emulator.client
+    scratch = tpu_emulator.controls.add_disk(PROJECT, ZONE, "scratch")
+    data = tpu_emulator.controls.add_disk(PROJECT, ZONE, "data")
+    disks = ((scratch, "READ_ONLY"), (data, "READ_WRITE"))
+    node = client.create_node(
+        PROJECT, wanted(name="tpu6", accelerator_type="v4-8", data_disks=disks)
+    )
+    assert [(d.source_disk, d.mode) for d in node.data_disks] == list(disks)
+    assert client.get_node(PROJECT, ZONE, "tpu6").data_disks == node.data_disks
+
+    missing = f"projects/{PROJECT}/zones/{ZONE}/disks/nowhere"
+    with pytest.raises(CloudError) as refused:
+        client.create_node(PROJECT, wanted(name="tpu7", data_disks=((missing, "READ_ONLY"),)))
+    assert refused.value.code == "NOT_FOUND"
+    # A read-write disk another node holds is refused too.
+    with pytest.raises(CloudError) as refused:
+        client.create_node(PROJECT, wanted(name="tpu7", data_disks=((data, "READ_ONLY"),)))
+    assert refused.value.code == "FAILED_PRECONDITION"
+    assert [n.name for n in client.list_nodes(PROJECT, ZONE)] == ["tpu6"]
+
+
 def test_a_stockout_is_a_retryable_refusal_and_makes_nothing(tpu_emulator):
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     with pytest.raises(CloudError) as refused:

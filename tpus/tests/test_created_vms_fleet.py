@@ -6,6 +6,8 @@ back on machines made new, with their new keys pinned and no alarm."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
 import pytest
@@ -13,7 +15,7 @@ from django.utils import timezone
 
 from testfleet.guestagent import offer_hosts
 from tpus.models import LabAllowance, TpuVm, VmConnection, VmRequest
-from tpus.services import connect, keep_alive, sync, vm_requests
+from tpus.services import connect, inventory, keep_alive, reconcile, sync, vm_requests
 from tpus.services.vm_requests import VmSpec
 
 pytestmark = pytest.mark.fleet
@@ -95,3 +97,76 @@ def test_a_queued_spot_pod_comes_up_on_fleet_hosts_connected_and_pinned(
         assert worker.host_key_mismatch_at is None
         assert sorted(worker.host_keys) != first_keys[worker.index]  # machines made new
     assert _connected(vm).state == "connected"
+
+
+@pytest.fixture
+def loop_device(tmp_path):
+    """An ext4 image on a loop device of this machine; the test plugs it into hosts."""
+    image = tmp_path / "scratch.img"
+    subprocess.run(["truncate", "-s", "16M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    loop = subprocess.run(
+        ["losetup", "--find", "--show", str(image)], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    yield loop
+    subprocess.run(["losetup", "-d", loop], check=False)
+
+
+def _plug(fleet, hosts, loop: str, name: str) -> None:
+    """The disk's device appears on each host, as Google attaches it to each worker."""
+    rdev = os.stat(loop).st_rdev
+    script = (
+        f"[ -e {loop} ] || mknod -m 660 {loop} b {os.major(rdev)} {os.minor(rdev)}; "
+        f"mkdir -p /dev/disk/by-id && ln -sf {loop} /dev/disk/by-id/google-{name}"
+    )
+    for host in hosts:
+        fleet.exec(host.name, ["sh", "-c", script])
+
+
+def _mounted(fleet, host, point: str) -> str:
+    done = fleet.exec(host.name, ["sh", "-c", f"findmnt -n -o SOURCE {point}; true"])
+    return done.stdout.decode().strip()
+
+
+def test_a_preempted_pod_comes_back_with_its_disk_mounted_again_on_every_worker(
+    scene, cast, tpu_emulator, fleet, loop_device
+):
+    lab, hosts = scene
+    spec = VmSpec(
+        name="tpu5", zone=ZONE, accelerator_type="v4-32", runtime_version="tpu-ubuntu2204-base",
+        provisioning="spot", queued=True, keep_alive=True,
+    )  # fmt: skip
+    made = vm_requests.request_vm(cast.admin, lab, spec)
+    vm_requests.send(made.pk)
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    tpu_emulator.controls.add_disk(PROJECT, ZONE, "scratch")
+    disk = inventory.register_disk(
+        cast.admin, lab, name="scratch", zone=ZONE, size_gb=1, mount_point="/scratch"
+    )
+    inventory.attach_disk(cast.admin, disk, vm, "READ_ONLY")
+    assert _connected(vm).state == "connected"
+    _plug(fleet, hosts, loop_device, "scratch")
+    report = reconcile.reconcile_vm(vm.pk)
+    assert report.complete, report
+    assert all(_mounted(fleet, h, "/scratch") for h in hosts)
+
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    [again] = keep_alive.bring_back()
+    deadline = time.monotonic() + 60
+    while tpu_emulator.controls.released_hosts() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    vm_requests.send(again.pk)
+    again.refresh_from_db()
+    assert again.state == "ready"
+    # New machines: nothing mounted until the portal mounts it again.
+    assert not any(_mounted(fleet, h, "/scratch") for h in hosts)
+    node = tpu_emulator.client.get_node(PROJECT, ZONE, "tpu5")
+    assert [(d.name, d.mode) for d in node.data_disks] == [("scratch", "READ_ONLY")]
+    assert _connected(vm).state == "connected"
+    _plug(fleet, hosts, loop_device, "scratch")
+    report = reconcile.reconcile_vm(vm.pk)
+    assert report.complete, report
+    assert all(_mounted(fleet, h, "/scratch") == loop_device for h in hosts)
+    vm.refresh_from_db()
+    assert vm.restore_version is None and vm.restored_at is not None

@@ -216,6 +216,36 @@ def test_revoking_access_stops_the_persons_running_job(
         assert "sleep 300" not in sh(jobs_pod, host, "ps -e -o args=")
 
 
+@pytest.mark.slow
+def test_deleting_the_vm_stops_its_running_job_as_a_cancel_first_then_deletes_it(
+    jobs_pod, django_capture_on_commit_callbacks, tpu_emulator
+):
+    from portal.models import OutboxMessage
+    from tpus.services import vm_lifecycle
+
+    job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "300"])
+    job = drive(jobs_pod.vm, job, lambda j: j.state == JobState.RUNNING)
+    before = OutboxMessage.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+    with django_capture_on_commit_callbacks(execute=False):
+        vm_lifecycle.delete_vm(jobs_pod.admin, jobs_pod.vm, "tpu5")
+    # The call waits while the job is being stopped on the workers …
+    with django_capture_on_commit_callbacks(execute=False):
+        again = vm_lifecycle.run(jobs_pod.vm.pk, vm_lifecycle.DELETE)
+    assert again == vm_lifecycle.JOB_STOP_RECHECK_SECONDS
+    assert tpu_emulator.requests["DeleteNode"] == 0
+    job = drive(jobs_pod.vm, job, lambda j: j.has_ended, timeout=30)
+    assert job.state == JobState.CANCELLED and "being deleted" in job.reason
+    for host in jobs_pod.hosts:
+        assert "sleep 300" not in sh(jobs_pod, host, "ps -e -o args=")
+    # … then deletes the VM.
+    assert vm_lifecycle.run(jobs_pod.vm.pk, vm_lifecycle.DELETE) is None
+    assert tpu_emulator.requests["DeleteNode"] == 1
+    assert tpu_emulator.client.list_nodes("vision-lab-1", "us-central1-f") == []
+    # Milo hears it once: the VM is deleted (his job's end was not asked to be told).
+    told = OutboxMessage.objects.filter(to=jobs_pod.milo.email, pk__gt=before)
+    assert [m.kind for m in told] == ["vm_deleted"]
+
+
 # --- refusals and the TPU held outside the portal ---------------------------------------
 
 

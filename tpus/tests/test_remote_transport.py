@@ -365,3 +365,20 @@ def test_a_single_host_given_up_on_is_not_waited_for_either(fleet, fleet_setting
         assert took < 3 and cut.error is not None and cut.error.retryable, took
         again = sessions.run("whoami.sh", b"")
     assert all(o.ok for o in again), [str(o.error) for o in again]
+
+
+def test_a_connection_that_closed_before_the_exec_is_a_retryable_disconnect(
+    fleet, fleet_settings, fleet_host
+):
+    # The host went away between the login and the exec (a node deleted under a job
+    # pass): a RemoteError like any broken connection, not an error of the door itself.
+    from tpus.remote import ssh
+    from tpus.remote.scripts import load
+
+    connection = ssh.Connection(worker_for(fleet, fleet_host))
+    connection.run(load("whoami.sh"))
+    connection.client.get_transport().close()
+    with pytest.raises(RemoteError) as caught:
+        ssh._Exec(connection.client, "true", 5, connection.worker)
+    assert caught.value.kind == RemoteError.DISCONNECTED and caught.value.retryable
+    connection.close()

@@ -377,3 +377,55 @@ def test_a_request_tried_again_after_its_window_drops_the_window(cast, lab, tpu_
     )  # fmt: skip
     again = vm_requests.retry_request(cast.admin, made)
     assert (again.valid_after, again.valid_until) == (None, None)
+
+
+def test_a_kept_alive_vm_comes_back_with_the_disks_it_had_in_their_modes(cast, lab, tpu_emulator):
+    from tpus.services import inventory, sync
+
+    made, vm = _kept_alive_vm(cast, lab, tpu_emulator)
+    tpu_emulator.controls.add_disk(PROJECT, ZONE, "scratch")
+    disk = inventory.register_disk(
+        cast.admin, lab, name="scratch", zone=ZONE, size_gb=10, mount_point="/scratch"
+    )
+    inventory.attach_disk(cast.admin, disk, vm, "READ_ONLY")
+    source = f"projects/{PROJECT}/zones/{ZONE}/disks/scratch"
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    [again] = keep_alive.bring_back()
+    version = TpuVm.objects.get(pk=vm.pk).desired_version
+    vm_requests.send(again.pk)
+    again.refresh_from_db()
+    assert again.state == "ready"
+
+    # What the portal asked Google for names the disk, and the new node has it.
+    [sent] = [r for r in tpu_emulator.controls.queued_resources().values() if r["node_name"]]
+    assert sent["node"]["data_disks"] == [{"source_disk": source, "mode": "READ_ONLY"}]
+    node = tpu_emulator.client.get_node(PROJECT, ZONE, "tpu5")
+    assert [(d.source_disk, d.mode) for d in node.data_disks] == [(source, "READ_ONLY")]
+    # The VM keeps its attachment, and its workers are made to mount it again.
+    assert [(a.disk.name, a.mode) for a in vm.attachments.all()] == [("scratch", "READ_ONLY")]
+    assert TpuVm.objects.get(pk=vm.pk).desired_version > version
+
+
+def test_a_vm_asked_for_again_whose_read_write_disk_another_vm_took_fails_with_why(
+    cast, lab, tpu_emulator
+):
+    from tpus.services import inventory, sync
+
+    made, vm = _kept_alive_vm(cast, lab, tpu_emulator)
+    tpu_emulator.controls.add_disk(PROJECT, ZONE, "scratch")
+    disk = inventory.register_disk(
+        cast.admin, lab, name="scratch", zone=ZONE, size_gb=10, mount_point="/scratch"
+    )
+    from tpus.models import DiskAttachment
+
+    DiskAttachment.objects.create(disk=disk, vm=vm, mode="READ_WRITE")
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    [again] = keep_alive.bring_back()
+    tpu_emulator.controls.add_node(PROJECT, ZONE, "other", accelerator_type="v4-8")
+    tpu_emulator.controls.attach("other", "scratch", "READ_WRITE")
+    vm_requests.send(again.pk)
+    again.refresh_from_db()
+    assert again.state == "failed"
+    assert "already being used by" in again.error
