@@ -27,10 +27,12 @@ from allauth.mfa.models import Authenticator
 from allauth.mfa.totp.internal.auth import TOTP
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.urls import reverse
 from django.utils import timezone
 
 from accounts.models import ApiToken, DeviceAuthorization, User, hash_token
 from accounts.services import MAX_ACTIVE_TOKENS, TokenError, create_token
+from portal import mail
 from portal.addresses import client_ip
 from portal.validators import validate_plain_text
 
@@ -254,12 +256,29 @@ def poll(device_code: str, *, request=None) -> Issued:
             else:
                 row.state = DeviceAuthorization.State.ISSUED
                 row.token = token
+                _tell_owner(row, token)
         if row is not None:
             row.last_polled_at = now
             row.save(update_fields=["last_polled_at", "interval", "state", "token"])
     if refusal is not None:
         raise refusal
     return Issued(token, raw, row.user)
+
+
+def _tell_owner(row: DeviceAuthorization, token: ApiToken) -> None:
+    """Email the person that a device now holds a token of theirs, in the transaction
+    that makes it: a sign-in they did not mean is seen, and revoked, at once."""
+    mail.send(
+        "device_token_created",
+        [row.user.email],
+        {
+            "device_name": row.device_name,
+            "token": token,
+            "requested_at": row.created_at,
+            "requested_from": row.requested_from,
+            "url": reverse("token_list"),
+        },
+    )
 
 
 def _refusal(row: DeviceAuthorization | None, now) -> DeviceFlowError | None:
