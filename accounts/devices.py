@@ -6,9 +6,13 @@ RFC 8628, as ``gh auth login`` does it).
 2. The person, signed in on the portal, opens the link, sees the device's name, where
    and when it asked, and approves it by confirming their password, or a code from
    their authenticator app when they have one (``approve``), or denies it (``deny``).
+   Wrong codes (per person and per client address) and wrong confirmations (allauth's
+   failed sign-ins) are limited in allauth's rate limits; past a limit nothing is
+   looked up or checked.
 3. The client polls (``poll``) no faster than ``interval`` and receives a personal
-   access token of that person, once. Until then it is told why not, in RFC 8628's
-   words: ``authorization_pending``, ``slow_down``, ``access_denied``,
+   access token of that person, once, with the lifetime of the person's labs; the
+   person is emailed that it was made. Until then the client is told why not, in
+   RFC 8628's words: ``authorization_pending``, ``slow_down``, ``access_denied``,
    ``expired_token``.
 
 Codes live ``LIFETIME``; rows a day past their end are deleted when new codes are made.
