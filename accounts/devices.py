@@ -6,9 +6,13 @@ RFC 8628, as ``gh auth login`` does it).
 2. The person, signed in on the portal, opens the link, sees the device's name, where
    and when it asked, and approves it by confirming their password, or a code from
    their authenticator app when they have one (``approve``), or denies it (``deny``).
+   Wrong codes (per person and per client address) and wrong confirmations (allauth's
+   failed sign-ins) are limited in allauth's rate limits; past a limit nothing is
+   looked up or checked.
 3. The client polls (``poll``) no faster than ``interval`` and receives a personal
-   access token of that person, once. Until then it is told why not, in RFC 8628's
-   words: ``authorization_pending``, ``slow_down``, ``access_denied``,
+   access token of that person, once, with the lifetime of the person's labs; the
+   person is emailed that it was made. Until then the client is told why not, in
+   RFC 8628's words: ``authorization_pending``, ``slow_down``, ``access_denied``,
    ``expired_token``.
 
 Codes live ``LIFETIME``; rows a day past their end are deleted when new codes are made.
@@ -27,10 +31,12 @@ from allauth.mfa.models import Authenticator
 from allauth.mfa.totp.internal.auth import TOTP
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.urls import reverse
 from django.utils import timezone
 
 from accounts.models import ApiToken, DeviceAuthorization, User, hash_token
 from accounts.services import MAX_ACTIVE_TOKENS, TokenError, create_token
+from portal import mail
 from portal.addresses import client_ip
 from portal.validators import validate_plain_text
 
@@ -254,12 +260,29 @@ def poll(device_code: str, *, request=None) -> Issued:
             else:
                 row.state = DeviceAuthorization.State.ISSUED
                 row.token = token
+                _tell_owner(row, token)
         if row is not None:
             row.last_polled_at = now
             row.save(update_fields=["last_polled_at", "interval", "state", "token"])
     if refusal is not None:
         raise refusal
     return Issued(token, raw, row.user)
+
+
+def _tell_owner(row: DeviceAuthorization, token: ApiToken) -> None:
+    """Email the person that a device now holds a token of theirs, in the transaction
+    that makes it: a sign-in they did not mean is seen, and revoked, at once."""
+    mail.send(
+        "device_token_created",
+        [row.user.email],
+        {
+            "device_name": row.device_name,
+            "token": token,
+            "requested_at": row.created_at,
+            "requested_from": row.requested_from,
+            "url": reverse("token_list"),
+        },
+    )
 
 
 def _refusal(row: DeviceAuthorization | None, now) -> DeviceFlowError | None:

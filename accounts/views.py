@@ -14,6 +14,7 @@ from accounts.forms import KeyForm, TokenForm, UsernameForm
 from accounts.models import UnixAccount
 from accounts.sshkeys import KeyRejected
 from portal import uploads
+from portal.addresses import client_ip
 
 
 @login_required
@@ -127,19 +128,31 @@ def _key_page(request, *, key_form=None, username_form=None):
 @sensitive_post_parameters("password", "totp_code")
 def device_login(request):
     """A command-line client's sign-in (``tpu login``): the person types or follows the
-    code their terminal shows, sees which device asks, and approves it by confirming
-    their password (or a code from their authenticator app), or denies it."""
-    typed = (request.POST.get("code") or request.GET.get("code") or "").strip()
-    context = {"code": typed, "needs_totp": devices.totp_of(request.user) is not None}
+    code their terminal shows, sees which device asks, from where and when, and
+    approves it by confirming their password (or a code from their authenticator app),
+    or denies it. A code typed here is posted; one that arrives in the address (the
+    client's link, or anyone's) is warned about, since a link is how someone else's
+    sign-in would be slipped to the person."""
+    posted = request.method == "POST"
+    action = request.POST.get("action", "") if posted else ""
+    typed = (request.POST.get("code") if posted else request.GET.get("code")) or ""
+    typed = typed.strip()
+    from_link = bool(typed) and (not posted or request.POST.get("from_link") == "1")
+    context = {
+        "code": typed,
+        "from_link": from_link,
+        "needs_totp": devices.totp_of(request.user) is not None,
+        "browser_address": client_ip(request),
+    }
     row = None
     if typed:
         try:
             row = devices.find_for_approval(request, typed)
         except devices.DeviceCodeRefused as exc:
             context["code_error"] = str(exc)
-    if request.method == "POST" and row is not None:
+    if action in ("approve", "deny") and row is not None:
         try:
-            if request.POST.get("action") == "deny":
+            if action == "deny":
                 devices.deny(request.user, row)
                 context["done"] = "denied"
             else:
@@ -156,5 +169,6 @@ def device_login(request):
             context["code_error"] = str(exc)
             row = None
     context["device"] = row
-    status = 400 if request.method == "POST" and "done" not in context else 200
+    refused = "code_error" in context or "confirm_error" in context
+    status = 400 if posted and (refused or (action and "done" not in context)) else 200
     return render(request, "accounts/device.html", context, status=status)

@@ -103,3 +103,10 @@ def test_a_lab_admin_sets_the_labs_token_lifetime(cast, client, days, ok):
     if ok:
         assert answer.json()["token_lifetime_days"] == days
         assert lifetime(create_token(cast.member, "laptop")[0]) == dt.timedelta(days=days)
+
+
+def test_the_lab_settings_page_offers_the_token_lifetime(cast, client):
+    client.force_login(cast.admin)
+    page = client.get(reverse("lab_settings", args=["vision"])).content.decode()
+    assert "API token lifetime (days)" in page
+    assert "someone in several labs gets the shortest" in page
