@@ -212,7 +212,7 @@ def vm_access(request, slug, vm_id):
         "lab": lab,
         "grant_form": GrantForm(lab=lab),
         # Counted only if the form is shown (every worker's host keys confirmed).
-        "readiness": SimpleLazyObject(lambda: directory.grant_readiness(lab)),
+        "readiness": SimpleLazyObject(lambda: directory.vm_readiness(lab, vm)),
         "grants_page": grants_page,
         # "Give access" waits until every worker's host keys are confirmed.
         "unpinned_workers": [w for w in progress["workers"] if not w.is_pinned],
