@@ -4,6 +4,7 @@ discovered in each app's ``tasks`` module."""
 import os
 
 from celery import Celery
+from celery.signals import beat_init
 from kombu.transport import TRANSPORT_ALIASES
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings.local")
@@ -29,3 +30,12 @@ def every(seconds: float, name: str | None = None):
         return task
 
     return register
+
+
+@beat_init.connect
+def _beat_started(**_) -> None:
+    """Beat records its start: until its first heartbeat is due, the dashboard and
+    /healthz say the background work is starting, not that it is not running."""
+    from portal import heartbeat
+
+    heartbeat.record_beat_started()

@@ -74,8 +74,14 @@ def _static_files() -> None:
 
 def _background() -> dict:
     interval = settings.PORTAL_HEARTBEAT_SECONDS
-    seen = heartbeat.last_seen()
-    if not heartbeat.is_alive(interval):
+    found = heartbeat.status(interval)
+    seen = found.seen
+    if found.state == "starting":
+        raise RuntimeError(
+            "starting: no heartbeat from celery beat and a worker yet; the first is due by "
+            f"{found.due_by.isoformat()}"
+        )
+    if found.state != "running":
         raise RuntimeError(
             "no heartbeat from celery beat and a worker "
             + (f"since {seen.isoformat()}" if seen else "yet")

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from django.core.cache import cache
 from django.urls import reverse
 
 from portal import heartbeat
@@ -85,6 +86,65 @@ def test_a_real_beat_and_worker_record_the_heartbeat(
     )
 
 
-def test_the_dashboard_warns_a_site_admin_when_nothing_runs(client, make_user):
+def _background_state(client) -> str:
+    body = client.get(reverse("dashboard")).content.decode()
+    return body.split('id="background-state">')[1].split("</p>")[0]
+
+
+@pytest.fixture
+def site_admin(client, make_user, settings, monkeypatch):
+    """A site admin signed in, beat's heartbeat every 60 s, and this web process
+    started ten minutes ago."""
     client.force_login(make_user(is_superuser=True, is_staff=True))
-    assert "No heartbeat yet" in client.get(reverse("dashboard")).content.decode()
+    settings.PORTAL_HEARTBEAT_SECONDS = 60
+    monkeypatch.setattr(heartbeat, "PROCESS_STARTED", time.time() - 600)
+    cache.delete_many([heartbeat.KEY, heartbeat.BEAT_STARTED_KEY])
+    return client
+
+
+def _ago(seconds: float) -> float:
+    return time.time() - seconds
+
+
+def test_the_dashboard_warns_a_site_admin_when_nothing_runs(site_admin):
+    state = _background_state(site_admin)
+    assert '<span class="badge failed">not running</span> No heartbeat yet.' in state
+
+
+def test_a_normal_start_is_starting_not_red_until_the_first_heartbeat_is_overdue(
+    site_admin, monkeypatch
+):
+    # The web process and beat started together a few seconds ago.
+    monkeypatch.setattr(heartbeat, "PROCESS_STARTED", _ago(5))
+    state = _background_state(site_admin)
+    assert '<span class="badge">starting</span> No heartbeat yet since the start' in state
+    assert "failed" not in state
+    # Beat says when it started: 80 s ago is within the 60 s interval plus the grace.
+    cache.set(heartbeat.BEAT_STARTED_KEY, _ago(80))
+    assert '<span class="badge">starting</span>' in _background_state(site_admin)
+    # 100 s ago: overdue.
+    cache.set(heartbeat.BEAT_STARTED_KEY, _ago(100))
+    assert '<span class="badge failed">not running</span>' in _background_state(site_admin)
+    # The first heartbeat came.
+    heartbeat.beat()
+    assert '<span class="badge ok">running</span>' in _background_state(site_admin)
+
+
+def test_a_restart_after_a_stop_is_starting_then_red_if_beat_does_not_come_back(site_admin):
+    cache.set(heartbeat.KEY, _ago(86_400))  # the stack was down since yesterday
+    state = _background_state(site_admin)
+    assert '<span class="badge failed">not running</span> No heartbeat since' in state
+    cache.set(heartbeat.BEAT_STARTED_KEY, _ago(10))  # beat started again
+    assert '<span class="badge">starting</span>' in _background_state(site_admin)
+    cache.set(heartbeat.BEAT_STARTED_KEY, _ago(300))  # and never sent one
+    assert '<span class="badge failed">not running</span>' in _background_state(site_admin)
+
+
+def test_beat_records_its_start(settings):
+    from celery.signals import beat_init
+
+    cache.delete(heartbeat.BEAT_STARTED_KEY)
+    beat_init.send(sender=None)
+    started = heartbeat._when(heartbeat.BEAT_STARTED_KEY)
+    assert started is not None and abs(started.timestamp() - time.time()) < 5
+    cache.delete(heartbeat.BEAT_STARTED_KEY)

@@ -5,13 +5,14 @@ appear and cannot be chosen."""
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 from django.core.cache import cache
 from django.db.models import Count, Exists, F, Max, OuterRef, Q, QuerySet
 
 from portal import people
-from tpus.models import Lab, Membership, TpuVm
+from tpus.models import Grant, Lab, Membership, TpuVm
+from tpus.models.grants import WANTED_STATES
 from tpus.services.grants import why_not_grantable
 
 # A picker shows this many matches at most; typing more narrows them.
@@ -149,6 +150,7 @@ class Readiness:
     no_policy: int  # approved, but the lab's current policy not accepted
     no_username: int  # approved, but no unix username chosen
     no_key: int  # could be given access, but has no SSH key to log in with
+    has_access: int = 0  # could be given access to the VM asked about, and has it
 
     @property
     def waiting(self) -> int:
@@ -172,13 +174,46 @@ def grant_readiness(lab: Lab) -> Readiness:
     return readiness
 
 
+def vm_readiness(lab: Lab, vm: TpuVm) -> Readiness:
+    """``grant_readiness`` for giving access to ``vm``: those who hold access to it
+    already (or are being given it: a grant pending, active or failed) are not among
+    the members who *can be given* access, nor among those of them without a key;
+    they are counted apart (``has_access``). One more aggregate query."""
+    from accounts.models import SSHKey
+
+    readiness = grant_readiness(lab)
+    holding = Grant.objects.filter(user=OuterRef("user"), vm=vm, state__in=WANTED_STATES)
+    held = (
+        lab.memberships.filter(_approved() & _policy() & _named())
+        .filter(Exists(holding))
+        .annotate(has_key=Exists(SSHKey.objects.filter(user=OuterRef("user"))))
+        .aggregate(n=Count("pk"), no_key=Count("pk", filter=Q(has_key=False)))
+    )
+    return replace(
+        readiness,
+        ready=max(readiness.ready - held["n"], 0),
+        no_key=max(readiness.no_key - held["no_key"], 0),
+        has_access=held["n"],
+    )
+
+
+def _approved() -> Q:
+    return Q(state=Membership.State.APPROVED)
+
+
+def _policy() -> Q:
+    return Q(policy_version_accepted=F("lab__policy_version"))
+
+
+def _named() -> Q:
+    return Q(user__unix_account__isnull=False) & ~Q(user__unix_account__username="")
+
+
 def count_readiness(lab: Lab) -> Readiness:
     """One aggregate query over the lab's memberships (fixed cost at any size)."""
     from accounts.models import SSHKey
 
-    approved = Q(state=Membership.State.APPROVED)
-    policy = Q(policy_version_accepted=F("lab__policy_version"))
-    named = Q(user__unix_account__isnull=False) & ~Q(user__unix_account__username="")
+    approved, policy, named = _approved(), _policy(), _named()
     has_key = Q(has_key=True)
     counts = lab.memberships.annotate(
         has_key=Exists(SSHKey.objects.filter(user=OuterRef("user")))

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import uuid
 from dataclasses import dataclass
 
-from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.db.models import (
     Case,
@@ -223,9 +221,10 @@ class Figures:
 
 class Usage:
     """Worker-hours in ``lab`` over ``period`` (only ``user``'s when given), as of
-    ``now``: the period's per-day rows summed per person and per VM (one query each,
-    kept in the shared cache until more jobs are counted into the lab's rows), plus
-    the jobs not in them yet (one query, made once per object)."""
+    ``now``: the period's per-day rows summed per person or per VM in the database,
+    which also sorts and pages them, plus the jobs not in them yet (one query, made
+    once per object: running, or ended since the last count, a few per VM at most).
+    A page costs the same few queries however many people used the lab."""
 
     def __init__(self, lab: Lab, period: Period, *, user=None, now: dt.datetime | None = None):
         self.lab = lab
@@ -250,6 +249,10 @@ class Usage:
             total=Sum("worker_time"),
         )
 
+    @staticmethod
+    def _figures(row: dict) -> Figures:
+        return Figures(row["started_n"] + (row["carried_n"] or 0), row["total"])
+
     @functools.cached_property
     def _live(self) -> list[dict]:
         """The period's jobs whose time is not in the per-day rows: ``user``, ``vm``
@@ -261,69 +264,103 @@ class Usage:
             worker_time(jobs, self.period, self.now).order_by().values("user", "vm", "worker_time")
         )
 
-    def _live_by(self, key: str, after: int | None = None) -> dict[int, Figures]:
+    def _live_by(self, key: str) -> dict[int, Figures]:
         found: dict[int, Figures] = {}
         for row in self._live:
-            if after is None or row[key] > after:
-                found.setdefault(row[key], Figures()).add(1, row["worker_time"])
+            found.setdefault(row[key], Figures()).add(1, row["worker_time"])
         return found
 
-    def _counted(self, key: str) -> dict[int, tuple[int, dt.timedelta]]:
-        """``{id: (jobs, worker_time)}`` per ``key`` (``user`` or ``vm``) of the
-        period's per-day rows. They change only when ended jobs are counted into them,
-        which moves the lab's version on: until then every request of the period reads
-        them from the shared cache, not from the database."""
-        if self.period.start >= self.now:
-            return {}
-        name = ":".join(
-            [
-                "tpu-portal:usage",
-                _version(self.lab.pk),
-                str(self.lab.pk),
-                self.period.first.isoformat(),
-                self.period.last.isoformat(),
-                str(self.user.pk if self.user is not None else "all"),
-                key,
-            ]
-        )
-        found = cache.get(name)
-        if found is None:
-            found = {
-                row[key]: (row["started_n"] + (row["carried_n"] or 0), row["total"])
-                for row in self._sums(self._days().values(key)).order_by()
-            }
-            cache.set(name, found, timeout=CACHED_SECONDS)
-        return found
-
-    def _merged(self, key: str) -> dict[int, Figures]:
-        """The counted figures and the live ones together, made once per object."""
-        merged = self.__dict__.setdefault("_merged_by", {})
-        if key not in merged:
-            found = {ident: Figures(*figures) for ident, figures in self._counted(key).items()}
-            for ident, live in self._live_by(key).items():
-                found.setdefault(ident, Figures()).add(live.jobs, live.total)
-            merged[key] = found
-        return merged[key]
+    def _with_live(self, key: str) -> tuple[dict[int, Figures], set[int]]:
+        """Counted and live figures together of the ids (``key``: ``user`` or ``vm``)
+        that have live jobs, and which of them have counted rows too: one query, for a
+        few ids, made once per object."""
+        made = self.__dict__.setdefault("_with_live_by", {})
+        if key in made:
+            return made[key]
+        live = self._live_by(key)
+        found: dict[int, Figures] = {}
+        if live:
+            counted = self._sums(self._days().filter(**{f"{key}__in": list(live)}).values(key))
+            found = {row[key]: self._figures(row) for row in counted.order_by()}
+        in_rows = set(found)
+        for ident, figures in live.items():
+            found.setdefault(ident, Figures()).add(figures.jobs, figures.total)
+        made[key] = (found, in_rows)
+        return made[key]
 
     def summary(self) -> dict:
         """``jobs`` and ``total`` of the period, and how many ``people`` and ``vms``
-        used it."""
-        people, vms = self._merged("user"), self._merged("vm")
-        figures = Figures()
-        for person in people.values():
-            figures.add(person.jobs, person.total)
+        used it: one aggregate over the per-day rows, and the few ids with live jobs
+        (``_with_live``, which the pages read too)."""
+        counted = self._days().aggregate(
+            started_n=Sum("started"),
+            carried_n=Sum("carried", filter=Q(day=self.period.first)),
+            total=Sum("worker_time"),
+            people=Count("user", distinct=True),
+            vms=Count("vm", distinct=True),
+        )
+        figures = Figures(
+            (counted["started_n"] or 0) + (counted["carried_n"] or 0), counted["total"]
+        )
+        for row in self._live:
+            figures.add(1, row["worker_time"])
+        # Those with live jobs only, and no counted rows yet, are not in the count.
+        people, in_rows = self._with_live("user")
+        vms, vms_in_rows = self._with_live("vm")
         return {
             "jobs": figures.jobs,
             "total": figures.total,
-            "people": len(people),
-            "vms": len(vms),
+            "people": counted["people"] + len(people.keys() - in_rows),
+            "vms": counted["vms"] + len(vms.keys() - vms_in_rows),
         }
+
+    def ranked(self, key: str, start: int, stop: int) -> list[dict]:
+        """``{"id", "jobs", "total"}`` rows ``start`` to ``stop`` of the ids of ``key``
+        (``user`` or ``vm``), the largest worker-time first (then the smaller id), as
+        ranking everyone would give them. The database sums, sorts and slices the ids
+        without live jobs; the few with live jobs (their totals only grow) are merged
+        in: none of them can stand before a row of the slice it did not already
+        pass, so the slice starts at most their number of rows before ``start``."""
+        if stop <= start:
+            return []
+        live = most_used_first(self._with_live(key)[0])
+        first = max(0, start - len(live))
+        rows = self._sums(
+            self._days().exclude(**{f"{key}__in": [r["id"] for r in live]}).values(key)
+        ).order_by("-total", key)[first:stop]
+        counted = [
+            {"id": row[key], "jobs": f.jobs, "total": f.total}
+            for row in rows
+            for f in (self._figures(row),)
+        ]
+        if first == 0:
+            merged, at = sorted(counted + live, key=_rank), 0
+        elif not counted:
+            return []  # ``start`` is past everyone: first >= the rows without live jobs
+        else:
+            # counted[0] stands at ``first`` among the rows without live jobs, so at
+            # ``first`` plus the live rows before it; those before it are all before
+            # ``start`` (first + len(live) <= start) and are left out.
+            before = [r for r in live if _rank(r) < _rank(counted[0])]
+            after = [r for r in live if _rank(r) >= _rank(counted[0])]
+            merged = sorted(counted + after, key=_rank)
+            at = first + len(before)
+        return merged[start - at : stop - at]
 
     def grouped(self, key: str, *, after: int | None = None, first: int | None = None) -> dict:
         """Figures per ``key`` (``user`` or ``vm``) id, in id order: all of them, or
-        the ``first`` ones after the id ``after`` (a keyset page)."""
-        found = self._merged(key)
-        ids = sorted(ident for ident in found if after is None or ident > after)
+        the ``first`` ones after the id ``after`` (a keyset page, read as one)."""
+        counted = self._sums(self._days().values(key)).order_by(key)
+        if after is not None:
+            counted = counted.filter(**{f"{key}__gt": after})
+        if first is not None:
+            counted = counted[:first]
+        found = {row[key]: self._figures(row) for row in counted}
+        last = max(found) if first is not None and len(found) == first else None
+        for ident, figures in self._with_live(key)[0].items():
+            if (after is None or ident > after) and (last is None or ident <= last):
+                found[ident] = figures
+        ids = sorted(found)
         if first is not None:
             ids = ids[:first]
         return {ident: found[ident] for ident in ids}
@@ -332,17 +369,20 @@ class Usage:
         """Figures per (person, VM), for the CSV."""
         found: dict[tuple[int, int], Figures] = {}
         for row in self._sums(self._days().values("user", "vm")).order_by():
-            found[(row["user"], row["vm"])] = Figures(
-                row["started_n"] + (row["carried_n"] or 0), row["total"]
-            )
+            found[(row["user"], row["vm"])] = self._figures(row)
         for live in self._live:
             found.setdefault((live["user"], live["vm"]), Figures()).add(1, live["worker_time"])
         return found
 
 
+def _rank(row: dict) -> tuple:
+    return (-row["total"], row["id"])
+
+
 class MostUsedFirst:
     """The people (``key="user"``) or VMs (``"vm"``) of a period, most used first, as
-    a sequence a Paginator can page; ``count`` is known beforehand (``summary``)."""
+    a sequence a Paginator can page (each page read as one from the database);
+    ``count`` is known beforehand (``summary``)."""
 
     def __init__(self, figures: Usage, key: str, count: int):
         self.figures = figures
@@ -356,13 +396,14 @@ class MostUsedFirst:
         return self._count
 
     def __getitem__(self, part: slice) -> list[dict]:
-        return most_used_first(self.figures._merged(self.key))[part]
+        start, stop, _ = part.indices(self._count)
+        return self.figures.ranked(self.key, start, stop)
 
 
 def most_used_first(grouped: dict[int, Figures]) -> list[dict]:
     """``{"id", "jobs", "total"}`` rows, the largest worker-time first."""
     rows = [{"id": ident, "jobs": f.jobs, "total": f.total} for ident, f in grouped.items()]
-    rows.sort(key=lambda row: (-row["total"], row["id"]))
+    rows.sort(key=_rank)
     return rows
 
 
@@ -397,25 +438,6 @@ def hours(value: dt.timedelta | None) -> float:
 
 # --- keeping the per-day rows ----------------------------------------------------------
 
-# How long a period's figures stay in the cache (a newer version replaces them sooner).
-CACHED_SECONDS = 3600
-
-
-def _version(lab_id: int) -> str:
-    """The lab's figures' version: a new one whenever jobs are counted into its rows."""
-    key = f"tpu-portal:usage-version:{lab_id}"
-    version = cache.get(key)
-    if version is None:
-        cache.add(key, uuid.uuid4().hex, timeout=None)
-        version = cache.get(key) or "none"
-    return version
-
-
-def _new_versions(lab_ids) -> None:
-    for lab_id in lab_ids:
-        cache.set(f"tpu-portal:usage-version:{lab_id}", uuid.uuid4().hex, timeout=None)
-
-
 COUNT_BATCH = 500
 
 
@@ -444,11 +466,6 @@ def count_ended_jobs(limit: int = COUNT_BATCH) -> int:
             ) != len(ids):
                 raise _Raced
             _add_to_days(jobs)
-            # Now for this transaction's own reads, and again once it commits, so that
-            # figures cached meanwhile from the rows before it are not kept.
-            labs = {job.lab_id for job in jobs}
-            _new_versions(labs)
-            transaction.on_commit(lambda: _new_versions(labs))
     except (_Raced, IntegrityError):
         return 0
     return len(jobs)
@@ -466,11 +483,8 @@ def recount_all() -> int:
     """The per-day rows made again from every job: after TIME_ZONE changed (a day is a
     day in the portal's time zone)."""
     with transaction.atomic():
-        labs = set(UsageDay.objects.values_list("lab_id", flat=True).distinct())
         UsageDay.objects.all().delete()
         Job.objects.filter(usage_counted=True).update(usage_counted=False)
-        _new_versions(labs)
-        transaction.on_commit(lambda: _new_versions(labs))
     return count_all_ended_jobs()
 
 

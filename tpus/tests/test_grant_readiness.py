@@ -13,10 +13,10 @@ from tpus.services import directory
 from tpus.services import labs as lab_services
 
 
-def _vm(lab):
+def _vm(lab, name="tpu5"):
     from tpus.models import TpuVm, Worker
 
-    vm = TpuVm.objects.create(lab=lab, name="tpu5", zone="us-central1-f", source="manual")
+    vm = TpuVm.objects.create(lab=lab, name=name, zone="us-central1-f", source="manual")
     Worker.objects.create(vm=vm, index=0, external_ip="10.213.0.9", host_keys=["ssh-ed25519 AAAA"])
     return vm
 
@@ -105,3 +105,39 @@ def test_the_counts_are_cached_and_every_change_they_depend_on_is_seen_at_once(
     lab.policy_version += 1
     lab.save()
     assert directory.grant_readiness(lab).no_policy == 3
+
+
+def test_a_member_who_has_access_already_is_not_counted_as_one_who_can_be_given_it(
+    client, make_lab, make_user, add_member
+):
+    from tpus.models import Grant
+
+    lab = make_lab("Vision", slug="vision")
+    admin = make_user("boss@vision.example")
+    add_member(lab, admin, role="admin")
+    choose_username(admin, "boss")
+    milo = make_user("milo@uni.example")
+    add_member(lab, milo)
+    choose_username(milo, "milo")
+    vm, other = _vm(lab), _vm(lab, "tpu6")
+    Grant.objects.create(user=milo, vm=vm, state="active")
+    client.force_login(admin)
+
+    body = client.get(reverse("vm_access", args=["vision", vm.pk])).content.decode()
+
+    assert "1 more member can be given access." in body  # boss, not milo
+    assert "1 already has access to tpu5." in body
+    assert "1 of those who can be given access has no SSH key yet" in body
+    # On another VM, milo can be given access.
+    body = client.get(reverse("vm_access", args=["vision", other.pk])).content.decode()
+    assert "2 members can be given access." in body and "already ha" not in body
+
+    Grant.objects.create(user=admin, vm=vm, state="pending")  # on its way: has it too
+    body = client.get(reverse("vm_access", args=["vision", vm.pk])).content.decode()
+    assert "No other member can be given access yet." in body
+    assert "2 already have access to tpu5." in body
+    assert "no SSH key yet" not in body
+    # A revoked grant is no access: milo can be given it again.
+    Grant.objects.filter(user=milo, vm=vm).update(state="revoked")
+    body = client.get(reverse("vm_access", args=["vision", vm.pk])).content.decode()
+    assert "1 more member can be given access." in body and "1 already has access" in body

@@ -497,3 +497,24 @@ def test_the_email_at_the_end_links_to_the_jobs_page(
     assert f"{settings.SITE_URL}{_job_url(job)}" in message.body
     client.force_login(scene.milo)
     assert client.get(_job_url(job)).status_code == 200
+
+
+@pytest.mark.parametrize("how", ["submit", "rerun"])
+def test_a_job_that_ended_before_its_page_showed_never_reads_as_queued(client, scene, how):
+    client.force_login(scene.milo)
+    if how == "submit":
+        response = client.post(_submit_url(scene), {"command": "python3 train.py"})
+    else:
+        response = client.post(_job_url(make_job(scene.vm, scene.milo, "failed"), "job_rerun"))
+    job = Job.objects.order_by("pk").last()
+    assert response.status_code == 302 and response["Location"] == _job_url(job)
+    # A short job: it ran and ended before the browser followed the redirect.
+    Job.objects.filter(pk=job.pk).update(
+        state="succeeded", started_at=timezone.now(), ended_at=timezone.now()
+    )
+
+    body = client.get(response["Location"]).content.decode()
+
+    assert "queued on" not in body and "is queued" not in body
+    assert f"Job {job.pk} submitted to tpu5" in body
+    assert '<span class="badge job-succeeded">Succeeded</span>' in body

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import io
+import re
 
 import pytest
 from django.db import connection
@@ -15,6 +16,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from accounts.services import create_token
+from portal.paging import PAGE_SIZE
 from tpus.models import Grant, Job, JobWorker
 from tpus.services import usage
 from tpus.tests import jobs_support
@@ -328,14 +330,6 @@ def _queries(client, url) -> int:
     return len(context)
 
 
-def _cold_queries(client, url, lab) -> int:
-    """The queries of ``url`` when the lab's figures are not in the cache."""
-    from django.core.cache import cache
-
-    cache.delete(f"tpu-portal:usage-version:{lab.pk}")
-    return _queries(client, url)
-
-
 @pytest.mark.parametrize(
     "page",
     [
@@ -375,16 +369,36 @@ def test_the_job_pages_make_as_many_queries_for_200_jobs_as_for_5(
         client.defaults["HTTP_AUTHORIZATION"] = f"Bearer {token}"
     _grow(scene, pod, 5, make_user)
     _queries(client, url)  # the first visit makes the lab's key pair and such, once
-    few = _queries(client, url)  # the period's counted figures from the cache
-    cold = _cold_queries(client, url, scene.lab)  # and from the database
+    few = _queries(client, url)
     _grow(scene, pod, 200, make_user)
     assert Job.objects.count() > 200
     assert _queries(client, url) == few  # the new jobs read one by one
-    assert _cold_queries(client, url, scene.lab) == cold
     usage.count_all_ended_jobs()
-    _queries(client, url)
     assert _queries(client, url) == few  # and summed from the per-day rows
-    assert _cold_queries(client, url, scene.lab) == cold
+
+
+def test_the_usage_page_has_the_database_sort_and_page_the_people(client, scene, make_user):
+    pod = make_vm(scene.lab, "pod1", workers=4)
+    Grant.objects.create(user=scene.milo, vm=pod, state="active")
+    make_job(pod, scene.milo, "running", started_at=timezone.now())
+    _grow(scene, pod, 300, make_user)  # 60 people
+    usage.count_all_ended_jobs()
+    client.force_login(scene.admin)
+
+    with CaptureQueriesContext(connection) as context:
+        page = _usage(client, "?people=2").content.decode()
+
+    # Summed per person or VM in the database: each such query is a page (LIMIT) or
+    # the few with a job running now, never everyone to be sorted here.
+    grouped = [q["sql"] for q in context.captured_queries if "tpus_usageday" in q["sql"]]
+    grouped = [q for q in grouped if "GROUP BY" in q]
+    assert grouped and all("LIMIT" in q or " IN (" in q for q in grouped), grouped
+    # The second page holds what ranking everyone would put there.
+    figures = usage.Usage(scene.lab, usage.Period.last_days())
+    second = usage.name_people(usage.most_used_first(figures.grouped("user"))[PAGE_SIZE:])
+    table = page.split('id="usage-people"')[1].split("</table>")[0]
+    shown = re.findall(r'<span class="help">([^<]+)</span>', table)
+    assert second and shown == [row["email"] for row in second]
 
 
 # --- a fresh look at the chips -----------------------------------------------------------

@@ -81,3 +81,38 @@ def test_a_grant_in_flight_comes_first_and_keeps_the_page_polling(client, cast, 
     Grant.objects.filter(pk=stuck.pk).update(state="active")
     body = client.get(reverse("vm_progress", args=[cast.lab.slug, pod.pk])).content.decode()
     assert "hx-trigger" not in body
+
+
+def test_changes_in_progress_lists_only_what_is_still_changing(client, cast, pod, make_user):
+    """A grant that became active a minute ago is shown apart, as finished; one from
+    ten minutes ago is old news, only on the access list; nothing is in progress."""
+    from tpus.models import Grant
+
+    now = timezone.now()
+    just = Grant.objects.create(user=make_user("just@vision.example"), vm=pod)
+    old = Grant.objects.create(user=make_user("old@vision.example"), vm=pod)
+    Grant.objects.filter(pk=just.pk).update(
+        state="active", changed_at=now - dt.timedelta(minutes=1)
+    )
+    Grant.objects.filter(pk=old.pk).update(
+        state="active", changed_at=now - dt.timedelta(minutes=10)
+    )
+    client.force_login(cast.admin)
+
+    body = client.get(reverse("vm_progress", args=[cast.lab.slug, pod.pk])).content.decode()
+
+    in_progress, finished = body.split("<h2>Provisioning on each worker</h2>")[0].split(
+        "Finished in the last 5 minutes"
+    )
+    assert "Nothing is changing on tpu5 right now." in in_progress
+    assert 'id="grant-' not in in_progress
+    assert f'id="grant-{just.pk}"' in finished and "old@vision.example" not in body
+    assert "hx-trigger" not in body  # nothing to follow
+
+    # A change under way is listed under "Changes in progress", the finished one apart.
+    moving = Grant.objects.create(user=make_user("moving@vision.example"), vm=pod)
+    body = client.get(reverse("vm_progress", args=[cast.lab.slug, pod.pk])).content.decode()
+    in_progress, finished = body.split("Finished in the last 5 minutes")
+    assert f'id="grant-{moving.pk}"' in in_progress and f'id="grant-{just.pk}"' not in in_progress
+    assert f'id="grant-{just.pk}"' in finished
+    assert 'hx-trigger="every 1s"' in body

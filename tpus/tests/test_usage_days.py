@@ -238,3 +238,33 @@ def test_the_count_usage_command_counts_what_is_left_and_recounts_on_demand(scen
         sorted(UsageDay.objects.values_list("day", "user", "vm", "started", "worker_time")) == rows
     )
     _compare(scene)
+
+
+def test_every_slice_of_a_crowd_ranked_in_the_database_is_what_ranking_everyone_gives(
+    scene, make_user
+):
+    # Twenty people, each with ended jobs (counted into the rows) of various lengths,
+    # equal totals among them (ties go to the smaller id), and six with a job running
+    # now (read one by one), some of whom rise above people the rows rank before them.
+    people = []
+    for n in range(20):
+        person = make_user(f"crowd{n}@vision.example")
+        Grant.objects.create(user=person, vm=scene.vm, state="active")
+        people.append(person)
+        hours = [1, 3, 3, 5, 8][n % 5] + n // 5
+        make_job(scene.vm, person, "succeeded", started_at=at(15, 1), ended_at=at(15, 1 + hours))
+    usage.count_all_ended_jobs()
+    for n, person in enumerate(people[::3]):
+        vm = make_vm(scene.lab, f"run{n}")  # one running job per VM
+        Grant.objects.create(user=person, vm=vm, state="active")
+        make_job(vm, person, "running", started_at=NOW - dt.timedelta(hours=2 + 3 * n))
+    figures = usage.Usage(
+        scene.lab, usage.Period(dt.date(2026, 1, 1), dt.date(2026, 1, 31)), now=NOW
+    )
+
+    everyone = usage.most_used_first(figures.grouped("user"))
+    assert figures.summary()["people"] == len(everyone) == 20
+    ranked = usage.MostUsedFirst(figures, "user", len(everyone))
+    for first in range(len(everyone) + 1):
+        for size in (1, 2, 3, 5, 7, 20):
+            assert ranked[first : first + size] == everyone[first : first + size], (first, size)

@@ -28,20 +28,21 @@ GRANT_ROW = ("pk", "sudo", "expires_on", "state", "error", "changed_at")
 GRANT_PERSON = {"username": F("user__unix_account__username"), "email": F("user__email")}
 
 
-# The live part shows grants changed this recently (so the admin sees the outcome of
-# what they just did land), plus any still on their way, at most PROGRESS_GRANTS.
-RECENT = dt.timedelta(minutes=15)
+# The live part shows the grants still on their way, and apart from them those that
+# finished this recently (so the admin sees the outcome of what they just did land,
+# not an hour of old news), at most PROGRESS_GRANTS in all.
+FINISHED_SHOWN = dt.timedelta(minutes=5)
 PROGRESS_GRANTS = 20
 
 
 def vm_progress_context(vm) -> dict:
-    """What changes while a VM is being provisioned: the grants in flight (first) and
-    those changed lately, and each worker's last reconcile. Every grant is on the VM's
-    access page, paged."""
+    """What changes while a VM is being provisioned: the grants in flight
+    (``changes``), those that finished in the last few minutes (``finished``), and each
+    worker's last reconcile. Every grant is on the VM's access page, paged."""
     moving = Q(state__in=(GrantState.PENDING, GrantState.REVOKING))
     rank = Case(When(moving, then=Value(0)), default=Value(1))  # 0: in flight
     shown = (
-        vm.grants.filter(moving | Q(changed_at__gte=timezone.now() - RECENT))
+        vm.grants.filter(moving | Q(changed_at__gte=timezone.now() - FINISHED_SHOWN))
         .annotate(rank=rank)
         .order_by("rank", "-changed_at", "-pk")
         .values("pk")[:PROGRESS_GRANTS]
@@ -61,7 +62,10 @@ def vm_progress_context(vm) -> dict:
     running, stalled_since = leases.held_or_stalled(vm.reconcile_claimed_until)
     return {
         "vm": vm,
-        "changes": grants,
+        "changes": [g for g in grants if g["rank"] == 0],
+        "finished": [g for g in grants if g["rank"] != 0],
+        "finished_minutes": int(FINISHED_SHOWN.total_seconds() // 60),
+        "progress_grants": grants,
         "workers": workers,
         "sync_rows": sync_rows(vm, workers, running=running, stalled_since=stalled_since),
         # Disks no worker mounts (two at one mount point): the rest still goes through.
@@ -208,7 +212,7 @@ def vm_access(request, slug, vm_id):
         "lab": lab,
         "grant_form": GrantForm(lab=lab),
         # Counted only if the form is shown (every worker's host keys confirmed).
-        "readiness": SimpleLazyObject(lambda: directory.grant_readiness(lab)),
+        "readiness": SimpleLazyObject(lambda: directory.vm_readiness(lab, vm)),
         "grants_page": grants_page,
         # "Give access" waits until every worker's host keys are confirmed.
         "unpinned_workers": [w for w in progress["workers"] if not w.is_pinned],

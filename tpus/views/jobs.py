@@ -108,7 +108,9 @@ def job_submit(request, slug, vm_id):
         except ValidationError as exc:
             form.add_service_error(exc)
         else:
-            messages.success(request, f"Job {job.pk} is queued on {vm.name}.")
+            # What happened, not the job's state: the message stays above the live part,
+            # which follows the state, and a job that ended never reads as queued.
+            messages.success(request, f"Job {job.pk} submitted to {vm.name}.")
             return redirect("job_detail", lab.slug, vm.pk, job.pk)
     context = {
         "lab": lab,
@@ -261,7 +263,7 @@ def job_rerun(request, slug, vm_id, job_id):
         text = " ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
         messages.error(request, text)
         return redirect("job_detail", lab.slug, job.vm_id, job.pk)
-    messages.success(request, f"Job {new.pk} is queued on {job.vm.name}: {job.pk} again.")
+    messages.success(request, f"Job {new.pk} submitted to {job.vm.name}: job {job.pk} again.")
     return redirect("job_detail", lab.slug, job.vm_id, new.pk)
 
 

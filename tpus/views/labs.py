@@ -53,9 +53,9 @@ def dashboard(request):
             "tokens": user.api_tokens.live().count(),
             "my_grants": user.grants.exclude(state="revoked").select_related("vm__lab"),
             "ssh_keys": user.ssh_keys.all(),
-            "worker_seen": heartbeat.last_seen() if user.is_site_admin else None,
-            "worker_alive": user.is_site_admin
-            and heartbeat.is_alive(settings.PORTAL_HEARTBEAT_SECONDS),
+            "background": heartbeat.status(settings.PORTAL_HEARTBEAT_SECONDS)
+            if user.is_site_admin
+            else None,
             "mail_backlog": outbox.backlog() if user.is_site_admin else None,
         },
     )
