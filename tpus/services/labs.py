@@ -17,11 +17,10 @@ from tpus.services import emails
 
 PURPOSE_MAX = 500
 INVITE_DAYS = 14
-# A lab's fields that only a site admin sets: the project decides whose TPU VMs the
-# lab can import and log in to.
-# Only a site admin sets these: the project and zones decide whose TPU VMs the lab can
-# import; the grant's end date comes from the lab's TPU grant, and ends (or, moved
-# later, gives back) everyone's access to the lab's VMs and the right to make them.
+# A lab's fields that only a site admin sets: the project and zones decide whose TPU
+# VMs the lab can import and log in to; the grant's end date comes from the lab's TPU
+# grant, and ends (or, moved later, gives back) everyone's access to the lab's VMs and
+# the right to make or start them.
 SITE_ADMIN_FIELDS = ("gcp_project_id", "zones", "grant_end_date")
 SITE_ADMIN_ONLY = (
     "Only a site admin can change a lab's GCP project, zones or TPU grant end date: ask one."
