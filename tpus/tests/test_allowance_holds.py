@@ -15,6 +15,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from portal.models import OutboxMessage
+from tpus import queue
 from tpus.models import AuditEvent, Grant, LabAllowance, TpuVm, VmRequest
 from tpus.models.provisioning import OPEN_REQUEST_STATES
 from tpus.services import allowances, keep_alive, sync, vm_lifecycle, vm_requests
@@ -87,6 +88,58 @@ def test_six_requests_at_once_against_room_for_two_make_exactly_two(
     }
     assert VmRequest.objects.filter(lab=lab).count() == 2
     assert allowances.holding(lab, "v4", "on-demand") == 8
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_and_a_request_at_once_against_room_for_one_make_one(
+    cast, tpu_emulator, monkeypatch
+):
+    """A start counts under the same lock as a request: with room for one more v4-8,
+    starting a stopped one and asking for a new one at the same moment let one of the
+    two through, whichever comes first."""
+    lab = _lab(cast, chips=8)
+    for name, state in (("tpu5", "STOPPED"), ("tpu6", "READY")):
+        vm = TpuVm.objects.create(
+            lab=lab, name=name, zone=ZONE, source="created", accelerator_type="v4-8",
+            state=state,
+        )  # fmt: skip
+        VmRequest.objects.create(
+            lab=lab, vm=vm, state="ready", **{**_spec(name).__dict__, "name": name}
+        )
+    queued = []  # the calls at Google are not the point here: only what was let through
+    monkeypatch.setattr(queue, "change_vm", lambda vm_id, action: queued.append(action))
+    monkeypatch.setattr(queue, "send_vm_request", lambda pk: queued.append("send"))
+    stopped = TpuVm.objects.get(name="tpu5")
+    together = threading.Barrier(2)
+    done, refused, errors = [], [], []
+
+    def run(work) -> None:
+        try:
+            together.wait(timeout=30)
+            done.append(work())
+        except ValidationError as exc:
+            refused.append(" ".join(exc.messages))
+        except Exception as exc:  # collected and asserted on below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [
+        threading.Thread(target=run, args=(lambda: vm_lifecycle.start_vm(cast.admin, stopped),)),
+        threading.Thread(
+            target=run, args=(lambda: vm_requests.request_vm(cast.admin, lab, _spec("tpu7")),)
+        ),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    assert not errors
+    assert len(done) == 1 and len(refused) == 1, (done, refused)
+    assert "the lab holds 8 on-demand v4 chips of its 8, so 0 are left" in refused[0]
+    assert allowances.holding(lab, "v4", "on-demand") == 8
+    assert len(queued) == 1
 
 
 # --- a stopped VM started again ---------------------------------------------------------
