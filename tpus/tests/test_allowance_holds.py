@@ -219,9 +219,10 @@ def test_a_stopped_vm_does_not_start_after_the_labs_grant_ended(cast, stopped, t
     assert tpu_emulator.requests["StartNode"] == 0
 
 
-def test_an_imported_vm_of_a_lab_without_allowance_starts_until_the_grant_ends(cast):
-    """The portal never counted the chips of a lab it makes nothing for: only the
-    grant's end holds such a lab's own VMs."""
+def test_an_imported_vm_the_lab_has_no_allowance_for_starts_until_the_grant_ends(cast):
+    """A VM the lab made itself, of a kind it has no allowance for, is outside what the
+    portal keeps count of: only the grant's end holds it."""
+    LabAllowance.objects.create(lab=cast.lab, generation="v4", provisioning="spot", chips=4)
     vm = TpuVm.objects.create(
         lab=cast.lab, name="tpu9", zone="us-central1-f", source="imported",
         accelerator_type="v4-8", state="STOPPED",
