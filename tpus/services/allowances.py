@@ -3,8 +3,8 @@
 way a lab comes to hold chips (a request, a stopped VM started again, a VM kept alive
 asked for again after a preemption) is checked against them here, with the numbers.
 
-A stopped VM holds none of the allowance (Google does not charge the lab's grant for
-it), so a lab may stop a VM to make room for another; starting it again is then checked
+A stopped VM holds none of the allowance (it holds no TPU chips at Google while
+stopped), so a lab may stop a VM to make room for another; starting it again is checked
 like a new request. Each of those checks runs with the lab's row locked, in the
 transaction that makes the lab hold the chips (``claim``): two at once for one lab run
 one after the other, and the second counts what the first made."""
