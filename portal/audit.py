@@ -38,6 +38,7 @@ class AuditAction(models.TextChoices):
     VM_REQUESTED = "vm.requested", "TPU VM requested from Google Cloud"
     VM_REQUEST_CANCELLED = "vm.request_cancelled", "TPU VM request cancelled"
     VM_REQUEST_FAILED = "vm.request_failed", "TPU VM request failed"
+    VM_KEPT_DOWN = "vm.kept_down", "Kept-alive TPU VM not asked for again (allowance or grant end)"
     VM_CREATED = "vm.created", "TPU VM created and added to the lab"
     VM_STOP_REQUESTED = "vm.stop_requested", "TPU VM stop asked for"
     VM_START_REQUESTED = "vm.start_requested", "TPU VM start asked for"

@@ -98,8 +98,9 @@ class LabSettingsOut(Schema):
 
 
 class LabSettingsIn(StrictIn):
-    """The fields to change; those left out keep their value. ``gcp_project_id`` and
-    ``zones`` are for site admins only. A default of None means "not given": null is
+    """The fields to change; those left out keep their value. ``gcp_project_id``,
+    ``zones`` and ``grant_end_date`` are for site admins only (a lab admin's request
+    that names one is a 403, whatever the value). A default of None means "not given": null is
     refused where the page's form has no empty choice."""
 
     name: str = None
@@ -135,7 +136,8 @@ def get_settings(request, slug: str):
 @router.patch(
     "/labs/{slug}/settings",
     response={200: LabSettingsOut, 400: FormError},
-    summary="Change a lab's settings (lab admins; the GCP project and zones: site admins)",
+    summary="Change a lab's settings (lab admins; the GCP project, zones and grant end date: "
+    "site admins)",
 )
 def update_settings(request, slug: str, payload: LabSettingsIn):
     lab = access.get_admin_lab(request.user, slug)

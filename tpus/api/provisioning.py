@@ -46,6 +46,10 @@ class VmRequestOut(Schema):
     error_code: str
     error: str
     vm_id: int | None
+    # A VM kept alive that Google took back and the portal did not ask for again: why
+    # (the lab's allowance, its grant's end) and since when; empty and null otherwise.
+    kept_down: str
+    kept_down_since: datetime | None
     created_at: datetime
     waiting_since: datetime | None
     ready_at: datetime | None

@@ -69,14 +69,14 @@ class ZonesField(forms.CharField):
 
 
 class LabSettingsForm(forms.ModelForm):
-    """What a lab admin may change. The lab's GCP project and zones are not here: the
-    project's TPU VMs become the lab's, so only a site admin sets them."""
+    """What a lab admin may change. The lab's GCP project and zones are not here (the
+    project's TPU VMs become the lab's), nor its grant's end date (it comes from the TPU
+    grant and ends everyone's access): only a site admin sets them."""
 
     class Meta:
         model = Lab
         fields = [
             "name",
-            "grant_end_date",
             "default_sudo",
             "discoverable",
             "policy_text",
@@ -116,7 +116,8 @@ class LabSettingsForm(forms.ModelForm):
 
 
 class SiteLabSettingsForm(LabSettingsForm):
-    """A site admin's settings form: everything, including the project and zones."""
+    """A site admin's settings form: everything, including the project, zones and the
+    grant's end date."""
 
     zones = ZonesField(
         required=False, max_length=2000, help_text="For example: us-central1-f, europe-west4-a"

@@ -111,6 +111,11 @@ class VmRequest(models.Model):
     ready_at = models.DateTimeField(null=True, blank=True)
     changed_at = models.DateTimeField(default=timezone.now)
     claimed_until = models.DateTimeField(null=True, blank=True)
+    # A VM kept alive that Google took back and the portal did not ask for again: why
+    # (its chips are not free, the lab's grant ended) and since when. Each keep-alive
+    # pass checks again; the row keeps the duty until the VM is asked for.
+    kept_down = models.TextField(blank=True)
+    kept_down_since = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]

@@ -3,8 +3,8 @@
 way a lab comes to hold chips (a request, a stopped VM started again, a VM kept alive
 asked for again after a preemption) is checked against them here, with the numbers.
 
-A stopped VM holds none of the allowance (Google does not charge the lab's grant for
-it), so a lab may stop a VM to make room for another; starting it again is then checked
+A stopped VM holds none of the allowance (it holds no TPU chips at Google while
+stopped), so a lab may stop a VM to make room for another; starting it again is checked
 like a new request. Each of those checks runs with the lab's row locked, in the
 transaction that makes the lab hold the chips (``claim``): two at once for one lab run
 one after the other, and the second counts what the first made."""
@@ -100,9 +100,9 @@ def claim(lab: Lab, accelerator_type: str, provisioning: str, *, grant_only: boo
     request stored, a VM's state moved to starting, a kept-alive VM asked for again),
     with the lab's row locked first: concurrent claims of one lab wait for each other,
     and each counts what the ones before it made. The grant's end date is read as it is
-    now. ``grant_only`` checks the grant's end alone (a VM the lab made itself, in a
-    lab without any allowance). Returns the locked lab. (SQLite takes its write lock
-    when the transaction begins, which serialises them the same way.)"""
+    now. ``grant_only`` checks the grant's end alone (a VM the lab made itself, of a
+    generation and kind it has no allowance for). Returns the locked lab. (SQLite takes
+    its write lock when the transaction begins, which serialises them the same way.)"""
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("claim() must run inside the transaction that takes the chips")
     locked = Lab.objects.select_for_update().get(pk=lab.pk)

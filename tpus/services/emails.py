@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from django.conf import settings
 from django.db import transaction
 from django.urls import reverse
 from django.utils import timezone
@@ -218,6 +219,23 @@ def send_vm_request_failed(request_id: int) -> None:
     if made is None or made.state != "failed":
         return
     mail.send("vm_request_failed", admin_emails(made.lab), {"request": made, "lab": made.lab})
+
+
+def send_vm_kept_down(request_id: int) -> None:
+    """A VM kept alive that Google took back is not asked for again (its chips are not
+    free, or the lab's grant ended): the lab's admins hear why, once a spell."""
+    from tpus.models import VmRequest
+
+    made = VmRequest.objects.select_related("lab", "vm").filter(pk=request_id).first()
+    if made is None or not made.kept_down or made.vm is None:
+        return
+    context = {
+        "request": made,
+        "vm": made.vm,
+        "lab": made.lab,
+        "poll_seconds": settings.PORTAL_VM_REQUEST_POLL_SECONDS,
+    }
+    mail.send("vm_kept_down", admin_emails(made.lab), context)
 
 
 def send_vm_deleted(vm_id: int, admin_id: int) -> None:

@@ -1,12 +1,20 @@
 """VMs kept alive: one that Google preempted, terminated or deleted is asked for again
 as a queued request of the same name, type, version and kind, and when it is back the
 portal restores what it had (accounts, disks, the jobs its people asked to run again).
+
+Asking again is checked like any request (the lab's allowance, its grant's end, with
+the lab locked). A refused VM stays down: its request keeps the keep-alive duty and
+says why (``kept_down``, shown on the VM's page), the lab's admins are told once, and
+every pass checks again, so it is asked for by itself once the chips are free (another
+VM stopped or deleted, the allowance raised, the grant's end moved).
 """
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import Q
+from django.utils import timezone
 
 from portal import audit
 from tpus import queue
@@ -15,6 +23,7 @@ from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, TpuVm, Worker
 from tpus.models.inventory import AttachmentState, DiskAttachment, HostKeySource, NodeState
 from tpus.models.provisioning import VmRequest, VmRequestState
+from tpus.services import allowances, emails
 
 # Node states in which Google took a VM back (a stopped VM was stopped by the lab).
 TAKEN_BACK = {NodeState.PREEMPTED, NodeState.TERMINATED}
@@ -23,17 +32,29 @@ TAKEN_BACK = {NodeState.PREEMPTED, NodeState.TERMINATED}
 def bring_back() -> list[VmRequest]:
     """Each VM kept alive that Google preempted, terminated or deleted gets a new
     queued request of the same name, type, version and kind (its own row, by the
-    portal). When it is up, ``_arrived`` restores everything on it."""
-    gone = (
-        VmRequest.objects.filter(state=VmRequestState.READY, keep_alive=True, vm__isnull=False)
-        .filter(Q(vm__state__in=TAKEN_BACK) | Q(vm__missing_since__isnull=False))
-        .select_related("vm", "lab")
+    portal), when the lab's allowance and grant allow it (``kept_down`` otherwise).
+    When it is up, ``_arrived`` restores everything on it."""
+    taken_back = Q(vm__state__in=TAKEN_BACK) | Q(vm__missing_since__isnull=False)
+    duties = VmRequest.objects.filter(state=VmRequestState.READY, keep_alive=True, vm__isnull=False)
+    # Back by other means meanwhile (Google's own restart): no longer kept down.
+    duties.filter(kept_down_since__isnull=False).exclude(taken_back).update(
+        kept_down="", kept_down_since=None
     )
+    gone = duties.filter(taken_back).select_related("vm", "lab")
     revived = []
     for old in gone:
         with transaction.atomic():
+            # Checked with the lab locked, as a request of the lab's admins is; the VM
+            # holds nothing while Google has it, so it does not count against itself.
+            try:
+                allowances.claim(old.lab, old.accelerator_type, old.provisioning)
+            except ValidationError as exc:
+                kept_down(old, exc.messages[0])
+                continue
             # The keep-alive duty moves to the new request, so the next pass skips this one.
-            if not VmRequest.objects.filter(pk=old.pk, keep_alive=True).update(keep_alive=False):
+            if not VmRequest.objects.filter(pk=old.pk, keep_alive=True).update(
+                keep_alive=False, kept_down="", kept_down_since=None
+            ):
                 continue
             try:
                 with transaction.atomic():
@@ -61,6 +82,34 @@ def bring_back() -> list[VmRequest]:
         run_again_what_it_lost(again)
         revived.append(again)
     return revived
+
+
+def held_down(vm: TpuVm) -> VmRequest | None:
+    """The request whose kept-alive VM the portal has not asked for again (and why),
+    if ``vm`` is one."""
+    return VmRequest.objects.filter(vm=vm, keep_alive=True, kept_down_since__isnull=False).first()
+
+
+def kept_down(old: VmRequest, why: str) -> None:
+    """The kept-alive VM of ``old`` is not asked for again, for ``why``: the request
+    keeps its duty and shows why; the first refusal of a spell is audited and emailed
+    to the lab's admins (claimed by setting ``kept_down_since``), later passes only
+    bring the reason up to date."""
+    first = VmRequest.objects.filter(
+        pk=old.pk, keep_alive=True, kept_down_since__isnull=True
+    ).update(kept_down=why, kept_down_since=timezone.now())
+    if not first:
+        VmRequest.objects.filter(pk=old.pk, keep_alive=True).exclude(kept_down=why).update(
+            kept_down=why
+        )
+        return
+    audit.record(
+        AuditAction.VM_KEPT_DOWN,
+        lab=old.lab,
+        summary=f"{old.name} in {old.zone} stays down: {why}",
+        data={"request": old.pk, "vm": old.vm_id},
+    )
+    emails.send_vm_kept_down(old.pk)
 
 
 def run_again_what_it_lost(made: VmRequest) -> None:

@@ -17,10 +17,14 @@ from tpus.services import emails
 
 PURPOSE_MAX = 500
 INVITE_DAYS = 14
-# A lab's fields that only a site admin sets: the project decides whose TPU VMs the
-# lab can import and log in to.
-SITE_ADMIN_FIELDS = ("gcp_project_id", "zones")
-SITE_ADMIN_ONLY = "Only a site admin can change a lab's GCP project or zones."
+# A lab's fields that only a site admin sets: the project and zones decide whose TPU
+# VMs the lab can import and log in to; the grant's end date comes from the lab's TPU
+# grant, and ends (or, moved later, gives back) everyone's access to the lab's VMs and
+# the right to make or start them.
+SITE_ADMIN_FIELDS = ("gcp_project_id", "zones", "grant_end_date")
+SITE_ADMIN_ONLY = (
+    "Only a site admin can change a lab's GCP project, zones or TPU grant end date: ask one."
+)
 
 
 class LabError(ValueError):
@@ -310,22 +314,36 @@ def _save_lab(lab: Lab) -> None:
 def update_lab(admin, lab: Lab, changes: dict, *, request=None) -> Lab:
     """Change a lab's settings from already-validated form data. A changed policy gets
     a new version, which members accept again. Only a site admin changes the lab's GCP
-    project and zones: whoever sets them decides whose TPU VMs the lab can import."""
+    project, zones and grant end date (``SITE_ADMIN_FIELDS``); the audit entry of a
+    moved end date has the old date and the new."""
     lab = Lab.objects.select_for_update().get(pk=lab.pk)
     changed = sorted(field for field, value in changes.items() if getattr(lab, field) != value)
     if not changed:
         return lab
     if not admin.is_site_admin and set(changed) & set(SITE_ADMIN_FIELDS):
         raise LabError(SITE_ADMIN_ONLY)
+    data, summary = {"fields": changed}, ""
+    if "grant_end_date" in changed:
+        old, new = lab.grant_end_date, changes["grant_end_date"]
+        data["grant_end_date"] = {"old": _iso(old), "new": _iso(new)}
+        summary = f"TPU grant end date: {_day(old)} → {_day(new)}"
     for field in changed:
         setattr(lab, field, changes[field])
     if "policy_text" in changed:
         lab.policy_version += 1
     _save_lab(lab)
     audit.record(
-        AuditAction.LAB_UPDATED, actor=admin, lab=lab, data={"fields": changed}, request=request
+        AuditAction.LAB_UPDATED, actor=admin, lab=lab, summary=summary, data=data, request=request
     )
     return lab
+
+
+def _iso(day) -> str | None:
+    return day.isoformat() if day else None
+
+
+def _day(day) -> str:
+    return f"{day:%-d %B %Y}" if day else "none"
 
 
 @transaction.atomic

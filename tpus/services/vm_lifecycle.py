@@ -31,7 +31,7 @@ from tpus.models import AuditAction, Grant, Job, TpuVm, VmRequest
 from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.inventory import NodeState, VmSource
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
-from tpus.models.provisioning import LabAllowance, Provisioning
+from tpus.models.provisioning import LabAllowance, Provisioning, chips_of
 from tpus.services import allowances, emails, inventory, jobs
 from tpus.services.hosts import hosts_must_change
 
@@ -107,13 +107,18 @@ def _may_start(vm: TpuVm) -> None:
         raise ValidationError(
             f"{vm.name} is {vm.get_state_display().lower()}; only a stopped VM starts."
         )
-    # An imported VM in a lab that has no allowance at all: the portal never counted
-    # such a lab's chips (it makes none for it), so only the grant's end applies.
+    # An imported VM of a generation and kind the lab has no allowance for: the lab
+    # made it itself, outside any allowance the portal keeps, so only the grant's end
+    # applies to it.
+    kind = _provisioning(vm)
     grant_only = (
-        vm.source != VmSource.CREATED and not LabAllowance.objects.filter(lab=vm.lab).exists()
+        vm.source != VmSource.CREATED
+        and not LabAllowance.objects.filter(
+            lab=vm.lab, generation=chips_of(vm.accelerator_type)[0], provisioning=kind
+        ).exists()
     )
     try:
-        allowances.claim(vm.lab, vm.accelerator_type, _provisioning(vm), grant_only=grant_only)
+        allowances.claim(vm.lab, vm.accelerator_type, kind, grant_only=grant_only)
     except ValidationError as exc:
         why = f"{vm.name} cannot start: {exc.messages[0]}"
         if not allowances.grant_ended(vm.lab):

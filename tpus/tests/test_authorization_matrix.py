@@ -93,6 +93,13 @@ def _urls(cast):
             [REDIRECT, MISSING, MISSING, FORBIDDEN, FORBIDDEN, OK],
         ),
         (
+            # Moving the lab's grant end date (which gives access back): site admins only.
+            "lab_settings_grant_end",
+            "post",
+            reverse("lab_settings", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, FORBIDDEN, OK],
+        ),
+        (
             "lab_audit",
             "get",
             reverse("lab_audit", args=[lab]),
@@ -263,6 +270,12 @@ def _urls(cast):
         (
             # Moving the lab to another GCP project: site admins only.
             "api_lab_settings_project",
+            "patch",
+            f"/api/v1/labs/{lab}/settings",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, OK],
+        ),
+        (
+            "api_lab_settings_grant_end",
             "patch",
             f"/api/v1/labs/{lab}/settings",
             [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, OK],
@@ -864,6 +877,7 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                 "api_member_role": {"role": "admin"},
                 "api_lab_settings_update": {"discoverable": True},
                 "api_lab_settings_project": {"gcp_project_id": "moved-project"},
+                "api_lab_settings_grant_end": {"grant_end_date": "2099-12-31"},
                 "api_disk_register": {"name": "matrix-disk", "zone": "us-central1-f"},
                 "api_vm_register": {
                     "name": "tpu10",
@@ -902,6 +916,7 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
         else:
             data = {
                 "lab_settings_project": {"gcp_project_id": "another-project"},
+                "lab_settings_grant_end": {"grant_end_date": "2099-12-31"},
                 "vm_register_post": {
                     "name": "tpu9",
                     "zone": "us-central1-f",

@@ -28,6 +28,7 @@ from tpus.services import (
     disk_mounts,
     disk_operations,
     inventory,
+    keep_alive,
     sshconfig,
     sync_health,
 )
@@ -190,6 +191,7 @@ def vm_detail(request, slug, vm_id):
         **vm_jobs_context(request.user, lab, vm, is_admin=is_admin, may_run=may_run),
     )
     context["ip_changes"] = address_history(vm, aliases)
+    context["kept_down"] = keep_alive.held_down(vm)
     return render(request, "tpus/vm_detail.html", context)
 
 
