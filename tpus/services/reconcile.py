@@ -36,7 +36,7 @@ from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.labs import MembershipState
 from tpus.remote import HostKeyMismatch, run_on_workers
 from tpus.remote.desired import DesiredState, DesiredUser, encode
-from tpus.services import disk_mounts, emails, leases
+from tpus.services import disk_mounts, emails, leases, made_anew
 from tpus.services.hostkey_alarms import raise_alarm
 from tpus.services.hosts import remote_worker
 from tpus.services.labkeys import login_for
@@ -304,6 +304,12 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
     # Only ever the VM's own lab's key: a host that was never given it refuses us.
     login = login_for(vm.lab) if reachable else None
     outcomes = run_on_workers([remote_worker(w, login) for w in reachable], "reconcile.sh", data)
+    # Another host key at a worker's address: first ask whether Google made the node
+    # anew (new machines, new keys) since the pins were taken. Then it is re-pinned and
+    # this loop runs again for it, with no alarm.
+    made_anew_now = any(
+        isinstance(o.error, HostKeyMismatch) for o in outcomes if not o.ok
+    ) and made_anew.recognise(vm)
     for worker, outcome in zip(reachable, outcomes, strict=True):
         if outcome.ok:
             result = outcome.result
@@ -327,6 +333,11 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             _record(worker, version, answer=answer, boot_id=result.values.get("boot_id", ""))
             continue
         error = outcome.error
+        if isinstance(error, HostKeyMismatch) and made_anew_now:
+            why = "the VM was made anew on new machines; their host keys are pinned again"
+            report.retryable[worker.index] = why
+            _record(worker, version, error=why, retryable=True)
+            continue
         if isinstance(error, HostKeyMismatch):
             raise_alarm(worker, str(getattr(error, "presented", "") or ""))
         bucket = report.retryable if error.retryable else report.failed
