@@ -26,15 +26,17 @@ from accounts.unix import mark_names_provisioned
 from portal import audit
 from tpus.models import (
     AuditAction,
+    ConnectionState,
     Grant,
     Membership,
     TpuVm,
+    VmConnection,
     Worker,
     WorkerSync,
 )
 from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.labs import MembershipState
-from tpus.remote import HostKeyMismatch, run_on_workers
+from tpus.remote import HostKeyMismatch, RemoteError, run_on_workers
 from tpus.remote.desired import DesiredState, DesiredUser, encode
 from tpus.services import disk_mounts, emails, leases, made_anew
 from tpus.services.hostkey_alarms import raise_alarm
@@ -340,6 +342,14 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             continue
         if isinstance(error, HostKeyMismatch):
             raise_alarm(worker, str(getattr(error, "presented", "") or ""))
+        if error.kind == RemoteError.AUTH and _still_connecting(vm_id):
+            # The lab's key is on its way to the workers (a VM just made, or just
+            # connected): not a failure yet. The connection check reconciles the VM
+            # once every worker accepts the key; it fails the VM itself if none does.
+            why = "the VM is still taking the lab's key (connecting); tried again then"
+            report.retryable[worker.index] = why
+            _record(worker, version, error=why, retryable=True)
+            continue
         bucket = report.retryable if error.retryable else report.failed
         bucket[worker.index] = str(error)
         _record(worker, version, error=str(error), retryable=error.retryable)
@@ -358,6 +368,11 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             "failed": report.failed,
         },
     )
+
+
+def _still_connecting(vm_id: int) -> bool:
+    """Whether the VM is waiting for its workers to accept the lab's key."""
+    return VmConnection.objects.filter(vm_id=vm_id, state=ConnectionState.CONNECTING).exists()
 
 
 def _version_never_sent(vm_id: int, stale: str) -> str:

@@ -15,7 +15,7 @@ import pytest
 from accounts.keys import add_key
 from accounts.unix import choose_username
 from portal.models import OutboxMessage
-from testfleet.guestagent import offer_hosts
+from testfleet.guestagent import apply_once, offer_hosts
 from tpus.cloud import NodeRequest
 from tpus.models import Job, LabAllowance, TpuVm, VmConnection, VmRequest, Worker
 from tpus.services import (
@@ -290,3 +290,55 @@ def _spot_pod() -> VmSpec:
         name="tpu5", zone=ZONE, accelerator_type="v4-32", runtime_version="tpu-ubuntu2204-base",
         provisioning="spot", queued=True,
     )  # fmt: skip
+
+
+@pytest.fixture
+def agentless_scene(tpu_emulator, fleet, fleet_hosts, fleet_settings, cast, settings):
+    """The scene without Google's guest agent running: the test applies the nodes'
+    ``ssh-keys`` itself, so it can act while a new VM's workers do not have the lab's
+    key yet."""
+    settings.PORTAL_CONNECT_WAIT_SECONDS = 30
+    lab = cast.lab
+    lab.gcp_project_id, lab.zones = PROJECT, [ZONE]
+    lab.save()
+    LabAllowance.objects.create(lab=lab, generation="v4", provisioning="spot", chips=16)
+    hosts = fleet_hosts(4)
+    offer_hosts(fleet, tpu_emulator.controls.store, [h.name for h in hosts])
+    return lab, hosts
+
+
+def test_a_grant_on_a_vm_still_taking_the_lab_key_waits_for_it_with_no_alarm(
+    agentless_scene, cast, tpu_emulator, fleet, fleet_username, fleet_uids, tmp_path,
+    django_capture_on_commit_callbacks,
+):  # fmt: skip
+    lab, hosts = agentless_scene
+    spec = VmSpec(
+        name="tpu5", zone=ZONE, accelerator_type="v4-32", runtime_version="tpu-ubuntu2204-base",
+        provisioning="spot",
+    )  # fmt: skip
+    with django_capture_on_commit_callbacks(execute=False):
+        made = vm_requests.request_vm(cast.admin, lab, spec)
+        vm_requests.send(made.pk)  # a direct create: the VM is in the lab, connecting
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    assert VmConnection.objects.get(vm=vm).state == "connecting"
+    # Seconds later, a grant; the workers do not take the lab's key yet.
+    key = tmp_path / "id_milo"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    choose_username(cast.member, fleet_username)
+    add_key(cast.member, key.with_suffix(".pub").read_text().strip())
+    with django_capture_on_commit_callbacks(execute=False):
+        [grant] = grant_access(cast.admin, lab, cast.member, [vm], sudo=False)
+    report = reconcile.reconcile_vm(vm.pk)
+    assert sorted(report.retryable) == [0, 1, 2, 3] and not report.failed
+    grant.refresh_from_db()
+    assert grant.state == "pending", grant.error
+    assert not OutboxMessage.objects.exists()  # nobody told of a failure
+
+    # The guest agent puts the key in place; the connection check sees every worker
+    # take it and reconciles: the grant goes active, and that is the only email.
+    apply_once(fleet, tpu_emulator.controls.show())
+    with django_capture_on_commit_callbacks(execute=True):
+        _connected(vm)
+    grant.refresh_from_db()
+    assert grant.state == "active", grant.error
+    assert [m.kind for m in OutboxMessage.objects.all()] == ["access_active"]
