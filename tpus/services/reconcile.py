@@ -47,6 +47,12 @@ from tpus.services.leases import Heartbeat
 log = logging.getLogger(__name__)
 
 
+# Failures no change on the host mends (the worker's key, its pin, its address): not
+# tried again by themselves. Any other failure of a worker (the portal's account lost
+# sudo there, a script refused) is, with a back-off, so it heals soon after the fix.
+NOT_MENDED_ON_THE_HOST = {RemoteError.HOST_KEY, RemoteError.NO_PIN, RemoteError.NOT_ALLOWED}
+
+
 @dataclass
 class ReconcileReport:
     vm_id: int
@@ -318,7 +324,7 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             never_sent = _version_never_sent(vm_id, result.values.get("stale", ""))
             if never_sent:
                 report.failed[worker.index] = never_sent
-                _record(worker, version, error=never_sent, retryable=False)
+                _record(worker, version, error=never_sent, retryable=False, mendable=True)
                 continue
             answer = {
                 "values": result.values,
@@ -352,7 +358,13 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             continue
         bucket = report.retryable if error.retryable else report.failed
         bucket[worker.index] = str(error)
-        _record(worker, version, error=str(error), retryable=error.retryable)
+        _record(
+            worker,
+            version,
+            error=str(error),
+            retryable=error.retryable,
+            mendable=error.kind not in NOT_MENDED_ON_THE_HOST,
+        )
     settle_grants(vm_id)
     disk_mounts.after_run(vm_id, report.ok)
     audit.record(
@@ -411,10 +423,20 @@ def _why_skipped(worker: Worker) -> tuple[str, bool] | None:
     return None
 
 
-def _record(worker: Worker, version: int, *, answer=None, error="", retryable=False, boot_id=""):
+def _record(
+    worker: Worker,
+    version: int,
+    *,
+    answer=None,
+    error="",
+    retryable=False,
+    boot_id="",
+    mendable=False,
+):
     """Store what one worker did in this run. Read afresh: another run (a revoke that
     took the VM over) may have recorded a newer version meanwhile, and what an older
-    run saw then neither replaces its answer nor counts as this worker's error."""
+    run saw then neither replaces its answer nor counts as this worker's error. A
+    failure the host can get over (``mendable``) is tried again after a back-off."""
     now = timezone.now()
     sync, _ = WorkerSync.objects.get_or_create(worker=worker)
     newer = sync.applied_version > version or (
@@ -436,9 +458,11 @@ def _record(worker: Worker, version: int, *, answer=None, error="", retryable=Fa
         sync.last_success_at = now
         sync.last_error, sync.last_error_retryable, sync.failures = "", False, 0
         sync.last_report = answer
+        sync.retry_at = None
     else:
         sync.last_error, sync.last_error_retryable = error[:2000], retryable
         sync.failures += 1
+        sync.retry_at = now + retry_delay(sync.failures) if mendable and not retryable else None
     sync.save()
     if boot_id and boot_id != worker.boot_id:
         # A new boot may be a new host: the next sync compares its published keys.
@@ -583,7 +607,8 @@ def clash_message(username: str, alias: str, reason: str) -> str:
 
 
 def retry_delay(failures: int) -> dt.timedelta:
-    """How long a grant waits before the next try after its ``failures``-th failure."""
+    """How long a grant, or a worker that failed for a reason the host can get over,
+    waits before the next try after its ``failures``-th failure."""
     base = settings.PORTAL_GRANT_RETRY_SECONDS
     cap = settings.PORTAL_GRANT_RETRY_MAX_SECONDS
     return dt.timedelta(seconds=min(base * 2 ** min(max(0, failures - 1), 20), cap))
