@@ -297,8 +297,9 @@ PORTAL_VM_REQUEST_POLL_SECONDS = env.integer("PORTAL_VM_REQUEST_POLL_SECONDS", 3
 PORTAL_RECONCILE_CLAIM_SECONDS = env.integer("PORTAL_RECONCILE_CLAIM_SECONDS", 30, minimum=1)
 PORTAL_STALLED_CHECK_SECONDS = env.integer("PORTAL_STALLED_CHECK_SECONDS", 20, minimum=1)
 # A grant a worker refused for a reason the host may get over (a local account holding
-# the person's UID or name) is tried again after this, doubling each time up to
-# PORTAL_GRANT_RETRY_MAX_SECONDS: once the admin removes the account, the grant heals
+# the person's UID or name), and a worker that failed for such a reason (the portal's
+# account lost sudo there), is tried again after this, doubling each time up to
+# PORTAL_GRANT_RETRY_MAX_SECONDS: once the admin fixes the host, it heals
 # within about that long (due tries are looked for every PORTAL_STALLED_CHECK_SECONDS),
 # and a VM with refused grants gets at most one reconcile per that many seconds.
 PORTAL_GRANT_RETRY_SECONDS = env.integer("PORTAL_GRANT_RETRY_SECONDS", 15, minimum=1)

@@ -87,6 +87,10 @@ class WorkerSync(models.Model):
     last_error = models.TextField(blank=True)
     last_error_retryable = models.BooleanField(default=False)
     failures = models.PositiveIntegerField(default=0, help_text="Failed attempts in a row.")
+    # A worker that failed for a reason the host can get over (the portal's account
+    # lost sudo there, a script refused): when to try it again, further apart each
+    # time (``reconcile.retry_delay``), so it heals soon after the fix.
+    retry_at = models.DateTimeField(null=True, blank=True, db_index=True)
     # What the host answered last time (its key=value report), for the VM page.
     last_report = models.JSONField(default=dict, blank=True)
     # Disks whose device this worker has been waiting for, since when, in this boot:

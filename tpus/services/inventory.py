@@ -168,7 +168,7 @@ def apply_workers(vm: TpuVm, node: NodeInfo) -> None:
         worker.save()
 
 
-def _pin_from_guest_attributes(vm: TpuVm, node: NodeInfo) -> list[str]:
+def pin_from_guest_attributes(vm: TpuVm, node: NodeInfo) -> list[str]:
     """Pin each worker's host keys from guest attributes, for workers not pinned yet.
     This runs at import, before any collaborator has a shell on the VM. A worker whose
     published key is pinned for another lab's worker stays unpinned; the returned
@@ -263,7 +263,7 @@ def _import_one(
     # that the admin can pin by confirming fingerprints.
     vm.host_key_refusals = []
     try:
-        vm.host_key_refusals = _pin_from_guest_attributes(vm, node)
+        vm.host_key_refusals = pin_from_guest_attributes(vm, node)
     except CloudError as exc:
         log.warning("guest attributes of %s unavailable: %s", vm, exc)
     if vm.attachments.exists() or vm.grants.exists():

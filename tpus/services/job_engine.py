@@ -32,9 +32,9 @@ from portal.audit import AuditAction
 from tpus import queue
 from tpus.models import Job, JobWorker, TpuVm
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState, first_failed
-from tpus.remote import Held, Sessions, WorkerOutcome
+from tpus.remote import Held, HostKeyMismatch, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
-from tpus.services import disk_mounts, emails, leases
+from tpus.services import disk_mounts, emails, leases, made_anew
 from tpus.services.hosts import remote_worker
 from tpus.services.jobs import coordinator_of, may_run_jobs, run_again_after_preemption
 from tpus.services.labkeys import login_for
@@ -196,6 +196,7 @@ class _Hosts:
 
     def __init__(self, vm: TpuVm, workers):
         login = login_for(vm.lab)
+        self.vm = vm
         self.workers = list(workers)
         self.remote = [remote_worker(w, login) for w in self.workers]
         self.model = {id(r): w for r, w in zip(self.remote, self.workers, strict=True)}
@@ -212,13 +213,23 @@ class _Hosts:
         of ``only`` (default: every worker)."""
         chosen = self.workers if only is None else list(only)
         remote = [r for w in chosen for r in self.remote if self.model[id(r)] is w]
-        return self.sessions.run(script, self.payload(data), only=remote)
+        return self._seen(self.sessions.run(script, self.payload(data), only=remote))
 
     def begin(self, first: str, data, then: str, *, give_up=None) -> Held:
         """``first`` on every worker, each held until ``go`` runs ``then`` (give it
         ``payload(data)``) or the ``with`` block is left without it. ``give_up``: see
         ``Sessions.begin``."""
-        return self.sessions.begin(first, self.payload(data), then, give_up=give_up)
+        held = self.sessions.begin(first, self.payload(data), then, give_up=give_up)
+        self._seen(held.first)
+        return held
+
+    def _seen(self, outcomes: list[WorkerOutcome]) -> list[WorkerOutcome]:
+        """A worker that presented another host key may be a new machine of a node
+        Google made anew: asked of the API (one GetNode), and then re-pinned with the
+        VM set up again; its jobs went with the old machines."""
+        if any(isinstance(o.error, HostKeyMismatch) for o in outcomes if not o.ok):
+            made_anew.recognise(self.vm)
+        return outcomes
 
     def payload(self, data):
         """Data for the door: a function of the model worker, of the remote one."""

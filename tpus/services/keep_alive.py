@@ -20,8 +20,8 @@ from portal import audit
 from tpus import queue
 from tpus.cloud import CloudError
 from tpus.cloud.config import cloud_tpu
-from tpus.models import AuditAction, TpuVm, Worker
-from tpus.models.inventory import AttachmentState, DiskAttachment, HostKeySource, NodeState
+from tpus.models import AuditAction
+from tpus.models.inventory import AttachmentState, DiskAttachment, NodeState
 from tpus.models.provisioning import VmRequest, VmRequestState
 from tpus.services import allowances, emails
 
@@ -168,19 +168,3 @@ def clear_leftovers(made: VmRequest) -> None:
     except CloudError as exc:
         if exc.code != "NOT_FOUND":
             raise
-
-
-def forget_host_keys(vm: TpuVm) -> None:
-    Worker.objects.filter(vm=vm).update(
-        host_keys=[],
-        host_keys_source=HostKeySource.NONE,
-        host_keys_pinned_at=None,
-        host_keys_pinned_by=None,
-        host_key_mismatch_at=None,
-        presented_host_key="",
-        host_key_alarm_published=False,
-        host_key_alerted_at=None,
-        published_host_keys=[],
-        published_keys_checked_at=None,
-        published_keys_recheck=False,
-    )

@@ -11,7 +11,7 @@ from django.db.models import Exists, F, Min, OuterRef, Q
 from django.utils import timezone
 
 from tpus import queue
-from tpus.models import DiskAttachment, Grant, TpuVm
+from tpus.models import DiskAttachment, Grant, TpuVm, WorkerSync
 from tpus.models.grants import GrantState
 from tpus.services import (
     connect,
@@ -85,11 +85,25 @@ def grants_due_a_retry() -> list[int]:
     )
 
 
+def workers_due_a_retry() -> list[int]:
+    """VMs with a worker that failed for a reason the host can get over (the portal's
+    account lost sudo there), whose back-off has passed: it heals soon after the fix,
+    not at the next drift sweep."""
+    return sorted(
+        set(
+            WorkerSync.objects.filter(
+                retry_at__lte=timezone.now(), worker__vm__missing_since=None
+            ).values_list("worker__vm_id", flat=True)
+        )
+    )
+
+
 def rerun_stalled_claims() -> None:
     """A reconcile or disk operation whose holder died stops renewing its claim: run
-    it again now, instead of waiting for the next sweep. Refused grants whose next try
-    is due are run too."""
-    for vm_id in sorted(set(reconcile.release_stalled_claims()) | set(grants_due_a_retry())):
+    it again now, instead of waiting for the next sweep. Refused grants and failed
+    workers whose next try is due are run too."""
+    due = set(grants_due_a_retry()) | set(workers_due_a_retry())
+    for vm_id in sorted(set(reconcile.release_stalled_claims()) | due):
         queue.reconcile_vm(vm_id)
     for operation_id in disk_operations.release_stalled_operations():
         queue.run_disk_operation(operation_id)

@@ -26,23 +26,31 @@ from accounts.unix import mark_names_provisioned
 from portal import audit
 from tpus.models import (
     AuditAction,
+    ConnectionState,
     Grant,
     Membership,
     TpuVm,
+    VmConnection,
     Worker,
     WorkerSync,
 )
 from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.labs import MembershipState
-from tpus.remote import HostKeyMismatch, run_on_workers
+from tpus.remote import HostKeyMismatch, RemoteError, run_on_workers
 from tpus.remote.desired import DesiredState, DesiredUser, encode
-from tpus.services import disk_mounts, emails, leases
+from tpus.services import disk_mounts, emails, leases, made_anew
 from tpus.services.hostkey_alarms import raise_alarm
 from tpus.services.hosts import remote_worker
 from tpus.services.labkeys import login_for
 from tpus.services.leases import Heartbeat
 
 log = logging.getLogger(__name__)
+
+
+# Failures no change on the host mends (the worker's key, its pin, its address): not
+# tried again by themselves. Any other failure of a worker (the portal's account lost
+# sudo there, a script refused) is, with a back-off, so it heals soon after the fix.
+NOT_MENDED_ON_THE_HOST = {RemoteError.HOST_KEY, RemoteError.NO_PIN, RemoteError.NOT_ALLOWED}
 
 
 @dataclass
@@ -305,13 +313,19 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
     login = login_for(vm.lab) if reachable else None
     looked_at = timezone.now()  # the next look at a late disk counts from here
     outcomes = run_on_workers([remote_worker(w, login) for w in reachable], "reconcile.sh", data)
+    # Another host key at a worker's address: first ask whether Google made the node
+    # anew (new machines, new keys) since the pins were taken. Then it is re-pinned and
+    # this loop runs again for it, with no alarm.
+    made_anew_now = any(
+        isinstance(o.error, HostKeyMismatch) for o in outcomes if not o.ok
+    ) and made_anew.recognise(vm)
     for worker, outcome in zip(reachable, outcomes, strict=True):
         if outcome.ok:
             result = outcome.result
             never_sent = _version_never_sent(vm_id, result.values.get("stale", ""))
             if never_sent:
                 report.failed[worker.index] = never_sent
-                _record(worker, version, error=never_sent, retryable=False)
+                _record(worker, version, error=never_sent, retryable=False, mendable=True)
                 continue
             answer = {
                 "values": result.values,
@@ -328,11 +342,30 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             _record(worker, version, answer=answer, boot_id=result.values.get("boot_id", ""))
             continue
         error = outcome.error
+        if isinstance(error, HostKeyMismatch) and made_anew_now:
+            why = "the VM was made anew on new machines; their host keys are pinned again"
+            report.retryable[worker.index] = why
+            _record(worker, version, error=why, retryable=True)
+            continue
         if isinstance(error, HostKeyMismatch):
             raise_alarm(worker, str(getattr(error, "presented", "") or ""))
+        if error.kind == RemoteError.AUTH and _still_connecting(vm_id):
+            # The lab's key is on its way to the workers (a VM just made, or just
+            # connected): not a failure yet. The connection check reconciles the VM
+            # once every worker accepts the key; it fails the VM itself if none does.
+            why = "the VM is still taking the lab's key (connecting); tried again then"
+            report.retryable[worker.index] = why
+            _record(worker, version, error=why, retryable=True)
+            continue
         bucket = report.retryable if error.retryable else report.failed
         bucket[worker.index] = str(error)
-        _record(worker, version, error=str(error), retryable=error.retryable)
+        _record(
+            worker,
+            version,
+            error=str(error),
+            retryable=error.retryable,
+            mendable=error.kind not in NOT_MENDED_ON_THE_HOST,
+        )
     settle_grants(vm_id)
     disk_mounts.after_run(vm_id, report.ok, looked_at=looked_at)
     audit.record(
@@ -348,6 +381,11 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             "failed": report.failed,
         },
     )
+
+
+def _still_connecting(vm_id: int) -> bool:
+    """Whether the VM is waiting for its workers to accept the lab's key."""
+    return VmConnection.objects.filter(vm_id=vm_id, state=ConnectionState.CONNECTING).exists()
 
 
 def _version_never_sent(vm_id: int, stale: str) -> str:
@@ -386,10 +424,20 @@ def _why_skipped(worker: Worker) -> tuple[str, bool] | None:
     return None
 
 
-def _record(worker: Worker, version: int, *, answer=None, error="", retryable=False, boot_id=""):
+def _record(
+    worker: Worker,
+    version: int,
+    *,
+    answer=None,
+    error="",
+    retryable=False,
+    boot_id="",
+    mendable=False,
+):
     """Store what one worker did in this run. Read afresh: another run (a revoke that
     took the VM over) may have recorded a newer version meanwhile, and what an older
-    run saw then neither replaces its answer nor counts as this worker's error."""
+    run saw then neither replaces its answer nor counts as this worker's error. A
+    failure the host can get over (``mendable``) is tried again after a back-off."""
     now = timezone.now()
     sync, _ = WorkerSync.objects.get_or_create(worker=worker)
     newer = sync.applied_version > version or (
@@ -411,9 +459,11 @@ def _record(worker: Worker, version: int, *, answer=None, error="", retryable=Fa
         sync.last_success_at = now
         sync.last_error, sync.last_error_retryable, sync.failures = "", False, 0
         sync.last_report = answer
+        sync.retry_at = None
     else:
         sync.last_error, sync.last_error_retryable = error[:2000], retryable
         sync.failures += 1
+        sync.retry_at = now + retry_delay(sync.failures) if mendable and not retryable else None
     sync.save()
     if boot_id and boot_id != worker.boot_id:
         # A new boot may be a new host: the next sync compares its published keys.
@@ -558,7 +608,8 @@ def clash_message(username: str, alias: str, reason: str) -> str:
 
 
 def retry_delay(failures: int) -> dt.timedelta:
-    """How long a grant waits before the next try after its ``failures``-th failure."""
+    """How long a grant, or a worker that failed for a reason the host can get over,
+    waits before the next try after its ``failures``-th failure."""
     base = settings.PORTAL_GRANT_RETRY_SECONDS
     cap = settings.PORTAL_GRANT_RETRY_MAX_SECONDS
     return dt.timedelta(seconds=min(base * 2 ** min(max(0, failures - 1), 20), cap))

@@ -22,7 +22,7 @@ from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, IpChange, Lab, Worker
 from tpus.models.inventory import API_SOURCES, NodeHealth, NodeState, TpuVm
-from tpus.services import ipchanges, published_keys, sync_health
+from tpus.services import ipchanges, made_anew, published_keys, sync_health
 from tpus.services.inventory import apply_node
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,11 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
             _mark_missing(lab, vm, now, report)
             continue
         seen.append(vm.pk)
+        if node.state == NodeState.READY and made_anew.pins_predate(vm, node.create_time):
+            # New machines behind the name: re-pinned from what they publish before
+            # anything connects to them (and before their keys are compared below).
+            if made_anew.recognise(vm, node):
+                vm.refresh_from_db()
         before = (vm.state, vm.health)
         recreated = _recreated(vm, node)
         changed = apply_node(vm, node)

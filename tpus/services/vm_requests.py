@@ -34,7 +34,7 @@ from tpus.models.provisioning import (
     VmRequest,
     VmRequestState,
 )
-from tpus.services import allowances, connect, emails, inventory, keep_alive, leases
+from tpus.services import allowances, connect, emails, inventory, keep_alive, leases, made_anew
 from tpus.services.labkeys import lab_key
 
 log = logging.getLogger(__name__)
@@ -412,7 +412,7 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
         # expected here, not an alarm: the pins are dropped and taken again from what
         # the new workers publish, before anyone has a shell on them. (A changed key on
         # a VM that was not made anew still stops provisioning and alerts the admins.)
-        keep_alive.forget_host_keys(made.vm)
+        made_anew.forget_host_keys(made.vm)
     vm = inventory.register_created(made.lab, node, requested_by=made.requested_by)
     with transaction.atomic():
         connect.wait_for_workers(vm, made.requested_by)

@@ -13,10 +13,26 @@ import time
 import pytest
 from django.utils import timezone
 
-from testfleet.guestagent import offer_hosts
-from tpus.models import LabAllowance, TpuVm, VmConnection, VmRequest
-from tpus.services import connect, inventory, keep_alive, reconcile, sync, vm_requests
+from accounts.keys import add_key
+from accounts.unix import choose_username
+from portal.models import OutboxMessage
+from testfleet.guestagent import apply_once, offer_hosts
+from tpus.cloud import NodeRequest
+from tpus.models import Job, LabAllowance, TpuVm, VmConnection, VmRequest, Worker
+from tpus.services import (
+    connect,
+    inventory,
+    job_engine,
+    jobs,
+    keep_alive,
+    reconcile,
+    sync,
+    vm_requests,
+)
+from tpus.services.grants import grant_access
+from tpus.services.hosts import hosts_must_change
 from tpus.services.vm_requests import VmSpec
+from tpus.tests.test_jobs_host import JAX_ENV
 
 pytestmark = pytest.mark.fleet
 
@@ -170,3 +186,165 @@ def test_a_preempted_pod_comes_back_with_its_disk_mounted_again_on_every_worker(
     assert all(_mounted(fleet, h, "/scratch") == loop_device for h in hosts)
     vm.refresh_from_db()
     assert vm.restore_version is None and vm.restored_at is not None
+
+
+def _with_access(cast, lab, vm, fleet_username, tmp_path, capture):
+    """Milo (the cast's member) with a key and access to ``vm`` in force."""
+    key = tmp_path / "id_milo"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    choose_username(cast.member, fleet_username)
+    add_key(cast.member, key.with_suffix(".pub").read_text().strip())
+    with capture(execute=True):
+        [grant] = grant_access(cast.admin, lab, cast.member, [vm], sudo=False)
+    grant.refresh_from_db()
+    assert grant.state == "active", grant.error
+    return type(cast.member).objects.select_related("unix_account").get(pk=cast.member.pk)
+
+
+def _alerts():
+    return OutboxMessage.objects.filter(kind="host_key_changed")
+
+
+def _remake_at_the_same_addresses(tpu_emulator, lab, hosts) -> None:
+    """What Google does to a spot VM: the node is deleted with its machines and made
+    again of new ones, at the same addresses, by Google, not by the portal."""
+    client = tpu_emulator.client
+    client.delete_node(PROJECT, ZONE, "tpu5")
+    deadline = time.monotonic() + 60
+    while tpu_emulator.controls.released_hosts() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    node = client.create_node(
+        PROJECT,
+        NodeRequest(
+            name="tpu5", zone=ZONE, accelerator_type="v4-32",
+            runtime_version="tpu-ubuntu2204-base", provisioning="spot",
+            metadata=vm_requests.key_metadata(lab),
+        ),
+    )  # fmt: skip
+    assert sorted(w.external_ip for w in node.workers) == sorted(h.ip for h in hosts)
+
+
+def test_a_pod_made_anew_at_the_same_addresses_is_restored_with_no_alarm_before_any_sync(
+    scene, cast, tpu_emulator, fleet, fleet_username, fleet_uids, tmp_path,
+    django_capture_on_commit_callbacks,
+):  # fmt: skip
+    lab, hosts = scene
+    made = vm_requests.request_vm(cast.admin, lab, _spot_pod())
+    vm_requests.send(made.pk)
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    assert _connected(vm).state == "connected"
+    milo = _with_access(cast, lab, vm, fleet_username, tmp_path, django_capture_on_commit_callbacks)
+    username = milo.unix_account.username
+    home = f"/home/{username}"
+    for host in hosts:  # the fleet's CPU build of JAX, as the job's environment
+        fleet.exec(
+            host.name,
+            ["sh", "-c", f"ln -sfn {JAX_ENV} {home}/jax && chown -h {username}: {home}/jax"],
+        )
+    spec = jobs.JobSpec(args=["sleep", "300"], python="~/jax", rerun_after_preemption=True)
+    job = jobs.submit_job(milo, vm, spec)
+    job_engine.advance(vm.pk)
+    job.refresh_from_db()
+    assert job.state == "running", job.reason
+
+    _remake_at_the_same_addresses(tpu_emulator, lab, hosts)
+    # The job poll reaches the new machines first, then a reconcile; no sync yet.
+    with django_capture_on_commit_callbacks(execute=True):
+        job_engine.advance(vm.pk)
+    job.refresh_from_db()
+    assert job.state == "lost" and "made anew" in job.reason
+    with django_capture_on_commit_callbacks(execute=True):
+        reconcile.reconcile_vm(vm.pk)
+    assert not Worker.objects.filter(vm=vm, host_key_mismatch_at__isnull=False).exists()
+    assert not _alerts().exists()
+    by_ip = {h.ip: h.name for h in hosts}
+    for worker in vm.workers.all():  # pinned again, from what the new machines publish
+        assert sorted(worker.host_keys) == sorted(fleet.host_keys(by_ip[worker.external_ip]))
+    for host in hosts:  # milo's account is back on every new machine
+        assert fleet.exec(host.name, ["id", "-un", username]).stdout.decode().strip() == username
+    vm.refresh_from_db()
+    assert vm.restore_version is None and vm.restored_at is not None
+    assert Job.objects.filter(rerun_of=job, state="queued").exists()
+    # The sync that comes later sees nothing to alarm about either.
+    sync.sync_inventory([lab])
+    assert not _alerts().exists()
+    assert not Worker.objects.filter(vm=vm, host_key_mismatch_at__isnull=False).exists()
+
+
+def test_a_worker_of_a_node_not_made_anew_that_presents_another_key_stops_and_alarms(
+    scene, cast, tpu_emulator, fleet, fleet_username, fleet_uids, tmp_path,
+    django_capture_on_commit_callbacks,
+):  # fmt: skip
+    lab, hosts = scene
+    made = vm_requests.request_vm(cast.admin, lab, _spot_pod())
+    vm_requests.send(made.pk)
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    assert _connected(vm).state == "connected"
+    _with_access(cast, lab, vm, fleet_username, tmp_path, django_capture_on_commit_callbacks)
+    worker = vm.workers.get(index=0)
+    fleet.renew({h.ip: h.name for h in hosts}[worker.external_ip])  # same node, new key
+    with django_capture_on_commit_callbacks(execute=True):
+        hosts_must_change(vm, "a change")
+    worker.refresh_from_db()
+    assert worker.host_key_mismatch_at is not None and not worker.host_key_alarm_published
+    assert _alerts().count() == 1
+    assert TpuVm.objects.get(pk=vm.pk).restore_version is None
+
+
+def _spot_pod() -> VmSpec:
+    return VmSpec(
+        name="tpu5", zone=ZONE, accelerator_type="v4-32", runtime_version="tpu-ubuntu2204-base",
+        provisioning="spot", queued=True,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def agentless_scene(tpu_emulator, fleet, fleet_hosts, fleet_settings, cast, settings):
+    """The scene without Google's guest agent running: the test applies the nodes'
+    ``ssh-keys`` itself, so it can act while a new VM's workers do not have the lab's
+    key yet."""
+    settings.PORTAL_CONNECT_WAIT_SECONDS = 30
+    lab = cast.lab
+    lab.gcp_project_id, lab.zones = PROJECT, [ZONE]
+    lab.save()
+    LabAllowance.objects.create(lab=lab, generation="v4", provisioning="spot", chips=16)
+    hosts = fleet_hosts(4)
+    offer_hosts(fleet, tpu_emulator.controls.store, [h.name for h in hosts])
+    return lab, hosts
+
+
+def test_a_grant_on_a_vm_still_taking_the_lab_key_waits_for_it_with_no_alarm(
+    agentless_scene, cast, tpu_emulator, fleet, fleet_username, fleet_uids, tmp_path,
+    django_capture_on_commit_callbacks,
+):  # fmt: skip
+    lab, hosts = agentless_scene
+    spec = VmSpec(
+        name="tpu5", zone=ZONE, accelerator_type="v4-32", runtime_version="tpu-ubuntu2204-base",
+        provisioning="spot",
+    )  # fmt: skip
+    with django_capture_on_commit_callbacks(execute=False):
+        made = vm_requests.request_vm(cast.admin, lab, spec)
+        vm_requests.send(made.pk)  # a direct create: the VM is in the lab, connecting
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    assert VmConnection.objects.get(vm=vm).state == "connecting"
+    # Seconds later, a grant; the workers do not take the lab's key yet.
+    key = tmp_path / "id_milo"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    choose_username(cast.member, fleet_username)
+    add_key(cast.member, key.with_suffix(".pub").read_text().strip())
+    with django_capture_on_commit_callbacks(execute=False):
+        [grant] = grant_access(cast.admin, lab, cast.member, [vm], sudo=False)
+    report = reconcile.reconcile_vm(vm.pk)
+    assert sorted(report.retryable) == [0, 1, 2, 3] and not report.failed
+    grant.refresh_from_db()
+    assert grant.state == "pending", grant.error
+    assert not OutboxMessage.objects.exists()  # nobody told of a failure
+
+    # The guest agent puts the key in place; the connection check sees every worker
+    # take it and reconciles: the grant goes active, and that is the only email.
+    apply_once(fleet, tpu_emulator.controls.show())
+    with django_capture_on_commit_callbacks(execute=True):
+        _connected(vm)
+    grant.refresh_from_db()
+    assert grant.state == "active", grant.error
+    assert [m.kind for m in OutboxMessage.objects.all()] == ["access_active"]
