@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_tests.test_ssh_files import Portal
+from cli_tests.test_ssh_files import KEY_B, Portal, answer
 from tpu_cli import sshfiles
 
 
@@ -88,7 +88,7 @@ def test_a_changed_address_or_host_key_never_uses_an_earlier_connection(home):
     a_while_ago = time.time() - 120
     os.utime(before, (a_while_ago, a_while_ago))
     portal = Portal()
-    portal.known = "tpu-portal.vision.tpu5.w0 ssh-ed25519 BBBB\n"
+    portal.answer = answer(key=KEY_B)
     assert sshfiles.refresh(portal).known_hosts_changed
     after = Path(_option(sshfiles.shared(ssh, "tpu5"), "ControlPath")).parent
     assert after != before and after.parent == before.parent
@@ -102,7 +102,7 @@ def test_a_folder_another_command_just_made_stays_while_it_opens_its_connections
     ssh = sshfiles.ssh_base()
     theirs = Path(_option(sshfiles.shared(ssh, "tpu5"), "ControlPath")).parent
     portal = Portal()
-    portal.known = "tpu-portal.vision.tpu5.w0 ssh-ed25519 BBBB\n"
+    portal.answer = answer(key=KEY_B)
     assert sshfiles.refresh(portal).known_hosts_changed
     mine = Path(_option(sshfiles.shared(ssh, "tpu5"), "ControlPath")).parent
     assert mine != theirs and theirs.is_dir()

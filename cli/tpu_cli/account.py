@@ -143,10 +143,20 @@ def config_install(args) -> int:
     say(f"Wrote {paths.ssh_config_file()} and {paths.known_hosts_file()}."
         if done.changed else "Your ssh config and host keys were up to date.")  # fmt: skip
     if backup is not None:
-        say(f"Added `{sshfiles.INCLUDE}` at the top of ~/.ssh/config (the old one is {backup}).")
-    hosts = [vm.main for vm in sshfiles.read_config()]
-    if hosts:
-        say(f"Now `ssh {hosts[0]}` works; every tpu command keeps the files current.")
+        say(f"Added `{sshfiles.include_line()}` at the top of ~/.ssh/config (the old one is "
+            f"{backup}).")  # fmt: skip
+    configured = [vm for vm in sshfiles.read_config() if vm.hosts]
+    if not configured:
+        return 0
+    first = configured[0]
+    if sshfiles.plain_ssh_finds(first.main, first.addresses.get(0, "")):
+        say(f"Now `ssh {first.main}` works; every tpu command keeps the files current.")
+        return 0
+    home = paths.passwd_home()
+    say(f"Plain `ssh` reads {home}/.ssh/config (your home in the password database), not "
+        f"{paths.ssh_dir()}/config: there, `ssh -F {paths.ssh_dir()}/config {first.main}` "
+        f"works, or add `{sshfiles.include_line()}` at the top of {home}/.ssh/config. The tpu "
+        "commands use your files either way.")  # fmt: skip
     return 0
 
 

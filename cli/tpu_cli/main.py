@@ -61,10 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     config_sub = p.add_subparsers(dest="config_what", metavar="ACTION")
     q = config_sub.add_parser(
         "install", help="Write ~/.ssh/config.d/tpu-portal and the host keys; Include it once.",
-        description="Write the portal's ssh config to ~/.ssh/config.d/tpu-portal and its "
-        "pinned host keys to ~/.ssh/tpu-portal_known_hosts, and add `Include config.d/*` at "
-        "the top of ~/.ssh/config once (keeping a backup). Every other tpu command keeps "
-        "both files current when an address or host key changes.",
+        description="Write your ssh config for the portal's hosts to "
+        "~/.ssh/config.d/tpu-portal and their pinned host keys to "
+        "~/.ssh/tpu-portal_known_hosts (made by the client from the portal's data, every "
+        "value checked), and add `Include <home>/.ssh/config.d/*` at the top of "
+        "~/.ssh/config once (keeping a backup). Every other tpu command keeps both files "
+        "current when an address or host key changes.",
     )  # fmt: skip
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=account.config_install)

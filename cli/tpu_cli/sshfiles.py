@@ -8,18 +8,18 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
 import shutil
 import socket
 import stat
 import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpu_cli import paths
+from tpu_cli import paths, sshbuild
+from tpu_cli.errors import UNREACHABLE, ApiError, CliError
 
-INCLUDE = "Include config.d/*"
 _INCLUDE_RE = re.compile(r"^\s*include\s*[=\s]\s*(.*)$", re.IGNORECASE)
 _BLOCK_RE = re.compile(r"^\s*(host|match)\b", re.IGNORECASE)
 # The header line that carries the time the portal made the file: it changes at every
@@ -58,53 +58,65 @@ def _write_if_changed(path: Path, text: str) -> bool:
 
 
 def refresh(api) -> Refreshed:
-    """Both files from the portal, written only when an address, a host key or a host
-    changed; ``~/.ssh`` and ``~/.ssh/config.d`` are 0700, the files 0600."""
-    # Both at once: every command waits for them.
-    got: dict = {}
-
-    def fetch(path: str) -> None:
-        try:
-            got[path] = api.text(path)
-        except BaseException as exc:  # raised again in the caller's thread
-            got[path] = exc
-
-    other = threading.Thread(target=fetch, args=("/me/known-hosts",), daemon=True)
-    other.start()
-    fetch("/me/ssh-config")
-    other.join()
-    for value in got.values():
-        if isinstance(value, BaseException):
-            raise value
-    config, known = got["/me/ssh-config"], got["/me/known-hosts"]
+    """Both files written by the client from the portal's ``/me/ssh-hosts`` (every value
+    checked, ``sshbuild``), and only when an address, a host key or a host changed;
+    ``~/.ssh`` and ``~/.ssh/config.d`` are 0700, the files 0600. Nothing is written when
+    the portal's answer is refused."""
+    try:
+        answer = api.get("/me/ssh-hosts")
+    except ApiError as exc:
+        if exc.status not in (404, 405):
+            raise
+        raise CliError(
+            f"{api.url} does not describe your ssh hosts (/api/v1/me/ssh-hosts): the portal "
+            "is older than this client. Ask its admins to update it.",
+            UNREACHABLE,
+        ) from None
+    built = sshbuild.build(answer, api.url, paths.known_hosts_file())
     paths.private_dir(paths.ssh_dir())
     paths.private_dir(paths.ssh_config_file().parent)
     return Refreshed(
-        _write_if_changed(paths.ssh_config_file(), config),
-        _write_if_changed(paths.known_hosts_file(), known),
+        _write_if_changed(paths.ssh_config_file(), built.config),
+        _write_if_changed(paths.known_hosts_file(), built.known_hosts),
     )
 
 
+def include_line() -> str:
+    """``Include <home>/.ssh/config.d/*``, absolute: OpenSSH resolves a relative Include
+    against the home in the password database, which ``$HOME`` may not be."""
+    return f"Include {sshbuild.quoted(paths.ssh_config_file().parent / '*')}"
+
+
+def _words(rest: str) -> list[str]:
+    try:
+        return shlex.split(rest)
+    except ValueError:
+        return rest.split()
+
+
 def include_present(text: str) -> bool:
-    """Whether ``~/.ssh/config`` (``text``) reads ``config.d`` before its first
-    ``Host``/``Match`` block (an Include inside a block applies to that block only)."""
+    """Whether ``~/.ssh/config`` (``text``) reads the portal's file before its first
+    ``Host``/``Match`` block (an Include inside a block applies to that block only). A
+    relative (or ``~``) Include counts only when ssh's home is this one."""
+    folder = str(paths.ssh_config_file().parent)
+    prefixes = [folder + "/"]
+    if paths.ssh_reads_home():
+        prefixes += ["~/.ssh/config.d/", "config.d/"]
     for line in text.splitlines():
         if _BLOCK_RE.match(line):
             return False
         found = _INCLUDE_RE.match(line)
         if found:
-            for word in found.group(1).split():
-                word = word.strip("\"'")
-                for prefix in ("~/.ssh/", str(paths.ssh_dir()) + "/", ""):
-                    if word in (prefix + "config.d/*", prefix + "config.d/tpu-portal"):
-                        return True
+            for word in _words(found.group(1)):
+                if any(word in (p + "*", p + "tpu-portal") for p in prefixes):
+                    return True
     return False
 
 
 def ensure_include() -> Path | None:
-    """``Include config.d/*`` at the top of ``~/.ssh/config``, once. Returns the
-    backup of the file as it was when the line was added, else None (it was there, or
-    there was no file)."""
+    """``include_line()`` at the top of ``~/.ssh/config``, once. Returns the backup of
+    the file as it was when the line was added, else None (it was there, or there was
+    no file)."""
     ssh = paths.private_dir(paths.ssh_dir())
     config = ssh / "config"
     try:
@@ -120,7 +132,7 @@ def ensure_include() -> Path | None:
             backup = ssh / f"config.tpu-portal-backup.{time.strftime('%Y%m%d-%H%M%S')}"
         shutil.copy2(str(config.resolve()), str(backup))
         backup.chmod(0o600)
-    body = f"{INCLUDE}\n" + (f"\n{text}" if text else "")
+    body = f"{include_line()}\n" + (f"\n{text}" if text else "")
     paths.write_private(config, body)
     return backup
 
@@ -197,11 +209,26 @@ def read_config() -> list[SshVm]:
 
 def ssh_base() -> list[str]:
     """``ssh`` as the person's own: through ``~/.ssh/config`` when it includes the
-    portal's file, else with the portal's file alone (``tpu config install`` adds the
-    Include)."""
+    portal's file (``-F`` it when plain ssh reads another home's, ``$HOME`` not being the
+    home in the password database), else with the portal's file alone (``tpu config
+    install`` adds the Include)."""
     if include_installed():
-        return ["ssh"]
+        if paths.ssh_reads_home():
+            return ["ssh"]
+        return ["ssh", "-F", str(paths.ssh_dir() / "config")]
     return ["ssh", "-F", str(paths.ssh_config_file())]
+
+
+def plain_ssh_finds(host: str, address: str) -> bool:
+    """Whether plain ``ssh host`` (the person's ssh as they type it) goes to
+    ``address``: its own config includes the portal's file."""
+    try:
+        found = subprocess.run(["ssh", "-G", host], stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    options = dict(line.partition(" ")[::2] for line in found.stdout.splitlines())
+    return found.returncode == 0 and options.get("hostname") == address
 
 
 # --- one connection per worker, shared --------------------------------------------------

@@ -563,6 +563,7 @@ def _urls(cast):
         ("api_my_grants", "get", "/api/v1/me/grants", [401, OK, OK, OK, OK, OK]),
         ("api_my_ssh_config", "get", "/api/v1/me/ssh-config", [401, OK, OK, OK, OK, OK]),
         ("api_my_known_hosts", "get", "/api/v1/me/known-hosts", [401, OK, OK, OK, OK, OK]),
+        ("api_my_ssh_hosts", "get", "/api/v1/me/ssh-hosts", [401, OK, OK, OK, OK, OK]),
         (
             "api_ip_history",
             "get",
