@@ -147,7 +147,8 @@ def _ok(result):
 
 def _shared(scene) -> Path:
     """The folder of milo's shared ssh connections, as the client finds it."""
-    code = ("from tpu_cli import sshfiles; argv = sshfiles.shared(sshfiles.ssh_base(), 'tpu5'); "
+    code = ("from tpu_cli import connections, sshfiles; "
+            "argv = connections.shared(sshfiles.ssh_base(), 'tpu5'); "
             "print(next(a for a in argv if a.startswith('ControlPath=')))")  # fmt: skip
     found = _ok(scene.laptop.run([*PYTHON, "-c", code], cwd=scene.laptop.real_home))
     return Path(found.stdout.strip().removeprefix("ControlPath=")).parent

@@ -7,7 +7,7 @@ import socket
 import sys
 import time
 
-from tpu_cli import credentials, paths, sshfiles, vms
+from tpu_cli import connections, credentials, paths, sshfiles, vms
 from tpu_cli.api import Api
 from tpu_cli.errors import FAILED, SIGNED_OUT, UNREACHABLE, USAGE, ApiError, CliError
 from tpu_cli.session import Session, out, say
@@ -109,7 +109,7 @@ def logout(args) -> int:
         else:
             raise
     credentials.forget()
-    sshfiles.close_shared(sshfiles.ssh_base())
+    connections.close_shared(sshfiles.ssh_base())
     say(f"Signed out of {sign_in.url}" + (" (the token is revoked)." if revoked else "."))
     return 0 if revoked else FAILED
 

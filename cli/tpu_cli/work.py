@@ -10,7 +10,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from tpu_cli import follow, paths, remote, sshfiles
+from tpu_cli import connections, follow, paths, remote, sshfiles
 from tpu_cli.errors import FAILED, INTERRUPTED, USAGE, ApiError, CliError
 from tpu_cli.session import Session, err, out, say
 
@@ -97,7 +97,7 @@ def run(args) -> int:
 def _ssh(vm) -> list[str]:
     """The person's ssh for the VM's workers, sharing one connection per worker."""
     hosts = vm.hosts()
-    return sshfiles.shared(sshfiles.ssh_base(), hosts[min(hosts)])
+    return connections.shared(sshfiles.ssh_base(), hosts[min(hosts)])
 
 
 def _follow(session: Session, vm, job_id: int, worker, ssh: list[str] | None = None) -> int:
