@@ -14,7 +14,8 @@ EPILOG = """exit codes: 0 done; 1 failed (a worker in exec, a job without an exi
 5 the portal cannot be reached; 130 interrupted (a followed job goes on).
 `tpu run` ends with the job's own exit code."""
 
-RUN_HELP = """Sync DIR to the same path under your home on every worker (rsync through your
+RUN_HELP = """Ask the portal whether it would queue the job (nothing is copied when it
+refuses), then sync DIR to the same path under your home on every worker (rsync through your
 ssh config, all workers at once, only changed files, .gitignore respected, .git left
 out, nothing deleted on the workers), queue CMD as a job there, then follow it: its
 states, then every worker's log live, each line after (wN). Ctrl-C detaches: the job

@@ -77,14 +77,14 @@ def run(args) -> int:
             raise CliError("The workdir is your whole home; choose a project folder.", USAGE)
     session = Session()
     vm = session.vm(args.vm)
-    folder = ""
-    ssh = None
-    if local is not None:
-        folder = remote_folder(local)
-        ssh = _ssh(vm)
-        sync(vm, local, folder, args.sync, ssh)
+    folder = remote_folder(local) if local is not None else ""
     body = {"args": command, "cwd": folder, "python": worker_path(args.venv or ""), "env": env,
             "time_limit_minutes": args.time_limit, "notify": args.notify}  # fmt: skip
+    _check(session, vm, body)
+    ssh = None
+    if local is not None:
+        ssh = _ssh(vm)
+        sync(vm, local, folder, args.sync, ssh)
     job = session.api.post(f"{vm.api_path}/jobs", body)
     say(f"Job {job['id']} queued on {vm.label}: {job['url']}")
     if args.detach:
@@ -92,6 +92,16 @@ def run(args) -> int:
             out.print_json(json.dumps(job))
         return 0
     return _follow(session, vm, job["id"], args.worker, ssh)
+
+
+def _check(session: Session, vm, body: dict) -> None:
+    """The portal's refusal of the job (its input, access, a full queue), before the
+    workdir is copied to any worker; a portal without the check is asked at submit."""
+    try:
+        session.api.post(f"{vm.api_path}/jobs/validate", body)
+    except ApiError as exc:
+        if exc.status not in (404, 405):
+            raise
 
 
 def _ssh(vm) -> list[str]:

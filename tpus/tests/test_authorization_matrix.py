@@ -781,6 +781,12 @@ def _urls(cast):
             f"/api/v1/labs/{lab}/vms/{vm.pk}/jobs",
             [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
         ),
+        (
+            "api_job_validate",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/jobs/validate",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
+        ),
         ("api_job", "get", f"/api/v1/{jobs}", [401, MISSING, MISSING, OK, OK, OK]),
         # Only the person who submitted it finds it by its id alone.
         (
@@ -898,6 +904,7 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                 "api_unix_account_set": {"username": "matrix"},
                 "api_worker_keys_pin": {"shown": "forged"},
                 "api_job_submit": {"args": ["true"]},
+                "api_job_validate": {"args": ["true"]},
             }.get(name, {})
             response = getattr(client, method)(url, body, content_type="application/json")
         else:
