@@ -128,6 +128,44 @@ def _revoke_current(api: Api, token: str) -> None:
             return
 
 
+def auth_status(args) -> int:
+    """Where the client is signed in, as whom, until when (when the portal says), and
+    whether the token still works."""
+    sign_in = credentials.load()
+    if sign_in is None:
+        raise CliError("You are not signed in; run `tpu login URL` first.", SIGNED_OUT)
+    api = Api(sign_in.url, sign_in.token)
+    status = {"portal": api.url, "email": sign_in.email, "works": False, "expires": None,
+              "problem": None}  # fmt: skip
+    code = 0
+    try:
+        status["email"] = api.get("/me").get("email") or sign_in.email
+        status["works"] = True
+        for row in api.pages("/tokens"):
+            if row.get("revoked_at") is None and sign_in.token.startswith(row.get("hint") or "-"):
+                status["expires"] = row.get("expires") or row.get("expires_at")
+                break
+    except CliError as exc:
+        if exc.code not in (SIGNED_OUT, UNREACHABLE):
+            raise
+        status["problem"] = exc.message
+        code = exc.code
+    if args.json:
+        out.print_json(json.dumps(status))
+        return code
+    out.print(f"Portal:        {status['portal']}", markup=False)
+    out.print(f"Signed in as:  {status['email']}", markup=False)
+    if status["works"]:
+        expires = status["expires"] or "not said by the portal"
+        out.print(f"Token:         works (saved in {paths.config_dir()})", markup=False)
+        out.print(f"Expires:       {expires}", markup=False)
+    elif code == SIGNED_OUT:
+        out.print("Token:         no longer works; run `tpu login` again", markup=False)
+    else:
+        out.print(f"Token:         cannot tell ({status['problem']})", markup=False)
+    return code
+
+
 def config_install(args) -> int:
     session = Session()
     done = session.refresh_ssh(quiet=False)
@@ -191,10 +229,12 @@ def ls(args) -> int:
     from rich.table import Table  # only where a table is drawn: it is slow to import
 
     table = Table(box=None, pad_edge=False)
-    for column in ("VM", "ACCESS", "TPU NOW", "ADDRESS", "WORKERS", "QUEUE", "MY PLACE"):
+    for column in ("VM", "ACCESS", "STATE", "TPU NOW", "ADDRESS", "WORKERS", "QUEUE",
+                   "MY PLACE"):  # fmt: skip
         table.add_column(column)
     for row in rows:
-        table.add_row(f"{row['lab']}/{row['vm']}", row["access"], _now_text(row),
+        table.add_row(f"{row['lab']}/{row['vm']}", row["access"], row["state"] or "-",
+                      _now_text(row),
                       row["address"] or "-", str(row["workers"]), str(row["queue_length"]),
                       str(row["my_queue_position"] or "-"))  # fmt: skip
     out.print(table)
@@ -202,8 +242,8 @@ def ls(args) -> int:
 
 
 def _now_text(row: dict) -> str:
-    if row["state"] not in ("READY", "UNKNOWN", ""):  # preempted, stopped, repairing …
-        return row["state"].lower()
+    if row["state"] not in ("READY", "UNKNOWN", ""):  # preempted, stopped: STATE says so
+        return "-"
     if row["tpu"] == "running" and row["running_job"]:
         job = row["running_job"]
         return f"job {job['id']} of {job['username'] or job['user']}"

@@ -141,6 +141,10 @@ def sync(vm, local: Path, folder: str, how: str, ssh: list[str]) -> None:
 
     started = time.monotonic()
     argvs = {i: remote.rsync_argv(ssh, local, host, folder) for i, host in hosts.items()}
+    if not err.is_terminal:  # a log file or a pipe gets the summary line alone
+        results = remote.sync_parallel(argvs, lambda i, pct: None)
+        _report_sync(results, hosts, local, folder, time.monotonic() - started)
+        return
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                   console=err, transient=False) as progress:  # fmt: skip
         tasks = {i: progress.add_task(f"sync w{i}", total=100) for i in hosts}
