@@ -164,3 +164,12 @@ def test_a_next_page_link_never_takes_the_token_to_another_host(portal, capsys):
     code, err = run(capsys, "ls")
     assert code == 0, err
     assert "GET /api/v1/me/grants2" in portal.paths_asked()
+
+
+def test_a_list_that_is_not_a_list_is_explained(portal, capsys):
+    portal.on("GET", "/me/grants", {"detail": "maintenance"})
+    portal.on("GET", "/me/ssh-hosts", answer())
+    code, err = run(capsys, "ls")
+    assert code == errors.UNREACHABLE
+    assert "answered /me/grants with something that is not a list of the portal's API" in err
+    assert "Traceback" not in err

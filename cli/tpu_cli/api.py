@@ -152,6 +152,9 @@ class Api:
         params.setdefault("limit", 200)
         page = self.get(path, **params)
         while True:
+            if not isinstance(page, dict) or not isinstance(page.get("items"), list):
+                raise CliError(f"{self.url} answered {path} with something that is not a "
+                               "list of the portal's API.", UNREACHABLE)  # fmt: skip
             yield from page["items"]
             if not page.get("next"):
                 return
