@@ -173,3 +173,17 @@ def test_a_list_that_is_not_a_list_is_explained(portal, capsys):
     assert code == errors.UNREACHABLE
     assert "answered /me/grants with something that is not a list of the portal's API" in err
     assert "Traceback" not in err
+
+
+def test_a_sign_in_to_a_plain_http_portal_elsewhere_can_still_be_forgotten(
+    capsys, tmp_path, monkeypatch
+):
+    from tpu_cli import credentials
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    credentials.save(credentials.SignIn(url="http://tpu.example.edu", token="t", email="m@x"))
+    code, err = run(capsys, "ls")
+    assert code == errors.USAGE and "http://tpu.example.edu is not encrypted" in err
+    code, err = run(capsys, "logout")
+    assert code == errors.FAILED and "the token was not revoked" in err
+    assert credentials.load() is None

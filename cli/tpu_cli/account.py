@@ -95,7 +95,13 @@ def logout(args) -> int:
     if sign_in is None:
         say("You were not signed in.")
         return 0
-    api = Api(sign_in.url, sign_in.token)
+    try:
+        api = Api(sign_in.url, sign_in.token)
+    except CliError as exc:  # an address this client no longer talks to (plain http)
+        credentials.forget()
+        say(f"Signed out of {sign_in.url}; the token was not revoked: {exc.message}")
+        say("It stays valid until you revoke it on the portal's API tokens page.")
+        return FAILED
     revoked = True
     try:
         _revoke_current(api, sign_in.token)
