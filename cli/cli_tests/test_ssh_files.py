@@ -329,3 +329,15 @@ def test_a_vm_is_named_by_its_name_its_lab_and_name_or_its_ssh_host(home):
         ambiguous.value.message == "tpu5 is in more than one lab; say which: vision/tpu5, nlp/tpu5."
     )
     assert vms.resolve(twice, "nlp/tpu5").hosts() == {0: "nlp-tpu5"}
+
+
+def test_a_home_with_a_space_and_a_percent_sign_is_written_so_ssh_reads_it(tmp_path, monkeypatch):
+    home = tmp_path / "my home%d"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    sshfiles.refresh(Portal())
+    sshfiles.ensure_include()
+    assert sshfiles.ensure_include() is None  # it sees its own quoted line
+    found = _effective(home, "tpu5-w1")
+    assert found["hostname"] == ["10.1.0.2"]
+    assert found["userknownhostsfile"] == [str(home / ".ssh" / "tpu-portal_known_hosts")]

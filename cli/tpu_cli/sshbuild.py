@@ -97,13 +97,14 @@ def host_key(value: Any, what: str) -> str:
     return value
 
 
-def quoted(path: Path) -> str:
-    """A path as an ssh config argument: quoted when it has a space, ``%`` doubled (the
-    option takes ssh's % tokens)."""
+def quoted(path: Path, *, tokens: bool = True) -> str:
+    """A path as an ssh config argument: quoted when it has a space, ``%`` doubled for
+    an option that takes ssh's % tokens (``UserKnownHostsFile``; ``Include`` takes none)."""
     text = str(path)
     if any(ch in text for ch in '"\n\r\t\\'):
         raise CliError(f"The path {text!r} cannot be written into an ssh config.", 2)
-    text = text.replace("%", "%%")
+    if tokens:
+        text = text.replace("%", "%%")
     return f'"{text}"' if " " in text else text
 
 

@@ -80,7 +80,7 @@ def refresh(api) -> Refreshed:
 def include_line() -> str:
     """``Include <home>/.ssh/config.d/*``, absolute: OpenSSH resolves a relative Include
     against the home in the password database, which ``$HOME`` may not be."""
-    return f"Include {sshbuild.quoted(paths.ssh_config_file().parent / '*')}"
+    return f"Include {sshbuild.quoted(paths.ssh_config_file().parent / '*', tokens=False)}"
 
 
 def _words(rest: str) -> list[str]:
