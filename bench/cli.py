@@ -164,7 +164,10 @@ class CliBench(Bench):
 
     def close_shared(self) -> None:
         """Close the client's shared ssh connections, with the client's own code."""
-        code = "from tpu_cli import sshfiles; sshfiles.close_shared(sshfiles.ssh_base())"
+        code = (
+            "from tpu_cli import connections, sshfiles; "
+            "connections.close_shared(sshfiles.ssh_base())"
+        )
         self.tpu_ok(*TPU[:3], "-c", code)
 
     def part_exec(self) -> list[str]:

@@ -147,7 +147,8 @@ def _ok(result):
 
 def _shared(scene) -> Path:
     """The folder of milo's shared ssh connections, as the client finds it."""
-    code = ("from tpu_cli import sshfiles; argv = sshfiles.shared(sshfiles.ssh_base(), 'tpu5'); "
+    code = ("from tpu_cli import connections, sshfiles; "
+            "argv = connections.shared(sshfiles.ssh_base(), 'tpu5'); "
             "print(next(a for a in argv if a.startswith('ControlPath=')))")  # fmt: skip
     found = _ok(scene.laptop.run([*PYTHON, "-c", code], cwd=scene.laptop.real_home))
     return Path(found.stdout.strip().removeprefix("ControlPath=")).parent
@@ -172,10 +173,25 @@ def test_milo_runs_his_code_on_every_worker_of_a_pod_from_his_laptop(scene, flee
     assert stat.S_IMODE(saved.stat().st_mode) == 0o600
     assert json.loads(saved.read_text())["email"] == "milo@uni.example"
 
+    # With $HOME elsewhere than his home in the password database (which OpenSSH reads,
+    # and resolves a relative Include against), the client's ssh still finds every
+    # worker, and he is told how plain ssh does.
+    elsewhere = f"{laptop.real_home}/elsewhere"
+    env = f"HOME={elsewhere} TPU_PORTAL_CONFIG_DIR={laptop.real_home}/.config/tpu-portal"
+    installed = _ok(scene.tpu("config", "install", env=env))
+    assert f"`ssh -F {elsewhere}/.ssh/config tpu5` works" in installed.stderr
+    ran = _ok(scene.tpu("exec", "tpu5", "--worker", "all", "--", "id -un", env=env))
+    assert ran.stdout.count(scene.username) == 4
+
     # The ssh config goes where the page says; plain ssh works, no prompt.
     laptop.path("~/.ssh/config").write_text("Host github.com\n    User git\n")
-    _ok(scene.tpu("config", "install"))
-    assert laptop.path("~/.ssh/config").read_text().startswith("Include config.d/*\n\nHost github")
+    installed = _ok(scene.tpu("config", "install"))
+    assert "Now `ssh tpu5` works" in installed.stderr
+    assert (
+        laptop.path("~/.ssh/config")
+        .read_text()
+        .startswith(f"Include {laptop.real_home}/.ssh/config.d/*\n\nHost github")
+    )
     assert laptop.path("~/.ssh/config.tpu-portal-backup").exists()
     assert stat.S_IMODE(laptop.path("~/.ssh/config.d/tpu-portal").stat().st_mode) == 0o600
     who = _ok(laptop.ssh("tpu5-w3", "id -un"))

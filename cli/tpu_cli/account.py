@@ -7,7 +7,7 @@ import socket
 import sys
 import time
 
-from tpu_cli import credentials, paths, sshfiles, vms
+from tpu_cli import connections, credentials, paths, sshfiles, vms
 from tpu_cli.api import Api
 from tpu_cli.errors import FAILED, SIGNED_OUT, UNREACHABLE, USAGE, ApiError, CliError
 from tpu_cli.session import Session, out, say
@@ -95,7 +95,13 @@ def logout(args) -> int:
     if sign_in is None:
         say("You were not signed in.")
         return 0
-    api = Api(sign_in.url, sign_in.token)
+    try:
+        api = Api(sign_in.url, sign_in.token)
+    except CliError as exc:  # an address this client no longer talks to (plain http)
+        credentials.forget()
+        say(f"Signed out of {sign_in.url}; the token was not revoked: {exc.message}")
+        say("It stays valid until you revoke it on the portal's API tokens page.")
+        return FAILED
     revoked = True
     try:
         _revoke_current(api, sign_in.token)
@@ -109,7 +115,7 @@ def logout(args) -> int:
         else:
             raise
     credentials.forget()
-    sshfiles.close_shared(sshfiles.ssh_base())
+    connections.close_shared(sshfiles.ssh_base())
     say(f"Signed out of {sign_in.url}" + (" (the token is revoked)." if revoked else "."))
     return 0 if revoked else FAILED
 
@@ -128,6 +134,44 @@ def _revoke_current(api: Api, token: str) -> None:
             return
 
 
+def auth_status(args) -> int:
+    """Where the client is signed in, as whom, until when (when the portal says), and
+    whether the token still works."""
+    sign_in = credentials.load()
+    if sign_in is None:
+        raise CliError("You are not signed in; run `tpu login URL` first.", SIGNED_OUT)
+    api = Api(sign_in.url, sign_in.token)
+    status = {"portal": api.url, "email": sign_in.email, "works": False, "expires": None,
+              "problem": None}  # fmt: skip
+    code = 0
+    try:
+        status["email"] = api.get("/me").get("email") or sign_in.email
+        status["works"] = True
+        for row in api.pages("/tokens"):
+            if row.get("revoked_at") is None and sign_in.token.startswith(row.get("hint") or "-"):
+                status["expires"] = row.get("expires") or row.get("expires_at")
+                break
+    except CliError as exc:
+        if exc.code not in (SIGNED_OUT, UNREACHABLE):
+            raise
+        status["problem"] = exc.message
+        code = exc.code
+    if args.json:
+        out.print_json(json.dumps(status))
+        return code
+    out.print(f"Portal:        {status['portal']}", markup=False)
+    out.print(f"Signed in as:  {status['email']}", markup=False)
+    if status["works"]:
+        expires = status["expires"] or "not said by the portal"
+        out.print(f"Token:         works (saved in {paths.config_dir()})", markup=False)
+        out.print(f"Expires:       {expires}", markup=False)
+    elif code == SIGNED_OUT:
+        out.print("Token:         no longer works; run `tpu login` again", markup=False)
+    else:
+        out.print(f"Token:         cannot tell ({status['problem']})", markup=False)
+    return code
+
+
 def config_install(args) -> int:
     session = Session()
     done = session.refresh_ssh(quiet=False)
@@ -143,10 +187,20 @@ def config_install(args) -> int:
     say(f"Wrote {paths.ssh_config_file()} and {paths.known_hosts_file()}."
         if done.changed else "Your ssh config and host keys were up to date.")  # fmt: skip
     if backup is not None:
-        say(f"Added `{sshfiles.INCLUDE}` at the top of ~/.ssh/config (the old one is {backup}).")
-    hosts = [vm.main for vm in sshfiles.read_config()]
-    if hosts:
-        say(f"Now `ssh {hosts[0]}` works; every tpu command keeps the files current.")
+        say(f"Added `{sshfiles.include_line()}` at the top of ~/.ssh/config (the old one is "
+            f"{backup}).")  # fmt: skip
+    configured = [vm for vm in sshfiles.read_config() if vm.hosts]
+    if not configured:
+        return 0
+    first = configured[0]
+    if sshfiles.plain_ssh_finds(first.main, first.addresses.get(0, "")):
+        say(f"Now `ssh {first.main}` works; every tpu command keeps the files current.")
+        return 0
+    home = paths.passwd_home()
+    say(f"Plain `ssh` reads {home}/.ssh/config (your home in the password database), not "
+        f"{paths.ssh_dir()}/config: there, `ssh -F {paths.ssh_dir()}/config {first.main}` "
+        f"works, or add `{sshfiles.include_line()}` at the top of {home}/.ssh/config. The tpu "
+        "commands use your files either way.")  # fmt: skip
     return 0
 
 
@@ -181,10 +235,12 @@ def ls(args) -> int:
     from rich.table import Table  # only where a table is drawn: it is slow to import
 
     table = Table(box=None, pad_edge=False)
-    for column in ("VM", "ACCESS", "TPU NOW", "ADDRESS", "WORKERS", "QUEUE", "MY PLACE"):
+    for column in ("VM", "ACCESS", "STATE", "TPU NOW", "ADDRESS", "WORKERS", "QUEUE",
+                   "MY PLACE"):  # fmt: skip
         table.add_column(column)
     for row in rows:
-        table.add_row(f"{row['lab']}/{row['vm']}", row["access"], _now_text(row),
+        table.add_row(f"{row['lab']}/{row['vm']}", row["access"], row["state"] or "-",
+                      _now_text(row),
                       row["address"] or "-", str(row["workers"]), str(row["queue_length"]),
                       str(row["my_queue_position"] or "-"))  # fmt: skip
     out.print(table)
@@ -192,8 +248,8 @@ def ls(args) -> int:
 
 
 def _now_text(row: dict) -> str:
-    if row["state"] not in ("READY", "UNKNOWN", ""):  # preempted, stopped, repairing …
-        return row["state"].lower()
+    if row["state"] not in ("READY", "UNKNOWN", ""):  # preempted, stopped: STATE says so
+        return "-"
     if row["tpu"] == "running" and row["running_job"]:
         job = row["running_job"]
         return f"job {job['id']} of {job['username'] or job['user']}"

@@ -4,9 +4,11 @@ says to log in again."""
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -24,7 +26,45 @@ def normal_url(url: str) -> str:
         url = "https://" + url
     if not url.startswith(("http://", "https://")):
         raise CliError(f"{url} is not an http(s) address.", 2)
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError:
+        raise CliError(f"{url} is not a web address the client can use.", 2) from None
+    if not host or any(ch.isspace() or ord(ch) < 0x20 for ch in url) or parts.query:
+        raise CliError(f"{url} is not a web address the client can use.", 2)
+    if parts.scheme == "http" and not is_loopback(host):
+        secure = "https" + url[len("http") :]
+        raise CliError(
+            f"{url} is not encrypted: your token and the addresses and host keys of your TPU "
+            f"VMs would cross the network for anyone to read or change. Use {secure} (plain "
+            "http only for a portal on this machine: localhost, 127.0.0.1, ::1).",
+            2,
+        )
     return url
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1: a portal on this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def origin(url: httpx.URL | str) -> tuple:
+    url = httpx.URL(str(url))
+    return (url.scheme, url.host, url.port or {"http": 80, "https": 443}.get(url.scheme))
+
+
+def portal_of(target: httpx.URL) -> str:
+    """The portal's address in a URL of its API (what comes before ``/api/v1/``)."""
+    at = target.path.find("/api/v1")
+    prefix = target.path[:at] if at >= 0 else ""
+    return f"{target.scheme}://{target.netloc.decode()}{prefix}".rstrip("/")
 
 
 class Api:
@@ -45,7 +85,7 @@ class Api:
         delay = 1.0
         for attempt in range(4):
             try:
-                response = self.client.request(method, path, **kwargs)
+                response = self._followed(method, path, **kwargs)
             except httpx.HTTPError as exc:
                 raise CliError(f"Cannot reach {self.url}: {exc}", UNREACHABLE) from None
             if response.status_code not in (429, 503) or attempt == 3:
@@ -59,12 +99,45 @@ class Api:
             raise error_of(response)
         return response
 
+    def _followed(self, method: str, path: str, **kwargs) -> httpx.Response:
+        """The answer to one request, after the portal's redirects within its own origin
+        (``/me`` to ``/me/``; a GET, or a 307/308 that keeps the method and body). A
+        redirect elsewhere, over http, or of a POST that would become a GET is not
+        followed (the token would go with it): the person is told where it points."""
+        response = self.client.request(method, path, **kwargs)
+        for _ in range(5):
+            if not response.is_redirect:
+                return response
+            target = response.request.url.join(response.headers["Location"])
+            same = origin(target) == origin(self.url)
+            keeps = method == "GET" or response.status_code in (307, 308)
+            if not same or not keeps:
+                where = portal_of(target)
+                raise CliError(
+                    f"The portal at {self.url} redirects to {target}; use {where} as the "
+                    f"portal address (tpu login {where}).",
+                    UNREACHABLE,
+                )
+            response = self.client.request(method, target, **kwargs)
+        raise CliError(f"The portal at {self.url} redirects in a loop.", UNREACHABLE)
+
+    def _json(self, response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            kind = response.headers.get("Content-Type", "no type").split(";")[0]
+            raise CliError(
+                f"{self.url} answered {response.request.url.path} with something that is not "
+                f"the portal's API ({kind}, not JSON): is {self.url} the portal's address?",
+                UNREACHABLE,
+            ) from None
+
     def get(self, path: str, **params) -> Any:
-        return self.send("GET", path, params=params or None).json()
+        return self._json(self.send("GET", path, params=params or None))
 
     def post(self, path: str, body: Any = None) -> Any:
         response = self.send("POST", path, json=body if body is not None else {})
-        return response.json() if response.content else None
+        return self._json(response) if response.content else None
 
     def delete(self, path: str) -> None:
         self.send("DELETE", path)
@@ -77,10 +150,17 @@ class Api:
         params.setdefault("limit", 200)
         page = self.get(path, **params)
         while True:
+            if not isinstance(page, dict) or not isinstance(page.get("items"), list):
+                raise CliError(f"{self.url} answered {path} with something that is not a "
+                               "list of the portal's API.", UNREACHABLE)  # fmt: skip
             yield from page["items"]
             if not page.get("next"):
                 return
-            page = self.send("GET", page["next"]).json()
+            # The next page on this portal's own origin whatever host the link names (a
+            # portal behind a proxy may write http://): the token goes nowhere else.
+            link = httpx.URL(str(page["next"]))
+            here = httpx.URL(self.url)
+            page = self._json(self.send("GET", here.copy_with(path=link.path, query=link.query)))
 
 
 def signed_out_message(url: str, response: httpx.Response) -> str:

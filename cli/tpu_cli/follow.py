@@ -1,6 +1,7 @@
 """Following a job: its states from the portal, and every worker's log live through
 the person's own ssh (``tail -F`` of the job's log on each worker, as docs/jobs-host.md
-says), merged with a ``(w3)`` prefix. Ctrl-C detaches; the job goes on."""
+says), merged with a ``(w3)`` prefix, cleaned of terminal escape sequences (``terminal``).
+Ctrl-C detaches; the job goes on."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 from tpu_cli import remote
 from tpu_cli.errors import FAILED, CliError
+from tpu_cli.terminal import clean_line, clean_lines
 
 ENDED = ("succeeded", "failed", "cancelled", "lost", "rejected")
 WAITING = ("queued", "blocked")
@@ -98,7 +100,7 @@ class Tailer:
     def _copy(self) -> None:
         for raw in iter(self.proc.stdout.readline, b""):
             self.printed = True
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            line = clean_line(raw.decode("utf-8", errors="replace").rstrip("\n"))
             with remote._print_lock:
                 sys.stdout.write(f"{self.label}{line}\n")
                 sys.stdout.flush()
@@ -210,7 +212,7 @@ class Follow:
             text = tail[-new:] if new <= len(tail) else "[…]\n" + tail
             label = remote.label_for(index, show)
             with remote._print_lock:
-                for line in text.splitlines():
+                for line in clean_lines(text):
                     sys.stdout.write(f"{label}{line}\n")
                 sys.stdout.flush()
             self.from_portal[index] = size
@@ -238,6 +240,6 @@ def print_whole_log(api, job_path: str, index: int, label: str) -> None:
     response = api.send("GET", f"{job_path}/workers/{index}/log")
     text = response.text
     with remote._print_lock:
-        for line in text.splitlines():
+        for line in clean_lines(text):
             sys.stdout.write(f"{label}{line}\n")
         sys.stdout.flush()

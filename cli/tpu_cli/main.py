@@ -14,7 +14,8 @@ EPILOG = """exit codes: 0 done; 1 failed (a worker in exec, a job without an exi
 5 the portal cannot be reached; 130 interrupted (a followed job goes on).
 `tpu run` ends with the job's own exit code."""
 
-RUN_HELP = """Sync DIR to the same path under your home on every worker (rsync through your
+RUN_HELP = """Ask the portal whether it would queue the job (nothing is copied when it
+refuses), then sync DIR to the same path under your home on every worker (rsync through your
 ssh config, all workers at once, only changed files, .gitignore respected, .git left
 out, nothing deleted on the workers), queue CMD as a job there, then follow it: its
 states, then every worker's log live, each line after (wN). Ctrl-C detaches: the job
@@ -52,7 +53,18 @@ def _parser() -> argparse.ArgumentParser:
 
     command("logout", "Revoke this machine's token on the portal and forget it.", account.logout)
 
-    p = command("ls", "Your TPU VMs: access, who uses the TPU, addresses, your queue place.",
+    p = command("auth", "Your sign-in.", None)
+    auth_sub = p.add_subparsers(dest="auth_what", metavar="ACTION")
+    q = auth_sub.add_parser(
+        "status", help="The portal, who you are, the token's expiry, whether it still works.",
+        description="The portal you are signed in to, as whom, when the token expires (when "
+        "the portal says) and whether it still works. Exits 3 when it does not, 5 when the "
+        "portal cannot be reached.",
+    )  # fmt: skip
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=account.auth_status)
+
+    p = command("ls", "Your TPU VMs: access, state, who uses the TPU, addresses, your queue place.",
                 account.ls)  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.add_argument("--names", action="store_true", help=argparse.SUPPRESS)
@@ -61,10 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     config_sub = p.add_subparsers(dest="config_what", metavar="ACTION")
     q = config_sub.add_parser(
         "install", help="Write ~/.ssh/config.d/tpu-portal and the host keys; Include it once.",
-        description="Write the portal's ssh config to ~/.ssh/config.d/tpu-portal and its "
-        "pinned host keys to ~/.ssh/tpu-portal_known_hosts, and add `Include config.d/*` at "
-        "the top of ~/.ssh/config once (keeping a backup). Every other tpu command keeps "
-        "both files current when an address or host key changes.",
+        description="Write your ssh config for the portal's hosts to "
+        "~/.ssh/config.d/tpu-portal and their pinned host keys to "
+        "~/.ssh/tpu-portal_known_hosts (made by the client from the portal's data, every "
+        "value checked), and add `Include <home>/.ssh/config.d/*` at the top of "
+        "~/.ssh/config once (keeping a backup). Every other tpu command keeps both files "
+        "current when an address or host key changes.",
     )  # fmt: skip
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=account.config_install)
@@ -83,7 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="with --detach: the job as JSON")
     p.usage = f"tpu {p.prog.split()[-1]} [options] VM -- CMD ..."
 
-    p = command("logs", "A job's log on every worker (-f: follow it live).", work.logs)
+    p = command("logs", "A job's log on every worker (-f: follow it live).", work.logs,
+                description="A job's log on every worker (-f: follow it live), each line "
+                "after (wN), with terminal escape sequences and control characters removed "
+                "(a log may be another person's output).")  # fmt: skip
     p.add_argument("job", help="the job's number")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("--worker", metavar="N")
@@ -125,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
 
 # --- completion --------------------------------------------------------------------------
 
-_COMMANDS = "login logout ls config run logs cancel jobs exec forward usage completion"
+_COMMANDS = "login logout auth ls config run logs cancel jobs exec forward usage completion"
 _VM_COMMANDS = "run exec forward jobs"
 
 _BASH = """_tpu() {
@@ -139,6 +156,7 @@ _BASH = """_tpu() {
   esac
   case "$cmd" in
     config) COMPREPLY=($(compgen -W "install" -- "$cur"));;
+    auth) COMPREPLY=($(compgen -W "status" -- "$cur"));;
     completion) COMPREPLY=($(compgen -W "bash zsh fish" -- "$cur"));;
     %(vm_case)s) [ "$COMP_CWORD" -eq 2 ] &&
       COMPREPLY=($(compgen -W "$(tpu ls --names 2>/dev/null)" -- "$cur"));;
@@ -156,6 +174,7 @@ _tpu() {
   elif (( CURRENT == 3 )); then
     case ${words[2]} in
       config) compadd install;;
+      auth) compadd status;;
       completion) compadd bash zsh fish;;
       %(vm_case)s) compadd -- $(tpu ls --names 2>/dev/null);;
     esac
@@ -167,6 +186,7 @@ compdef _tpu tpu
 _FISH = """complete -c tpu -f
 complete -c tpu -n __fish_use_subcommand -a '%(commands)s'
 complete -c tpu -n '__fish_seen_subcommand_from config' -a install
+complete -c tpu -n '__fish_seen_subcommand_from auth' -a status
 complete -c tpu -n '__fish_seen_subcommand_from completion' -a 'bash zsh fish'
 complete -c tpu -n '__fish_seen_subcommand_from %(vm_words)s' -a '(tpu ls --names 2>/dev/null)'
 """
@@ -191,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.command = command
     if getattr(args, "func", None) is None:
-        if args.what == "config":
-            parser.parse_args(["config", "--help"])
+        if args.what in ("config", "auth"):
+            parser.parse_args([args.what, "--help"])
         parser.print_help()
         sys.exit(2)
     try:

@@ -4,6 +4,7 @@ the ssh files where the portal's ssh page says they go."""
 from __future__ import annotations
 
 import os
+import pwd
 import sys
 import tempfile
 from pathlib import Path
@@ -11,6 +12,25 @@ from pathlib import Path
 
 def home() -> Path:
     return Path(os.path.expanduser("~"))
+
+
+def passwd_home() -> Path | None:
+    """The home in the password database: where OpenSSH reads ``~/.ssh/config`` and
+    expands ``~`` and a relative ``Include``, whatever ``$HOME`` says."""
+    try:
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        return None
+
+
+def ssh_reads_home() -> bool:
+    """Whether plain ``ssh`` reads this home's ``~/.ssh`` (``$HOME`` is the home in the
+    password database, or a link to it)."""
+    other = passwd_home()
+    try:
+        return other is not None and os.path.samefile(other, home())
+    except OSError:
+        return False
 
 
 def config_dir() -> Path:

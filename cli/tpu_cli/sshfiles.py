@@ -5,21 +5,17 @@ workers (host names, addresses, the unix username)."""
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
+import shlex
 import shutil
-import socket
-import stat
 import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpu_cli import paths
+from tpu_cli import paths, sshbuild
+from tpu_cli.errors import UNREACHABLE, ApiError, CliError
 
-INCLUDE = "Include config.d/*"
 _INCLUDE_RE = re.compile(r"^\s*include\s*[=\s]\s*(.*)$", re.IGNORECASE)
 _BLOCK_RE = re.compile(r"^\s*(host|match)\b", re.IGNORECASE)
 # The header line that carries the time the portal made the file: it changes at every
@@ -58,53 +54,65 @@ def _write_if_changed(path: Path, text: str) -> bool:
 
 
 def refresh(api) -> Refreshed:
-    """Both files from the portal, written only when an address, a host key or a host
-    changed; ``~/.ssh`` and ``~/.ssh/config.d`` are 0700, the files 0600."""
-    # Both at once: every command waits for them.
-    got: dict = {}
-
-    def fetch(path: str) -> None:
-        try:
-            got[path] = api.text(path)
-        except BaseException as exc:  # raised again in the caller's thread
-            got[path] = exc
-
-    other = threading.Thread(target=fetch, args=("/me/known-hosts",), daemon=True)
-    other.start()
-    fetch("/me/ssh-config")
-    other.join()
-    for value in got.values():
-        if isinstance(value, BaseException):
-            raise value
-    config, known = got["/me/ssh-config"], got["/me/known-hosts"]
+    """Both files written by the client from the portal's ``/me/ssh-hosts`` (every value
+    checked, ``sshbuild``), and only when an address, a host key or a host changed;
+    ``~/.ssh`` and ``~/.ssh/config.d`` are 0700, the files 0600. Nothing is written when
+    the portal's answer is refused."""
+    try:
+        answer = api.get("/me/ssh-hosts")
+    except ApiError as exc:
+        if exc.status not in (404, 405):
+            raise
+        raise CliError(
+            f"{api.url} does not describe your ssh hosts (/api/v1/me/ssh-hosts): the portal "
+            "is older than this client. Ask its admins to update it.",
+            UNREACHABLE,
+        ) from None
+    built = sshbuild.build(answer, api.url, paths.known_hosts_file())
     paths.private_dir(paths.ssh_dir())
     paths.private_dir(paths.ssh_config_file().parent)
     return Refreshed(
-        _write_if_changed(paths.ssh_config_file(), config),
-        _write_if_changed(paths.known_hosts_file(), known),
+        _write_if_changed(paths.ssh_config_file(), built.config),
+        _write_if_changed(paths.known_hosts_file(), built.known_hosts),
     )
 
 
+def include_line() -> str:
+    """``Include <home>/.ssh/config.d/*``, absolute: OpenSSH resolves a relative Include
+    against the home in the password database, which ``$HOME`` may not be."""
+    return f"Include {sshbuild.quoted(paths.ssh_config_file().parent / '*', tokens=False)}"
+
+
+def _words(rest: str) -> list[str]:
+    try:
+        return shlex.split(rest)
+    except ValueError:
+        return rest.split()
+
+
 def include_present(text: str) -> bool:
-    """Whether ``~/.ssh/config`` (``text``) reads ``config.d`` before its first
-    ``Host``/``Match`` block (an Include inside a block applies to that block only)."""
+    """Whether ``~/.ssh/config`` (``text``) reads the portal's file before its first
+    ``Host``/``Match`` block (an Include inside a block applies to that block only). A
+    relative (or ``~``) Include counts only when ssh's home is this one."""
+    folder = str(paths.ssh_config_file().parent)
+    prefixes = [folder + "/"]
+    if paths.ssh_reads_home():
+        prefixes += ["~/.ssh/config.d/", "config.d/"]
     for line in text.splitlines():
         if _BLOCK_RE.match(line):
             return False
         found = _INCLUDE_RE.match(line)
         if found:
-            for word in found.group(1).split():
-                word = word.strip("\"'")
-                for prefix in ("~/.ssh/", str(paths.ssh_dir()) + "/", ""):
-                    if word in (prefix + "config.d/*", prefix + "config.d/tpu-portal"):
-                        return True
+            for word in _words(found.group(1)):
+                if any(word in (p + "*", p + "tpu-portal") for p in prefixes):
+                    return True
     return False
 
 
 def ensure_include() -> Path | None:
-    """``Include config.d/*`` at the top of ``~/.ssh/config``, once. Returns the
-    backup of the file as it was when the line was added, else None (it was there, or
-    there was no file)."""
+    """``include_line()`` at the top of ``~/.ssh/config``, once. Returns the backup of
+    the file as it was when the line was added, else None (it was there, or there was
+    no file)."""
     ssh = paths.private_dir(paths.ssh_dir())
     config = ssh / "config"
     try:
@@ -120,7 +128,7 @@ def ensure_include() -> Path | None:
             backup = ssh / f"config.tpu-portal-backup.{time.strftime('%Y%m%d-%H%M%S')}"
         shutil.copy2(str(config.resolve()), str(backup))
         backup.chmod(0o600)
-    body = f"{INCLUDE}\n" + (f"\n{text}" if text else "")
+    body = f"{include_line()}\n" + (f"\n{text}" if text else "")
     paths.write_private(config, body)
     return backup
 
@@ -197,152 +205,23 @@ def read_config() -> list[SshVm]:
 
 def ssh_base() -> list[str]:
     """``ssh`` as the person's own: through ``~/.ssh/config`` when it includes the
-    portal's file, else with the portal's file alone (``tpu config install`` adds the
-    Include)."""
+    portal's file (``-F`` it when plain ssh reads another home's, ``$HOME`` not being the
+    home in the password database), else with the portal's file alone (``tpu config
+    install`` adds the Include)."""
     if include_installed():
-        return ["ssh"]
+        if paths.ssh_reads_home():
+            return ["ssh"]
+        return ["ssh", "-F", str(paths.ssh_dir() / "config")]
     return ["ssh", "-F", str(paths.ssh_config_file())]
 
 
-# --- one connection per worker, shared --------------------------------------------------
-
-# How long a worker's shared connection stays open once its last session ended, for the
-# next command (the next `tpu run` of an edit-run loop).
-PERSIST_SECONDS = 300
-# A socket's path is at most 104 bytes on macOS (108 on Linux); ssh adds a 17-byte
-# suffix while it makes one, and %C is 40.
-_SOCKET_PATH_MAX = 104 - 17 - 41
-# How long an empty folder of connections made for other files is kept (see ``shared``).
-_YOUNG_SECONDS = 60
-
-
-def sockets_base() -> Path:
-    """Where the person's shared connections are: ``$XDG_RUNTIME_DIR/tpu-portal`` (a
-    per-user directory the system empties at logout), else ``/tmp/tpu-portal-<uid>``."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
-        return Path(runtime) / "tpu-portal"
-    # Checked before each use to be the person's own and 0700 (``_own_private_dir``);
-    # not $TMPDIR, which on macOS is too long a prefix for a socket.
-    return Path("/tmp") / f"tpu-portal-{os.getuid()}"  # noqa: S108
-
-
-def _own_private_dir(path: Path) -> bool:
-    """Whether ``path`` is (or was just made) a directory of this user's, 0700: never one
-    someone else made or a symlink, where another user could reach the sockets."""
+def plain_ssh_finds(host: str, address: str) -> bool:
+    """Whether plain ``ssh host`` (the person's ssh as they type it) goes to
+    ``address``: its own config includes the portal's file."""
     try:
-        path.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    except OSError:
+        found = subprocess.run(["ssh", "-G", host], stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
         return False
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        return False
-    if info.st_mode & 0o077:
-        path.chmod(0o700)
-    return True
-
-
-def _short_hash(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:8]
-
-
-def _home_sockets() -> Path:
-    """This home's folder of sockets (one account may have several homes, each with its
-    own portal files)."""
-    return sockets_base() / _short_hash(str(paths.home()).encode())
-
-
-def _generation() -> str:
-    """A name for the portal's files as they are now: a changed address or host key
-    makes a new one, so a connection made before the change is never used after it."""
-    content = b""
-    for path in (paths.ssh_config_file(), paths.known_hosts_file()):
-        try:
-            content += path.read_bytes() + b"\0"
-        except FileNotFoundError:
-            content += b"\0"
-    return _short_hash(content)
-
-
-def _tidy(folder: Path, ssh: list[str] | None = None, *, keep_if_younger: float = 0) -> None:
-    """Remove the sockets in ``folder`` whose connection has ended, and the folder once
-    it is empty, unless it was changed less than ``keep_if_younger`` seconds before
-    (looked at first: removing a socket changes it); with ``ssh``, close the live
-    connections first."""
-    try:
-        young = time.time() - folder.stat().st_mtime < keep_if_younger
-    except OSError:
-        return
-    for path in folder.iterdir():
-        if ssh is not None:
-            # Any host name: the socket says which connection.
-            subprocess.run([*ssh, "-o", f"ControlPath={path}", "-O", "exit", "tpu-portal"],
-                           stdin=subprocess.DEVNULL, capture_output=True)  # fmt: skip
-        probe = socket.socket(socket.AF_UNIX)
-        try:
-            probe.connect(str(path))
-        except ConnectionRefusedError:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass
-        finally:
-            probe.close()
-    if young:
-        return
-    try:
-        folder.rmdir()
-    except OSError:
-        pass
-
-
-def _folders(home: Path) -> list[Path]:
-    if not home.is_dir() or home.is_symlink() or not _own_private_dir(home):
-        return []
-    return [f for f in home.iterdir() if f.is_dir() and not f.is_symlink()]
-
-
-def close_shared(ssh: list[str]) -> None:
-    """Close the shared connections to the workers the portal's files name now (at
-    sign-out); those made before the files changed are no longer used and end by
-    themselves."""
-    home = _home_sockets()
-    for folder in _folders(home):
-        _tidy(folder, ssh if folder.name == _generation() else None)
-    try:
-        home.rmdir()
-    except OSError:
-        pass
-
-
-def shared(ssh: list[str], host: str) -> list[str]:
-    """``ssh`` that shares one connection per worker (OpenSSH's ControlMaster) between
-    this command's ssh and rsync sessions and the next commands', for
-    ``PERSIST_SECONDS`` after the last session: a worker's second session skips the key
-    exchange and the login. The connection is made and its host key checked as the
-    person's ssh config says (the pinned keys, StrictHostKeyChecking). ``ssh`` as it is
-    when the person's own config shares connections already (their ControlPath wins),
-    or when no private place for the sockets can be made."""
-    effective = subprocess.run([*ssh, "-G", host], stdin=subprocess.DEVNULL,
-                               capture_output=True, text=True)  # fmt: skip
-    options = dict(line.partition(" ")[::2] for line in effective.stdout.splitlines())
-    if effective.returncode != 0 or options.get("controlpath", "none") != "none":
-        return ssh
-    if options.get("controlmaster", "false") != "false":
-        return ssh
-    home = _home_sockets()
-    folder = home / _generation()
-    if len(str(folder)) > _SOCKET_PATH_MAX or not _own_private_dir(home.parent):
-        return ssh
-    for old in _folders(home):
-        # Connections made before the files changed are never used again; they end by
-        # themselves (a session in another terminal may still use one). A folder made
-        # in the last minute stays even when empty: another command of the person's,
-        # started before the files changed, may be about to open its connections there.
-        if old != folder:
-            _tidy(old, keep_if_younger=_YOUNG_SECONDS)
-    if not _own_private_dir(home) or not _own_private_dir(folder):
-        return ssh
-    return [*ssh, "-o", "ControlMaster=auto", "-o", f"ControlPath={folder}/%C",
-            "-o", f"ControlPersist={PERSIST_SECONDS}"]  # fmt: skip
+    options = dict(line.partition(" ")[::2] for line in found.stdout.splitlines())
+    return found.returncode == 0 and options.get("hostname") == address

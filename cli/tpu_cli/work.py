@@ -10,7 +10,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from tpu_cli import follow, paths, remote, sshfiles
+from tpu_cli import connections, follow, paths, remote, sshfiles
 from tpu_cli.errors import FAILED, INTERRUPTED, USAGE, ApiError, CliError
 from tpu_cli.session import Session, err, out, say
 
@@ -77,14 +77,14 @@ def run(args) -> int:
             raise CliError("The workdir is your whole home; choose a project folder.", USAGE)
     session = Session()
     vm = session.vm(args.vm)
-    folder = ""
-    ssh = None
-    if local is not None:
-        folder = remote_folder(local)
-        ssh = _ssh(vm)
-        sync(vm, local, folder, args.sync, ssh)
+    folder = remote_folder(local) if local is not None else ""
     body = {"args": command, "cwd": folder, "python": worker_path(args.venv or ""), "env": env,
             "time_limit_minutes": args.time_limit, "notify": args.notify}  # fmt: skip
+    _check(session, vm, body)
+    ssh = None
+    if local is not None:
+        ssh = _ssh(vm)
+        sync(vm, local, folder, args.sync, ssh)
     job = session.api.post(f"{vm.api_path}/jobs", body)
     say(f"Job {job['id']} queued on {vm.label}: {job['url']}")
     if args.detach:
@@ -94,10 +94,20 @@ def run(args) -> int:
     return _follow(session, vm, job["id"], args.worker, ssh)
 
 
+def _check(session: Session, vm, body: dict) -> None:
+    """The portal's refusal of the job (its input, access, a full queue), before the
+    workdir is copied to any worker; a portal without the check is asked at submit."""
+    try:
+        session.api.post(f"{vm.api_path}/jobs/validate", body)
+    except ApiError as exc:
+        if exc.status not in (404, 405):
+            raise
+
+
 def _ssh(vm) -> list[str]:
     """The person's ssh for the VM's workers, sharing one connection per worker."""
     hosts = vm.hosts()
-    return sshfiles.shared(sshfiles.ssh_base(), hosts[min(hosts)])
+    return connections.shared(sshfiles.ssh_base(), hosts[min(hosts)])
 
 
 def _follow(session: Session, vm, job_id: int, worker, ssh: list[str] | None = None) -> int:
@@ -131,6 +141,10 @@ def sync(vm, local: Path, folder: str, how: str, ssh: list[str]) -> None:
 
     started = time.monotonic()
     argvs = {i: remote.rsync_argv(ssh, local, host, folder) for i, host in hosts.items()}
+    if not err.is_terminal:  # a log file or a pipe gets the summary line alone
+        results = remote.sync_parallel(argvs, lambda i, pct: None)
+        _report_sync(results, hosts, local, folder, time.monotonic() - started)
+        return
     with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
                   console=err, transient=False) as progress:  # fmt: skip
         tasks = {i: progress.add_task(f"sync w{i}", total=100) for i in hosts}

@@ -417,6 +417,45 @@ def my_known_hosts(request):
     return HttpResponse(body, content_type="text/plain")
 
 
+class SshForwardOut(BaseModel):
+    local: int
+    remote: int
+
+
+class SshWorkerOut(BaseModel):
+    index: int
+    address: str | None
+    alias: str
+    host_keys: list[str]
+
+
+class SshVmOut(BaseModel):
+    lab: str
+    name: str
+    zone: str
+    host: str
+    forward_agent: bool
+    forwards: list[SshForwardOut]
+    workers: list[SshWorkerOut]
+
+
+class SshHostsOut(BaseModel):
+    """What the ssh config and known_hosts are made of (``username`` is null until it
+    is chosen, and then there are no VMs)."""
+
+    username: str | None
+    vms: list[SshVmOut]
+
+
+@router.get(
+    "/me/ssh-hosts",
+    response=SshHostsOut,
+    summary="My ssh hosts as data: names, addresses, host key aliases and keys, forwards",
+)
+def my_ssh_hosts(request):
+    return sshconfig.hosts_for(request.user)
+
+
 @router.get(
     "/labs/{slug}/vms/{vm_id}/ip-history",
     response=list[IpChangeOut],

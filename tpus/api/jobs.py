@@ -278,6 +278,31 @@ def submit_job(request, slug: str, vm_id: int, payload: JobIn):
     return Status(201, _reloaded(job))
 
 
+class JobCheckOut(Schema):
+    """A job the portal would queue as it is now (nothing was stored)."""
+
+    ok: bool
+    detail: str
+
+
+@router.post(
+    "/labs/{slug}/vms/{vm_id}/jobs/validate",
+    response={200: JobCheckOut, 400: JobError, 403: Error},
+    summary="Check a job as queueing it would, and store nothing",
+    description="The same body and the same refusals as queueing the job (400, 403), "
+    "without queueing it: a client asks before it copies the job's files to the workers.",
+)
+def validate_job(request, slug: str, vm_id: int, payload: JobIn):
+    lab = access.get_member_lab(request.user, slug)
+    vm = access.get_vm_for_viewer(request.user, lab, vm_id)
+    try:
+        job_services.submit_job(request.user, vm, payload.spec(), dry_run=True)
+    except ValidationError as exc:
+        errors = exc.message_dict if hasattr(exc, "error_dict") else {}
+        return Status(400, {"detail": " ".join(exc.messages), "errors": errors})
+    return Status(200, {"ok": True, "detail": f"{vm.name} would queue this job."})
+
+
 def _reloaded(job: Job) -> Job:
     return Job.objects.select_related("vm__lab", "user__unix_account").get(pk=job.pk)
 

@@ -198,9 +198,19 @@ def state_runs_jobs(grant_state: str | None) -> bool:
     return grant_state == GrantState.ACTIVE
 
 
-def submit_job(user, vm: TpuVm, spec: JobSpec, *, rerun_of: Job | None = None, request=None) -> Job:
+def submit_job(
+    user,
+    vm: TpuVm,
+    spec: JobSpec,
+    *,
+    rerun_of: Job | None = None,
+    request=None,
+    dry_run: bool = False,
+) -> Job | None:
     """Queue a job on ``vm`` for ``user``. Raises PermissionDenied without active
-    access, ValidationError for a bad spec or a full queue; nothing is stored then."""
+    access, ValidationError for a bad spec or a full queue; nothing is stored then.
+    With ``dry_run``, the same checks and nothing else: None when the job would be
+    queued (a client asks before it copies the job's files to the workers)."""
     account = getattr(user, "unix_account", None)
     if account is None or not account.username:
         raise PermissionDenied("Choose a username first: jobs run as your account on the VM.")
@@ -220,6 +230,8 @@ def submit_job(user, vm: TpuVm, spec: JobSpec, *, rerun_of: Job | None = None, r
                 f"You already have {waiting} job(s) waiting on {vm.name}; this lab allows "
                 f"{limit}. Cancel one or wait for it to start."
             )
+        if dry_run:
+            return None
         job = Job.objects.create(
             vm=vm,
             user=user,

@@ -237,6 +237,43 @@ def render_config(user, vms: list[TpuVm] | None = None) -> str:
     return "\n".join(header) + "\n" + (blocks + "\n" if blocks else "")
 
 
+def hosts_for(user) -> dict:
+    """What the config and known_hosts are made of, as data for a client that writes
+    them itself (``tpu``): the unix username, and per VM its names, the person's port
+    forwards and agent choice, and each worker's address, ``HostKeyAlias`` and pinned
+    keys. Worker 0 is ``host``; on a pod every worker is also ``<host>-w<index>``."""
+    account = getattr(user, "unix_account", None)
+    username = account.username if account and account.username else None
+    vms = vms_for(user) if username else []
+    names = names_for(vms)
+    forwards = forwards_for(user, vms)
+    return {
+        "username": username,
+        "vms": [
+            {
+                "lab": vm.lab.slug,
+                "name": vm.name,
+                "zone": vm.zone,
+                "host": names[vm.pk].host,
+                "forward_agent": forward_agent(user, vm),
+                "forwards": [
+                    {"local": local, "remote": remote} for local, remote in forwards.get(vm.pk, [])
+                ],
+                "workers": [
+                    {
+                        "index": worker.index,
+                        "address": worker.external_ip or None,
+                        "alias": names[vm.pk].alias(worker.index),
+                        "host_keys": list(worker.host_keys),
+                    }
+                    for worker in sorted(vm.workers.all(), key=lambda w: w.index)
+                ],
+            }
+            for vm in vms
+        ],
+    }
+
+
 def render_known_hosts(vms: list[TpuVm], *, among: list[TpuVm] | None = None) -> str:
     """One line per pinned key, under the stable alias (names unique over ``among``)."""
     names = names_for(merged(vms, among))

@@ -98,6 +98,32 @@ def test_bad_input_is_a_400_naming_the_field_and_stores_nothing(
     assert not Job.objects.exists()
 
 
+def _validate(scene) -> str:
+    return _jobs(scene) + "/validate"
+
+
+def test_a_job_is_checked_as_queueing_it_would_and_nothing_is_stored(client, scene):
+    from portal.audit import AuditAction
+    from tpus.models.audit import AuditEvent
+
+    good = _post(client, _validate(scene), scene.milo, {"args": ["python3", "t.py"], "cwd": "w"})
+    assert good.status_code == 200, good.content
+    assert good.json() == {"ok": True, "detail": "tpu5 would queue this job."}
+    refused = _post(client, _validate(scene), scene.milo,
+                    {"args": ["true"], "env": ["TPU_VISIBLE_CHIPS=0"]})  # fmt: skip
+    assert refused.status_code == 400
+    assert "TPU_VISIBLE_CHIPS" in refused.json()["errors"]["env"][0]
+    assert (
+        not Job.objects.exists()
+        and not AuditEvent.objects.filter(action=AuditAction.JOB_SUBMITTED).exists()
+    )
+    Grant.objects.filter(user=scene.milo).update(state="pending")
+    denied = _post(client, _validate(scene), scene.milo, {"args": ["true"]})
+    assert denied.status_code == 403
+    assert "You need active access to tpu5" in denied.json()["detail"]
+    assert not Job.objects.exists()
+
+
 def test_an_env_line_without_equals_is_a_400(client, scene):
     response = _post(client, _jobs(scene), scene.milo, {"args": ["true"], "env": ["JUSTANAME"]})
     assert response.status_code == 400

@@ -576,6 +576,7 @@ def _urls(cast):
         ("api_my_grants", "get", "/api/v1/me/grants", [401, OK, OK, OK, OK, OK]),
         ("api_my_ssh_config", "get", "/api/v1/me/ssh-config", [401, OK, OK, OK, OK, OK]),
         ("api_my_known_hosts", "get", "/api/v1/me/known-hosts", [401, OK, OK, OK, OK, OK]),
+        ("api_my_ssh_hosts", "get", "/api/v1/me/ssh-hosts", [401, OK, OK, OK, OK, OK]),
         (
             "api_ip_history",
             "get",
@@ -793,6 +794,12 @@ def _urls(cast):
             f"/api/v1/labs/{lab}/vms/{vm.pk}/jobs",
             [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
         ),
+        (
+            "api_job_validate",
+            "post",
+            f"/api/v1/labs/{lab}/vms/{vm.pk}/jobs/validate",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
+        ),
         ("api_job", "get", f"/api/v1/{jobs}", [401, MISSING, MISSING, OK, OK, OK]),
         # Only the person who submitted it finds it by its id alone.
         (
@@ -911,6 +918,7 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                 "api_unix_account_set": {"username": "matrix"},
                 "api_worker_keys_pin": {"shown": "forged"},
                 "api_job_submit": {"args": ["true"]},
+                "api_job_validate": {"args": ["true"]},
             }.get(name, {})
             response = getattr(client, method)(url, body, content_type="application/json")
         else:
