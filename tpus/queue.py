@@ -98,9 +98,9 @@ def reconcile_vm(vm_id: int) -> None:
     _on_commit("tpus.tasks.reconcile_vm", vm_id)
 
 
-def run_disk_operation(operation_id: int) -> None:
-    """Attach or detach a disk through the Cloud TPU API."""
-    _on_commit("tpus.tasks.run_disk_operation", operation_id)
+def run_disk_operation(operation_id: int, *, countdown: float | None = None) -> None:
+    """Attach or detach a disk through the Cloud TPU API (or look how it goes)."""
+    _on_commit("tpus.tasks.run_disk_operation", operation_id, countdown=countdown)
 
 
 def check_vm_connection(
