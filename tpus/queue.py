@@ -126,6 +126,11 @@ def change_vm(vm_id: int, action: str) -> None:
     _on_commit("tpus.tasks.change_vm", vm_id, action)
 
 
+def follow_vm_change(change_id: int, *, countdown: float | None = None) -> None:
+    """Look how a VM's stop, start or deletion goes at Google."""
+    _on_commit("tpus.tasks.follow_vm_change", change_id, countdown=countdown)
+
+
 def advance_jobs(vm_id: int) -> None:
     """One pass over the VM's jobs: poll the running one, start the next in line."""
     _on_commit("tpus.tasks.advance_jobs", vm_id)

@@ -113,7 +113,9 @@ class NodeLifecycle:
             self._node_operation("StartNode", "start_node", project, zone, name)
         )
 
-    def _node_operation(self, method: str, call: str, project: str, zone: str, name: str):
+    def _node_operation(
+        self, method: str, call: str, project: str, zone: str, name: str, *, wait: bool = True
+    ):
         resource = f"projects/{project}/locations/{zone}/nodes/{name}"
 
         def send():
@@ -121,7 +123,7 @@ class NodeLifecycle:
             operation = getattr(v2, call)(
                 request={"name": resource}, timeout=self.config.timeout, retry=None
             )
-            return self._wait(operation)
+            return self._wait(operation) if wait else operation
 
         return self._call(method, send, read=False)
 

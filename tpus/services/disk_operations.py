@@ -208,17 +208,17 @@ def _through_api(operation: DiskOperation, begin) -> NodeInfo | float:
     try:
         if not operation.cloud_operation:
             started = begin(client)
-            if started.node is not None:
+            if started.done:
                 return started.node
             DiskOperation.objects.filter(pk=operation.pk).update(
                 cloud_operation=started.operation, cloud_started_at=timezone.now()
             )
             return client.next_look_in(0)
         waited = (timezone.now() - operation.cloud_started_at).total_seconds()
-        node = client.look_at_operation(operation.cloud_operation, waited=waited)
+        looked = client.look_at_operation(operation.cloud_operation, waited=waited)
     except CloudError as exc:
         raise InventoryError(f"The Cloud TPU API refused: {exc}") from None
-    return node if node is not None else client.next_look_in(waited)
+    return looked.node if looked.done else client.next_look_in(waited)
 
 
 def _attached(operation: DiskOperation) -> bool | float:

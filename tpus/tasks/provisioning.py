@@ -28,6 +28,13 @@ def follow_vm_requests() -> None:
 
 @task(ignore_result=True)
 def change_vm(vm_id: int, action: str) -> None:
-    """Stop, start or delete a VM at Google, and follow it in the lab."""
+    """Ask Google Cloud to stop, start or delete a VM (the look at how it goes is a
+    task of its own, ``follow_vm_change``)."""
     if action in (vm_lifecycle.STOP, vm_lifecycle.START, vm_lifecycle.DELETE):
         vm_lifecycle.run(vm_id, action)
+
+
+@task(ignore_result=True)
+def follow_vm_change(change_id: int) -> None:
+    """One look at a VM's stop, start or deletion underway at Google."""
+    vm_lifecycle.follow(change_id)

@@ -124,10 +124,11 @@ def test_an_attach_can_be_sent_and_looked_at_later_without_waiting(two_vms):
     started = client.begin_attach_disk(PROJECT, ZONE, "tpu1", "imagenet", "READ_ONLY")
 
     assert started.node is None and started.operation
-    assert client.look_at_operation(started.operation, waited=0) is None
+    assert not client.look_at_operation(started.operation, waited=0).done
     time.sleep(0.6)
-    node = client.look_at_operation(started.operation, waited=0.6)
-    assert node.data_disks == (DiskInfo(DISK, "READ_ONLY"),)
+    looked = client.look_at_operation(started.operation, waited=0.6)
+    node = looked.node
+    assert looked.done and node.data_disks == (DiskInfo(DISK, "READ_ONLY"),)
     # Attached already: nothing is sent, and the node comes back at once.
     again = client.begin_attach_disk(PROJECT, ZONE, "tpu1", "imagenet", "READ_ONLY")
     assert again.node.data_disks == node.data_disks and not again.operation
@@ -138,7 +139,7 @@ def test_an_operation_still_running_after_the_operation_timeout_is_an_error(two_
     client = two_vms.client
     two_vms.operation_delay = 30
     started = client.begin_detach_disk(PROJECT, ZONE, "tpu1", "imagenet")
-    assert started.node is not None  # not attached: nothing to do
+    assert started.done and started.node is not None  # not attached: nothing to do
     started = client.begin_attach_disk(PROJECT, ZONE, "tpu1", "imagenet", "READ_ONLY")
 
     with pytest.raises(CloudError) as caught:
