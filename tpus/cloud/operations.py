@@ -59,6 +59,10 @@ class OperationLooks:
             return Started(node=convert.node_info(current))
         return self._started(self._update_disks(current, disks, wait=False), "UpdateNode")
 
+    def begin_create_node(self, project: str, wanted) -> Started:
+        """``create_node`` without the wait (look with ``method="CreateNode"``)."""
+        return self._started(self._create_node(project, wanted, wait=False), "CreateNode")
+
     def begin_stop_node(self, project: str, zone: str, name: str) -> Started:
         """``stop_node`` without the wait."""
         return self._begin_node("StopNode", "stop_node", project, zone, name)
