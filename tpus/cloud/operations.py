@@ -40,7 +40,7 @@ _RESULTS = {
 
 
 class OperationLooks:
-    """Disk changes that do not wait, and the look at how they go."""
+    """Calls that do not wait, and the look at how they go."""
 
     def begin_attach_disk(
         self, project: str, zone: str, node: str, source_disk: str, mode: str = "READ_ONLY"
@@ -103,16 +103,17 @@ class OperationLooks:
             return Started(node=self._finished(raw, method))
         return Started(operation=raw.name)
 
-    def look_at_operation(self, name: str, *, waited: float, method: str = "UpdateNode") -> Started:
+    def look_at_operation(self, name: str, *, waited: float, method: str) -> Started:
         """One look at an operation this client started ``waited`` seconds ago (a call
         to ``method``): still running, or done with the node it left. Raises CloudError
         when it failed, or when it still runs after ``operation_timeout`` (as the
-        waiting calls do)."""
+        waiting calls do). Asked through the API version that started it, as the
+        waiting calls poll: v2alpha1 for a disk's UpdateNode, v2 for the rest."""
         request = operations_pb2.GetOperationRequest(name=name)
 
         def send():
-            v2, _ = self._tpu()
-            return v2.get_operation(request=request, timeout=self.config.timeout, retry=None)
+            client = self._tpu()[1 if method == "UpdateNode" else 0]
+            return client.get_operation(request=request, timeout=self.config.timeout, retry=None)
 
         raw = self._call("GetOperation", send, read=True)
         if raw.done:

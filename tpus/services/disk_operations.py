@@ -215,7 +215,9 @@ def _through_api(operation: DiskOperation, begin) -> NodeInfo | float:
             )
             return client.next_look_in(0)
         waited = (timezone.now() - operation.cloud_started_at).total_seconds()
-        looked = client.look_at_operation(operation.cloud_operation, waited=waited)
+        looked = client.look_at_operation(
+            operation.cloud_operation, waited=waited, method="UpdateNode"
+        )
     except CloudError as exc:
         raise InventoryError(f"The Cloud TPU API refused: {exc}") from None
     return looked.node if looked.done else client.next_look_in(waited)

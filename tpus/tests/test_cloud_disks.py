@@ -124,9 +124,9 @@ def test_an_attach_can_be_sent_and_looked_at_later_without_waiting(two_vms):
     started = client.begin_attach_disk(PROJECT, ZONE, "tpu1", "imagenet", "READ_ONLY")
 
     assert started.node is None and started.operation
-    assert not client.look_at_operation(started.operation, waited=0).done
+    assert not client.look_at_operation(started.operation, waited=0, method="UpdateNode").done
     time.sleep(0.6)
-    looked = client.look_at_operation(started.operation, waited=0.6)
+    looked = client.look_at_operation(started.operation, waited=0.6, method="UpdateNode")
     node = looked.node
     assert looked.done and node.data_disks == (DiskInfo(DISK, "READ_ONLY"),)
     # Attached already: nothing is sent, and the node comes back at once.
@@ -143,7 +143,9 @@ def test_an_operation_still_running_after_the_operation_timeout_is_an_error(two_
     started = client.begin_attach_disk(PROJECT, ZONE, "tpu1", "imagenet", "READ_ONLY")
 
     with pytest.raises(CloudError) as caught:
-        client.look_at_operation(started.operation, waited=client.config.operation_timeout)
+        client.look_at_operation(
+            started.operation, waited=client.config.operation_timeout, method="UpdateNode"
+        )
 
     assert caught.value.code == "DEADLINE_EXCEEDED"
     assert "the operation did not finish in time" in str(caught.value)
