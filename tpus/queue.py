@@ -104,9 +104,9 @@ def recheck_disks(vm_id: int, seconds: float) -> None:
     _on_commit("tpus.tasks.recheck_vm_disks", vm_id, countdown=max(seconds, 0.0))
 
 
-def run_disk_operation(operation_id: int) -> None:
-    """Attach or detach a disk through the Cloud TPU API."""
-    _on_commit("tpus.tasks.run_disk_operation", operation_id)
+def run_disk_operation(operation_id: int, *, countdown: float | None = None) -> None:
+    """Attach or detach a disk through the Cloud TPU API (or look how it goes)."""
+    _on_commit("tpus.tasks.run_disk_operation", operation_id, countdown=countdown)
 
 
 def check_vm_connection(
@@ -130,6 +130,11 @@ def send_vm_request(request_id: int) -> None:
 def change_vm(vm_id: int, action: str) -> None:
     """Stop, start or delete a TPU VM through the Cloud TPU API."""
     _on_commit("tpus.tasks.change_vm", vm_id, action)
+
+
+def follow_vm_change(change_id: int, *, countdown: float | None = None) -> None:
+    """Look how a VM's stop, start or deletion goes at Google."""
+    _on_commit("tpus.tasks.follow_vm_change", change_id, countdown=countdown)
 
 
 def advance_jobs(vm_id: int) -> None:

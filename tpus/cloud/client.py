@@ -32,6 +32,7 @@ from google.oauth2 import service_account
 from tpus.cloud import convert, sshkeys
 from tpus.cloud.errors import CloudError, to_cloud_error
 from tpus.cloud.lifecycle import NodeLifecycle
+from tpus.cloud.operations import OperationLooks
 from tpus.cloud.records import GuestHostKeys, MetadataChange, NodeInfo
 from tpus.cloud.sshkeys import KeyLine
 
@@ -64,9 +65,10 @@ class CloudConfig:
     metadata_retry_pause: float = 1.0
 
 
-class CloudTPU(NodeLifecycle):
-    """Reads a lab's TPU VMs, attaches their disks, and makes, stops, starts and deletes
-    them (``NodeLifecycle``). Thread-safe; share one."""
+class CloudTPU(NodeLifecycle, OperationLooks):
+    """Reads a lab's TPU VMs, attaches their disks (waiting, or started here and looked
+    at later: ``OperationLooks``), and makes, stops, starts and deletes them
+    (``NodeLifecycle``). Thread-safe; share one."""
 
     def __init__(self, config: CloudConfig):
         self.config = config
@@ -311,6 +313,21 @@ class CloudTPU(NodeLifecycle):
         """Attach a data disk and wait until it is attached. Already attached in this mode
         is success; a read-write disk in use by another VM is refused by the API
         (FAILED_PRECONDITION)."""
+        current, disks = self._disks_attaching(project, zone, node, source_disk, mode)
+        if disks is None:
+            return convert.node_info(current)
+        return self._update_disks(current, disks)
+
+    def detach_disk(self, project: str, zone: str, node: str, source_disk: str) -> NodeInfo:
+        """Detach a data disk and wait until it is gone. Not attached is success."""
+        current, disks = self._disks_detaching(project, zone, node, source_disk)
+        if disks is None:
+            return convert.node_info(current)
+        return self._update_disks(current, disks)
+
+    def _disks_attaching(self, project: str, zone: str, node: str, source_disk: str, mode: str):
+        """The node as it is, and its disk list with the disk attached (None: it is
+        already attached in this mode)."""
         if mode not in DISK_MODES:
             raise ValueError(f"mode must be one of {DISK_MODES}, not {mode!r}")
         disk = _disk_path(project, zone, source_disk)
@@ -318,7 +335,7 @@ class CloudTPU(NodeLifecycle):
         for attached in current.data_disks:
             if attached.source_disk == disk:
                 if _mode(attached) == mode:
-                    return convert.node_info(current)
+                    return current, None
                 raise CloudError(
                     f"{disk} is already attached to {node} as {_mode(attached)}; "
                     f"detach it before attaching it as {mode}",
@@ -326,19 +343,21 @@ class CloudTPU(NodeLifecycle):
                     retryable=False,
                     method="UpdateNode",
                 )
-        disks = [*current.data_disks, tpu_v2alpha1.AttachedDisk(source_disk=disk, mode=mode)]
-        return self._update_disks(current, disks)
+        return current, [
+            *current.data_disks,
+            tpu_v2alpha1.AttachedDisk(source_disk=disk, mode=mode),
+        ]
 
-    def detach_disk(self, project: str, zone: str, node: str, source_disk: str) -> NodeInfo:
-        """Detach a data disk and wait until it is gone. Not attached is success."""
+    def _disks_detaching(self, project: str, zone: str, node: str, source_disk: str):
+        """The node as it is, and its disk list without the disk (None: not attached)."""
         disk = _disk_path(project, zone, source_disk)
         current = self._get(project, zone, node, alpha=True)
         remaining = [d for d in current.data_disks if d.source_disk != disk]
         if len(remaining) == len(current.data_disks):
-            return convert.node_info(current)
-        return self._update_disks(current, remaining)
+            return current, None
+        return current, remaining
 
-    def _update_disks(self, current, disks) -> NodeInfo:
+    def _update_disks(self, current, disks, *, wait: bool = True):
         # gcloud's attach-disk does exactly this: v2alpha1 UpdateNode, mask data_disks,
         # carrying the whole list (v2's UpdateNode does not accept that mask).
         request = tpu_v2alpha1.UpdateNodeRequest(
@@ -349,9 +368,10 @@ class CloudTPU(NodeLifecycle):
         def send():
             _, alpha = self._tpu()
             operation = alpha.update_node(request=request, timeout=self.config.timeout, retry=None)
-            return self._wait(operation)
+            return self._wait(operation) if wait else operation
 
-        return convert.node_info(self._call("UpdateNode", send, read=False))
+        sent = self._call("UpdateNode", send, read=False)
+        return convert.node_info(sent) if wait else sent
 
 
 def _mode(disk) -> str:

@@ -89,6 +89,9 @@ class NodeLifecycle:
     def create_node(self, project: str, wanted: NodeRequest) -> NodeInfo:
         """``CreateNode`` and wait until it is made. A stockout is a retryable
         ``RESOURCE_EXHAUSTED`` CloudError; nothing is made then."""
+        return convert.node_info(self._create_node(project, wanted, wait=True))
+
+    def _create_node(self, project: str, wanted: NodeRequest, *, wait: bool):
         request = tpu_v2.CreateNodeRequest(
             parent=f"projects/{project}/locations/{wanted.zone}",
             node_id=wanted.name,
@@ -98,9 +101,9 @@ class NodeLifecycle:
         def send():
             v2, _ = self._tpu()
             operation = v2.create_node(request=request, timeout=self.config.timeout, retry=None)
-            return self._wait(operation)
+            return self._wait(operation) if wait else operation
 
-        return convert.node_info(self._call("CreateNode", send, read=False))
+        return self._call("CreateNode", send, read=False)
 
     def delete_node(self, project: str, zone: str, name: str) -> None:
         self._node_operation("DeleteNode", "delete_node", project, zone, name)
@@ -113,7 +116,9 @@ class NodeLifecycle:
             self._node_operation("StartNode", "start_node", project, zone, name)
         )
 
-    def _node_operation(self, method: str, call: str, project: str, zone: str, name: str):
+    def _node_operation(
+        self, method: str, call: str, project: str, zone: str, name: str, *, wait: bool = True
+    ):
         resource = f"projects/{project}/locations/{zone}/nodes/{name}"
 
         def send():
@@ -121,7 +126,7 @@ class NodeLifecycle:
             operation = getattr(v2, call)(
                 request={"name": resource}, timeout=self.config.timeout, retry=None
             )
-            return self._wait(operation)
+            return self._wait(operation) if wait else operation
 
         return self._call(method, send, read=False)
 

@@ -1,4 +1,5 @@
 from tpus.models.audit import AuditAction, AuditEvent
+from tpus.models.changes import VmChange
 from tpus.models.connections import ConnectionState, VmConnection
 from tpus.models.grants import Grant, WorkerSync
 from tpus.models.inventory import DataDisk, DiskAttachment, HostKeyScan, TpuVm, Worker
@@ -38,6 +39,7 @@ __all__ = [
     "PortForward",
     "Provisioning",
     "TpuVm",
+    "VmChange",
     "UsageDay",
     "VmConnection",
     "VmRequest",

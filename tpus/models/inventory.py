@@ -343,8 +343,14 @@ class DiskOperation(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     finished_at = models.DateTimeField(null=True, blank=True)
     # While running: the worker that claimed it owns it until then. A worker that dies
-    # leaves the lease to run out, and the periodic sweep hands the operation on.
+    # leaves the lease to run out, and the periodic sweep hands the operation on. While
+    # the change is underway at Google, no worker holds it: the lease ends when the
+    # next look is due, and that look is queued with a countdown.
     claimed_until = models.DateTimeField(null=True, blank=True)
+    # The API's long-running operation for the change, once sent, and when it was sent
+    # (it fails after TPU_API_OPERATION_TIMEOUT).
+    cloud_operation = models.CharField(max_length=500, blank=True)
+    cloud_started_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]

@@ -22,6 +22,8 @@ from django.utils import timezone
 
 from portal import audit
 from tpus import queue
+from tpus.cloud import CloudError, NodeInfo
+from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction
 from tpus.models.inventory import (
     IN_FLIGHT_OPERATIONS,
@@ -150,32 +152,93 @@ def operations_to_resume() -> list[int]:
 
 
 def run_operation(operation_id: int) -> None:
-    """Claim a waiting (or abandoned) operation and carry it out through the API.
+    """Claim a waiting (or abandoned) operation and take its next step through the API.
     Attaching and detaching are idempotent, so running one again after a worker died
-    half-way ends in the same place."""
+    half-way ends in the same place. While Google works on the change, the step lets
+    go of the operation and queues the next look with a countdown: no task waits for
+    the API's long-running operation."""
     if not _claim(operation_id):
         return
     with Heartbeat(DiskOperation.objects.filter(pk=operation_id), "claimed_until"):
-        _carry_out(operation_id)
+        pause = _carry_out(operation_id)
+    if pause is not None:
+        _look_again(operation_id, pause)
 
 
-def _carry_out(operation_id: int) -> None:
+def _look_again(operation_id: int, pause: float) -> None:
+    """The change is underway at Google: the claim ends when the next look is due, and
+    the look is queued for then. Should that task be lost, the lapsed claim is found by
+    ``release_stalled_operations`` and the sweep, as a dead worker's is."""
+    until = timezone.now() + dt.timedelta(seconds=pause)
+    if DiskOperation.objects.filter(pk=operation_id, state=DiskOperationState.RUNNING).update(
+        claimed_until=until
+    ):
+        queue.run_disk_operation(operation_id, countdown=pause)
+
+
+def _carry_out(operation_id: int) -> float | None:
+    """One step; seconds until the next look at the API when the change is underway."""
     operation = DiskOperation.objects.select_related("disk", "vm__lab", "requested_by").get(
         pk=operation_id
     )
     try:
         if operation.action == DiskOperation.Action.ATTACH:
-            inventory.attach_disk(
-                operation.requested_by, operation.disk, operation.vm, operation.mode
-            )
-        elif not _detached(operation):
-            return  # waiting for the workers to unmount it
+            done = _attached(operation)
+        else:
+            done = _detached(operation)
+        if done is False:
+            return None  # waiting for the workers to unmount it
+        if done is not True:
+            return done
     except InventoryError as exc:
         _failed(operation, str(exc))
-        return
+        return None
     DiskOperation.objects.filter(pk=operation_id).update(
         state=DiskOperationState.DONE, error="", finished_at=timezone.now(), claimed_until=None
     )
+    return None
+
+
+def _through_api(operation: DiskOperation, begin) -> NodeInfo | float:
+    """Send the operation's change (``begin(client)``), or look how the change sent
+    earlier goes: the node once it is done, else seconds until the next look. Raises
+    InventoryError when the API refused or failed it, or it did not finish within
+    TPU_API_OPERATION_TIMEOUT."""
+    client = cloud_tpu()
+    try:
+        if not operation.cloud_operation:
+            started = begin(client)
+            if started.done:
+                return started.node
+            DiskOperation.objects.filter(pk=operation.pk).update(
+                cloud_operation=started.operation, cloud_started_at=timezone.now()
+            )
+            return client.next_look_in(0)
+        waited = (timezone.now() - operation.cloud_started_at).total_seconds()
+        looked = client.look_at_operation(
+            operation.cloud_operation, waited=waited, method="UpdateNode"
+        )
+    except CloudError as exc:
+        raise InventoryError(f"The Cloud TPU API refused: {exc}") from None
+    return looked.node if looked.done else client.next_look_in(waited)
+
+
+def _attached(operation: DiskOperation) -> bool | float:
+    """One step of an attach: check it and send it, or look how it goes. True once
+    attached (and recorded); else seconds until the next look."""
+    disk, vm = operation.disk, operation.vm
+    if not operation.cloud_operation:
+        inventory.check_attach(disk, vm, operation.mode)
+    node = _through_api(
+        operation,
+        lambda client: client.begin_attach_disk(
+            vm.lab.gcp_project_id, vm.zone, vm.name, disk.source_disk(), operation.mode
+        ),
+    )
+    if not isinstance(node, NodeInfo):
+        return node
+    inventory.disk_attached(operation.requested_by, disk, vm, operation.mode, node)
+    return True
 
 
 def _failed(operation: DiskOperation, reason: str) -> None:
@@ -198,13 +261,15 @@ def _failed(operation: DiskOperation, reason: str) -> None:
 HOSTS_OFF = (NodeState.STOPPED, NodeState.PREEMPTED, NodeState.TERMINATED)
 
 
-def _detached(operation: DiskOperation) -> bool:
+def _detached(operation: DiskOperation) -> bool | float:
     """One step of a detach: ask the workers to unmount the disk, or look whether they
-    all have, or detach it through the API. True once it is detached; False while it
-    waits for the workers. Raises InventoryError when it cannot be detached."""
+    all have, or detach it through the API, or look how that goes. True once it is
+    detached; False while it waits for the workers; seconds until the next look while
+    the API detaches it. Raises InventoryError when it cannot be detached."""
     disk, vm = operation.disk, operation.vm
     attachment = DiskAttachment.objects.filter(disk=disk, vm=vm).first()
-    if attachment is not None and vm.state not in HOSTS_OFF:
+    sent = bool(operation.cloud_operation)
+    if attachment is not None and vm.state not in HOSTS_OFF and not sent:
         if operation.hosts_version is None:
             with transaction.atomic():
                 DiskAttachment.objects.filter(pk=attachment.pk).update(
@@ -234,12 +299,22 @@ def _detached(operation: DiskOperation) -> bool:
                 f"Not detached: {message}. The disk stays attached and mounted; stop what "
                 "uses it and detach it again."
             )
+    if disk.lab_id != vm.lab_id:
+        raise InventoryError("That disk and VM belong to different labs.")
     try:
-        inventory.detach_disk(operation.requested_by, disk, vm)
+        node = _through_api(
+            operation,
+            lambda client: client.begin_detach_disk(
+                vm.lab.gcp_project_id, vm.zone, vm.name, disk.source_disk()
+            ),
+        )
     except InventoryError:
         if attachment is not None:
             _keep_attached(attachment, vm, disk)
         raise
+    if not isinstance(node, NodeInfo):
+        return node
+    inventory.disk_detached(operation.requested_by, disk, vm, node)
     return True
 
 

@@ -391,6 +391,14 @@ def attach_disk(admin, disk: DataDisk, vm: TpuVm, mode: str, *, request=None) ->
         )
     except CloudError as exc:
         raise InventoryError(f"The Cloud TPU API refused: {exc}") from None
+    return disk_attached(admin, disk, vm, mode, node, request=request)
+
+
+def disk_attached(
+    admin, disk: DataDisk, vm: TpuVm, mode: str, node: NodeInfo, *, request=None
+) -> DiskAttachment:
+    """The API attached the disk (``node`` as the change left it): record it, and have
+    the workers mount it."""
     with transaction.atomic():
         apply_disks(vm, node)
     attachment = DiskAttachment.objects.get(disk=disk, vm=vm)
@@ -463,6 +471,11 @@ def detach_disk(admin, disk: DataDisk, vm: TpuVm, *, request=None) -> None:
         node = cloud_tpu().detach_disk(vm.lab.gcp_project_id, vm.zone, vm.name, disk.source_disk())
     except CloudError as exc:
         raise InventoryError(f"The Cloud TPU API refused: {exc}") from None
+    disk_detached(admin, disk, vm, node, request=request)
+
+
+def disk_detached(admin, disk: DataDisk, vm: TpuVm, node: NodeInfo, *, request=None) -> None:
+    """The API detached the disk (``node`` as the change left it): forget it."""
     with transaction.atomic():
         apply_disks(vm, node)
     hosts_must_change(vm, f"disk {disk.name} detached")

@@ -1,6 +1,6 @@
 """The periodic sweeps: which work is stuck or lost, queued again (reconciles,
-connection checks, disk operations, host-key scans), and which VMs are due a
-reconcile to find and mend drift."""
+connection checks, disk operations, host-key scans, looks at a VM's stop, start or
+deletion), and which VMs are due a reconcile to find and mend drift."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tpus.services import (
     hostkey_scans,
     ipchanges,
     reconcile,
+    vm_lifecycle,
 )
 
 
@@ -69,6 +70,8 @@ def requeue_stuck_work() -> None:
         emails.send_ip_change_email(notice_id)  # claimed: at most one email per notice
     for scan_id in hostkey_scans.stalled_scans():
         queue.scan_host_keys(scan_id)
+    for change_id in vm_lifecycle.lost_changes():
+        queue.follow_vm_change(change_id)
 
 
 def grants_due_a_retry() -> list[int]:

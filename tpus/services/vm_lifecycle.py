@@ -1,11 +1,13 @@
 """Stopping, starting and deleting a lab's TPU VM through the Cloud TPU API.
 
-The admin's click changes the VM's row and queues the call (``run``, a task: Google
-takes minutes); jobs are cancelled cleanly first (the call waits until they ended on
-the workers, so each ends ``cancelled``, not lost with the machines), and a deletion
-tells everyone who had access, once. Deleting needs the VM's name typed and says first
-what goes with it: who has access, the jobs running and waiting, and everything in the
-homes on its workers. A deleted VM is not brought back, even when it was kept alive.
+The admin's click changes the VM's row and queues the call (``run``, a task); Google
+takes minutes, and short tasks queued with a countdown look at its operation
+(``follow``, a ``VmChange`` row), so that no task waits for it. Jobs are cancelled
+cleanly first (the call waits until they ended on the workers, so each ends
+``cancelled``, not lost with the machines), and a deletion tells everyone who had
+access, once. Deleting needs the VM's name typed and says first what goes with it: who
+has access, the jobs running and waiting, and everything in the homes on its workers.
+A deleted VM is not brought back, even when it was kept alive.
 
 A stopped VM holds none of the lab's allowance, so a start takes the chips again: it
 is checked like a new request (``allowances.claim``, with the lab locked) and refused
@@ -21,13 +23,15 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from portal import audit
 from tpus import access, queue
 from tpus.cloud import CloudError
 from tpus.cloud.config import cloud_tpu
-from tpus.models import AuditAction, Grant, Job, TpuVm, VmRequest
+from tpus.cloud.operations import Started
+from tpus.models import AuditAction, Grant, Job, TpuVm, VmChange, VmRequest
 from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.inventory import NodeState, VmSource
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
@@ -193,9 +197,12 @@ def stop_wait() -> dt.timedelta:
 
 
 def run(vm_id: int, action: str, *, may_wait: bool = True) -> float | None:
-    """The call behind a stop, start or delete, and what follows it in the lab. A stop
-    or delete first lets the jobs it cancelled end (``jobs_still_stopping``): then it
-    returns the seconds after which to run it again, and calls nothing."""
+    """Send the call behind a stop, start or delete (for a VM made from a queued
+    request, a deletion cancels the request first). Done at once, what follows in the
+    lab happens now; otherwise the API's operation is looked at later (``follow``):
+    no task waits for Google. A stop or delete first lets the jobs it cancelled end
+    (``jobs_still_stopping``): then it returns the seconds after which to run it
+    again, and calls nothing."""
     vm = TpuVm.objects.select_related("lab").filter(pk=vm_id).first()
     if vm is None:
         return None
@@ -206,41 +213,160 @@ def run(vm_id: int, action: str, *, may_wait: bool = True) -> float | None:
             queue.advance_jobs(vm.pk)
             return again
     client = cloud_tpu()
-    project = vm.lab.gcp_project_id
     try:
-        if action == STOP:
-            inventory.refresh_from_node(vm, client.stop_node(project, vm.zone, vm.name))
-        elif action == START:
-            inventory.refresh_from_node(vm, client.start_node(project, vm.zone, vm.name))
-            hosts_must_change(vm, "started again")
-        elif action == DELETE:
-            _delete(vm, client, project)
+        if action == DELETE:
+            queued = VmRequest.objects.filter(vm=vm).exclude(cloud_id="").order_by("-pk").first()
+            if queued is not None:
+                started = _gone_is_done(
+                    lambda: client.begin_delete_queued_resource(
+                        vm.lab.gcp_project_id, vm.zone, queued.cloud_id, with_node=True
+                    )
+                )
+                if not started.done:
+                    _look_later(vm, action, VmChange.Step.REQUEST, started.operation, client)
+                    return None
+        _send_node_call(vm, action, client)
     except CloudError as exc:
-        log.warning("%s %s: %s", action, vm, exc)
-        audit.record(
-            AuditAction.VM_CHANGE_FAILED,
-            lab=vm.lab,
-            summary=f"{vm.name}: {action} failed: {str(exc)[:300]}",
-            data={"vm": vm.pk, "action": action, "code": exc.code},
-        )
-        # The next sync puts the VM's real state back on its row.
-        queue.refresh_lab(vm.lab_id)
+        _failed(vm, action, exc)
     return None
 
 
-def _delete(vm: TpuVm, client, project: str) -> None:
-    queued = VmRequest.objects.filter(vm=vm).exclude(cloud_id="").order_by("-pk").first()
-    if queued is not None:
-        try:
-            client.delete_queued_resource(project, vm.zone, queued.cloud_id, with_node=True)
-        except CloudError as exc:
-            if exc.code != "NOT_FOUND":
-                raise
+def _send_node_call(vm: TpuVm, action: str, client) -> None:
+    project = vm.lab.gcp_project_id
+    begin = {
+        STOP: client.begin_stop_node,
+        START: client.begin_start_node,
+        DELETE: client.begin_delete_node,
+    }[action]
+    if action == DELETE:
+        started = _gone_is_done(lambda: begin(project, vm.zone, vm.name))
+    else:
+        started = begin(project, vm.zone, vm.name)
+    if started.done:
+        _done(vm, action, started.node)
+    else:
+        _look_later(vm, action, VmChange.Step.NODE, started.operation, client)
+
+
+def _gone_is_done(call) -> Started:
+    """A deletion of something already gone is success."""
     try:
-        client.delete_node(project, vm.zone, vm.name)
+        return call()
     except CloudError as exc:
         if exc.code != "NOT_FOUND":
             raise
+        return Started()
+
+
+def _done(vm: TpuVm, action: str, node) -> None:
+    """What follows a finished stop, start or deletion in the lab."""
+    if action == STOP:
+        inventory.refresh_from_node(vm, node)
+    elif action == START:
+        inventory.refresh_from_node(vm, node)
+        hosts_must_change(vm, "started again")
+    elif action == DELETE:
+        _deleted(vm)
+
+
+def _failed(vm: TpuVm, action: str, exc: CloudError) -> None:
+    log.warning("%s %s: %s", action, vm, exc)
+    audit.record(
+        AuditAction.VM_CHANGE_FAILED,
+        lab=vm.lab,
+        summary=f"{vm.name}: {action} failed: {str(exc)[:300]}",
+        data={"vm": vm.pk, "action": action, "code": exc.code},
+    )
+    # The next sync puts the VM's real state back on its row.
+    queue.refresh_lab(vm.lab_id)
+
+
+# -- following a change underway at Google ------------------------------------------------
+
+# A look is presumed lost this long after it was due; the sweep queues it again.
+LOST_AFTER_SECONDS = 60
+METHODS = {
+    (STOP, VmChange.Step.NODE): "StopNode",
+    (START, VmChange.Step.NODE): "StartNode",
+    (DELETE, VmChange.Step.NODE): "DeleteNode",
+    (DELETE, VmChange.Step.REQUEST): "DeleteQueuedResource",
+}
+
+
+def _look_later(vm: TpuVm, action: str, step: str, operation: str, client) -> None:
+    pause = client.next_look_in(0)
+    change = VmChange.objects.create(
+        vm=vm,
+        action=action,
+        step=step,
+        operation=operation,
+        claimed_until=timezone.now() + dt.timedelta(seconds=pause),
+    )
+    queue.follow_vm_change(change.pk, countdown=pause)
+
+
+def _claim(change_id: int) -> VmChange | None:
+    """Take the change's look (a conditional UPDATE): a look queued twice runs once."""
+    now = timezone.now()
+    lease = now + dt.timedelta(seconds=float(settings.TPU_API_TIMEOUT) + 30)
+    taken = (
+        VmChange.objects.filter(pk=change_id, finished_at=None)
+        .filter(Q(claimed_until=None) | Q(claimed_until__lte=now))
+        .update(claimed_until=lease)
+    )
+    return VmChange.objects.select_related("vm__lab").get(pk=change_id) if taken else None
+
+
+def follow(change_id: int) -> None:
+    """One look at a stop, start or deletion underway at Google: queue the next while
+    it runs; once done, what follows in the lab (a deletion's second call, after the
+    request's cancellation); failed, or still running after TPU_API_OPERATION_TIMEOUT,
+    the same as a call that failed."""
+    change = _claim(change_id)
+    if change is None:
+        return
+    vm, client = change.vm, cloud_tpu()
+    try:
+        waited = (timezone.now() - change.started_at).total_seconds()
+        method = METHODS[(change.action, change.step)]
+        if change.action == DELETE:
+            looked = _gone_is_done(
+                lambda: client.look_at_operation(change.operation, waited=waited, method=method)
+            )
+        else:
+            looked = client.look_at_operation(change.operation, waited=waited, method=method)
+        if not looked.done:
+            pause = client.next_look_in(waited)
+            VmChange.objects.filter(pk=change.pk).update(
+                claimed_until=timezone.now() + dt.timedelta(seconds=pause)
+            )
+            queue.follow_vm_change(change.pk, countdown=pause)
+            return
+        _finish(change)
+        if change.step == VmChange.Step.REQUEST:
+            _send_node_call(vm, DELETE, client)
+        else:
+            _done(vm, change.action, looked.node)
+    except CloudError as exc:
+        _finish(change)
+        _failed(vm, change.action, exc)
+
+
+def _finish(change: VmChange) -> None:
+    VmChange.objects.filter(pk=change.pk).update(finished_at=timezone.now(), claimed_until=None)
+
+
+def lost_changes() -> list[int]:
+    """Changes still underway whose next look is long overdue (its task was lost)."""
+    late = timezone.now() - dt.timedelta(seconds=LOST_AFTER_SECONDS)
+    return list(
+        VmChange.objects.filter(finished_at=None, claimed_until__lt=late)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+
+
+def _deleted(vm: TpuVm) -> None:
     now = timezone.now()
     with transaction.atomic():
         TpuVm.objects.filter(pk=vm.pk).update(missing_since=now)

@@ -35,7 +35,12 @@ from tpus.tasks.periodic import (
     sync_inventory,
     sync_lab_inventory,
 )
-from tpus.tasks.provisioning import change_vm, follow_vm_requests, send_vm_request
+from tpus.tasks.provisioning import (
+    change_vm,
+    follow_vm_change,
+    follow_vm_requests,
+    send_vm_request,
+)
 
 __all__ = [
     "advance_jobs",
@@ -43,6 +48,7 @@ __all__ = [
     "check_tpu_usage",
     "check_vm_connection",
     "expire_grants",
+    "follow_vm_change",
     "follow_vm_requests",
     "look_at_idle_chips",
     "poll_jobs",

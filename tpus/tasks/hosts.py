@@ -37,7 +37,8 @@ def check_vm_connection(connection_id: int, attempt: int, check: int | None = No
 
 @task(ignore_result=True)
 def run_disk_operation(operation_id: int) -> None:
-    """Attach or detach a disk through the API's long-running operation."""
+    """Attach or detach a disk through the API: one step (send the change, or look at
+    its long-running operation); the step queues the next look itself."""
     disk_operations.run_operation(operation_id)
 
 

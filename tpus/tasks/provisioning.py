@@ -28,11 +28,18 @@ def follow_vm_requests() -> None:
 
 @task(bind=True, ignore_result=True, max_retries=None)
 def change_vm(self, vm_id: int, action: str) -> None:
-    """Stop, start or delete a VM at Google, and follow it in the lab; a stop or
-    delete looks again a little later while the jobs it cancelled still end (bounded
-    by ``vm_lifecycle.stop_wait``). Run in-process, it cannot wait: it goes ahead."""
+    """Ask Google Cloud to stop, start or delete a VM (the look at how it goes is a
+    task of its own, ``follow_vm_change``); a stop or delete looks again a little later
+    while the jobs it cancelled still end (bounded by ``vm_lifecycle.stop_wait``). Run
+    in-process, it cannot wait: it goes ahead."""
     if action not in (vm_lifecycle.STOP, vm_lifecycle.START, vm_lifecycle.DELETE):
         return
     again = vm_lifecycle.run(vm_id, action, may_wait=not self.request.is_eager)
     if again is not None:
         raise self.retry(countdown=again)
+
+
+@task(ignore_result=True)
+def follow_vm_change(change_id: int) -> None:
+    """One look at a VM's stop, start or deletion underway at Google."""
+    vm_lifecycle.follow(change_id)

@@ -113,3 +113,39 @@ def test_an_unknown_disk_is_not_found(two_vms):
 def test_an_unknown_mode_is_a_programming_error(two_vms):
     with pytest.raises(ValueError):
         two_vms.client.attach_disk(PROJECT, ZONE, "tpu1", "imagenet", "rw")
+
+
+def test_an_attach_can_be_sent_and_looked_at_later_without_waiting(two_vms):
+    import time
+
+    client = two_vms.client
+    two_vms.operation_delay = 0.5
+
+    started = client.begin_attach_disk(PROJECT, ZONE, "tpu1", "imagenet", "READ_ONLY")
+
+    assert started.node is None and started.operation
+    assert not client.look_at_operation(started.operation, waited=0, method="UpdateNode").done
+    time.sleep(0.6)
+    looked = client.look_at_operation(started.operation, waited=0.6, method="UpdateNode")
+    node = looked.node
+    assert looked.done and node.data_disks == (DiskInfo(DISK, "READ_ONLY"),)
+    # Attached already: nothing is sent, and the node comes back at once.
+    again = client.begin_attach_disk(PROJECT, ZONE, "tpu1", "imagenet", "READ_ONLY")
+    assert again.node.data_disks == node.data_disks and not again.operation
+    assert client.calls["UpdateNode"] == 1
+
+
+def test_an_operation_still_running_after_the_operation_timeout_is_an_error(two_vms):
+    client = two_vms.client
+    two_vms.operation_delay = 30
+    started = client.begin_detach_disk(PROJECT, ZONE, "tpu1", "imagenet")
+    assert started.done and started.node is not None  # not attached: nothing to do
+    started = client.begin_attach_disk(PROJECT, ZONE, "tpu1", "imagenet", "READ_ONLY")
+
+    with pytest.raises(CloudError) as caught:
+        client.look_at_operation(
+            started.operation, waited=client.config.operation_timeout, method="UpdateNode"
+        )
+
+    assert caught.value.code == "DEADLINE_EXCEEDED"
+    assert "the operation did not finish in time" in str(caught.value)

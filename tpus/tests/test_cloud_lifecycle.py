@@ -136,3 +136,29 @@ def test_stop_start_and_delete(tpu_emulator):
 def test_a_zone_lists_its_accelerator_types_and_runtime_versions(tpu_emulator):
     assert "v4-32" in tpu_emulator.client.accelerator_types(PROJECT, ZONE)
     assert "tpu-ubuntu2204-base" in tpu_emulator.client.runtime_versions(PROJECT, ZONE)
+
+
+def test_a_node_call_can_be_sent_and_looked_at_later_without_waiting(tpu_emulator):
+    import time
+
+    client = tpu_emulator.client
+    tpu_emulator.operation_delay = 0.5
+
+    started = client.begin_create_node(PROJECT, wanted(accelerator_type="v4-8"))
+    assert not started.done
+    assert not client.look_at_operation(started.operation, waited=0, method="CreateNode").done
+    time.sleep(0.6)
+    made = client.look_at_operation(started.operation, waited=0.6, method="CreateNode")
+    assert made.done and (made.node.name, made.node.state) == ("tpu5", "READY")
+
+    stopping = client.begin_stop_node(PROJECT, ZONE, "tpu5")
+    time.sleep(0.6)
+    stopped = client.look_at_operation(stopping.operation, waited=0.6, method="StopNode")
+    assert stopped.node.state == "STOPPED"
+    deleting = client.begin_delete_node(PROJECT, ZONE, "tpu5")
+    time.sleep(0.6)
+    deleted = client.look_at_operation(deleting.operation, waited=0.6, method="DeleteNode")
+    assert deleted.done and deleted.node is None
+    with pytest.raises(CloudError) as gone:
+        client.begin_delete_node(PROJECT, ZONE, "tpu5")
+    assert gone.value.code == "NOT_FOUND"

@@ -259,15 +259,15 @@ def test_a_check_looks_once_and_queues_the_next_while_the_workers_refuse_the_key
         time.sleep(countdown)
 
     # Each look came back at once, well before the wait was over; the wait as a whole
-    # still ends as it did, failed with the reason, once PORTAL_CONNECT_WAIT_SECONDS passed.
+    # still ends as it did, failed with the reason, once PORTAL_CONNECT_WAIT_SECONDS
+    # passed (the last look may end a moment after it, as it always could).
     assert max(took) < 1.0, took
     assert looks >= 4
     assert connection.state == ConnectionState.FAILED
     assert connection.reason == connect.WHY_REFUSED
     waited = (connection.finished_at - connection.started_at).total_seconds()
-    assert (
-        settings.PORTAL_CONNECT_WAIT_SECONDS - 3.5 <= waited <= settings.PORTAL_CONNECT_WAIT_SECONDS
-    )
+    wait = settings.PORTAL_CONNECT_WAIT_SECONDS
+    assert wait - settings.PORTAL_CONNECT_POLL_SECONDS - 0.5 <= waited <= wait + 1.0, waited
     assert queued.tasks == []
 
 

@@ -254,13 +254,13 @@ def test_a_detach_unmounts_on_every_worker_first_and_waits_while_one_holds_the_d
     assert [scene.mounted_at(point, h) for h in scene.hosts] == [loop_disk.loop] * 2
     # What the workers had mounted when the API was asked to detach.
     seen_at_detach = []
-    real_detach = CloudTPU.detach_disk
+    real_detach = CloudTPU.begin_detach_disk
 
-    def detach_disk(self, *args, **kwargs):
+    def begin_detach_disk(self, *args, **kwargs):
         seen_at_detach.append([scene.mounted_at(point, h) for h in scene.hosts])
         return real_detach(self, *args, **kwargs)
 
-    monkeypatch.setattr(CloudTPU, "detach_disk", detach_disk)
+    monkeypatch.setattr(CloudTPU, "begin_detach_disk", begin_detach_disk)
     # Someone works in the disk's folder on the second worker.
     busy = scene.sh(f"cd {point} && sleep 300 </dev/null >/dev/null 2>&1 & echo $!", second)
     busy = busy.strip()

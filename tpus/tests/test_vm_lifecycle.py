@@ -114,3 +114,162 @@ def test_a_kept_alive_vm_the_lab_stopped_is_not_brought_back(cast, vm, tpu_emula
     vm_lifecycle.run(vm.pk, vm_lifecycle.STOP)
     assert TpuVm.objects.get(pk=vm.pk).state == "STOPPED"
     assert keep_alive.bring_back() == []
+
+
+class Queued:
+    """What the portal hands to Celery, recorded at ``tpus.queue``'s one door instead
+    of sent, so a test runs each task itself, when it is due."""
+
+    def __init__(self, monkeypatch):
+        from tpus import queue
+
+        self.tasks: list[tuple[str, tuple, float | None]] = []
+        monkeypatch.setattr(
+            queue, "_send", lambda name, *args, countdown=None: self.tasks.append(
+                (name, args, countdown)
+            )
+        )  # fmt: skip
+
+    def looks(self) -> list[tuple[tuple, float]]:
+        found = [(a, c) for n, a, c in self.tasks if n == "tpus.tasks.follow_vm_change"]
+        self.tasks.clear()
+        return found
+
+
+def _timed(call) -> float:
+    import time
+
+    started = time.monotonic()
+    call()
+    return time.monotonic() - started
+
+
+def _follow(queued, django_capture_on_commit_callbacks) -> list[float]:
+    """Run the looks the change queues, each when it is due, as a worker would; the
+    seconds each took."""
+    import time
+
+    took = []
+    while looks := queued.looks():
+        [((change_id,), countdown)] = looks
+        assert countdown >= 1
+        time.sleep(countdown)
+        with django_capture_on_commit_callbacks(execute=True):
+            took.append(_timed(lambda change_id=change_id: vm_lifecycle.follow(change_id)))
+    return took
+
+
+def test_a_stop_and_a_start_send_the_call_and_look_again_later_instead_of_waiting(
+    cast, vm, tpu_emulator, monkeypatch, django_capture_on_commit_callbacks
+):
+    from tpus.models import VmChange
+
+    tpu_emulator.operation_delay = 2.0  # Google takes its time
+    queued = Queued(monkeypatch)
+    vm_lifecycle.stop_vm(cast.admin, vm)
+    queued.tasks.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        took = [_timed(lambda: vm_lifecycle.run(vm.pk, vm_lifecycle.STOP))]
+    # Underway: the page still says stopping, and the look is queued for later.
+    assert TpuVm.objects.get(pk=vm.pk).state == "STOPPING"
+    [change] = VmChange.objects.filter(vm=vm)
+    assert change.operation and change.finished_at is None
+    took += _follow(queued, django_capture_on_commit_callbacks)
+
+    assert max(took) < 1.0, took
+    assert len(took) >= 2
+    vm.refresh_from_db()
+    assert vm.state == "STOPPED"
+    change.refresh_from_db()
+    assert change.finished_at is not None
+
+    version = vm.desired_version
+    vm_lifecycle.start_vm(cast.admin, vm)
+    queued.tasks.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_lifecycle.run(vm.pk, vm_lifecycle.START)
+    assert TpuVm.objects.get(pk=vm.pk).state == "STARTING"
+    _follow(queued, django_capture_on_commit_callbacks)
+    vm.refresh_from_db()
+    assert vm.state == "READY"
+    assert vm.desired_version > version  # its workers are reconciled once it is up
+
+
+def test_a_deletion_ends_access_once_google_has_deleted_the_vm(
+    cast, vm, tpu_emulator, monkeypatch, django_capture_on_commit_callbacks
+):
+    tpu_emulator.operation_delay = 1.5
+    queued = Queued(monkeypatch)
+    vm_lifecycle.delete_vm(cast.admin, vm, "tpu5")
+    queued.tasks.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_lifecycle.run(vm.pk, vm_lifecycle.DELETE)
+    assert Grant.objects.get(vm=vm).state == "active"  # not yet: Google is on it
+
+    _follow(queued, django_capture_on_commit_callbacks)
+
+    vm.refresh_from_db()
+    assert vm.missing_since is not None
+    assert Grant.objects.get(vm=vm).state == "revoked"
+
+
+def test_a_lost_look_is_queued_again_by_the_sweep(
+    cast, vm, tpu_emulator, monkeypatch, django_capture_on_commit_callbacks
+):
+    import datetime as dt
+    import time
+
+    from django.utils import timezone
+
+    from tpus.models import VmChange
+    from tpus.tasks import reconcile_sweep
+
+    tpu_emulator.operation_delay = 0.5
+    queued = Queued(monkeypatch)
+    vm_lifecycle.stop_vm(cast.admin, vm)
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_lifecycle.run(vm.pk, vm_lifecycle.STOP)
+    [change] = VmChange.objects.filter(vm=vm)
+    queued.tasks.clear()  # the look's task is lost (a broker restart)
+    assert vm_lifecycle.lost_changes() == []
+    VmChange.objects.filter(pk=change.pk).update(
+        claimed_until=timezone.now() - dt.timedelta(seconds=61)
+    )
+
+    with django_capture_on_commit_callbacks(execute=True):
+        reconcile_sweep()
+    [(args, countdown)] = queued.looks()
+    assert args == (change.pk,) and countdown is None
+    time.sleep(0.6)  # Google is done meanwhile
+    vm_lifecycle.follow(change.pk)
+    vm_lifecycle.follow(change.pk)  # queued twice: looks once, and changes nothing more
+
+    assert TpuVm.objects.get(pk=vm.pk).state == "STOPPED"
+    assert VmChange.objects.get(pk=change.pk).finished_at is not None
+
+
+def test_a_stop_google_does_not_finish_in_time_fails_as_before(
+    cast, vm, tpu_emulator, monkeypatch, settings, django_capture_on_commit_callbacks
+):
+    import time
+
+    from tpus.models import AuditEvent, VmChange
+
+    settings.TPU_API_OPERATION_TIMEOUT = 1
+    tpu_emulator.operation_delay = 30.0
+    queued = Queued(monkeypatch)
+    vm_lifecycle.stop_vm(cast.admin, vm)
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_lifecycle.run(vm.pk, vm_lifecycle.STOP)
+    time.sleep(1.1)
+    [change] = VmChange.objects.filter(vm=vm)
+    queued.tasks.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_lifecycle.follow(change.pk)
+
+    [failed] = AuditEvent.objects.filter(action="vm.change_failed")
+    assert failed.summary.startswith("tpu5: stop failed: Cloud TPU API StopNode failed: ")
+    assert "DEADLINE_EXCEEDED: the operation did not finish in time" in failed.summary
+    assert [n for n, _, _ in queued.tasks] == ["tpus.tasks.sync_lab_inventory"]
