@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tpus', '0030_vm_restore'),
+        ('tpus', '0033_vm_change'),
     ]
 
     operations = [

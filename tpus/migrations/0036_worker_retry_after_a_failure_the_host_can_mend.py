@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tpus', '0030_vm_restore'),
+        ('tpus', '0035_vm_request_kept_down'),
     ]
 
     operations = [

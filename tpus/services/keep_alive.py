@@ -20,7 +20,7 @@ from portal import audit
 from tpus import queue
 from tpus.cloud import CloudError
 from tpus.cloud.config import cloud_tpu
-from tpus.models import AuditAction
+from tpus.models import AuditAction, TpuVm
 from tpus.models.inventory import AttachmentState, DiskAttachment, NodeState
 from tpus.models.provisioning import VmRequest, VmRequestState
 from tpus.services import allowances, emails
