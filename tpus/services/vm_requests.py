@@ -276,12 +276,36 @@ def send(request_id: int) -> None:
         return
     try:
         made = VmRequest.objects.select_related("lab").get(pk=request_id)
-        if made.state == VmRequestState.REQUESTED:
+        if made.state in (VmRequestState.REQUESTED, VmRequestState.WAITING) and (
+            allowances.grant_ended(made.lab)
+        ):
+            _withdraw_after_grant_end(made)
+        elif made.state == VmRequestState.REQUESTED:
             _send(made)
         else:
             _follow(made)
     finally:
         _release(request_id)
+
+
+def _withdraw_after_grant_end(made: VmRequest) -> None:
+    """A request still waiting for capacity when the lab's TPU grant ends is withdrawn
+    at Google and fails with the reason: no VM is made for a lab past its grant."""
+    if made.cloud_id:
+        try:
+            cloud_tpu().delete_queued_resource(
+                made.lab.gcp_project_id, made.zone, made.cloud_id, with_node=True
+            )
+        except CloudError as exc:
+            if exc.code != "NOT_FOUND":
+                log.warning("request %s: not withdrawn yet: %s", made.pk, exc)
+                return  # the next pass tries again
+    _fail(
+        made,
+        "GRANT_ENDED",
+        f"{made.name} was not made: the lab's TPU grant ended on "
+        f"{made.lab.grant_end_date:%-d %B %Y} while it waited for capacity.",
+    )
 
 
 def _wanted(made: VmRequest) -> NodeRequest:

@@ -292,6 +292,26 @@ def test_a_request_still_waiting_well_past_its_window_is_failed_and_cancelled_by
     assert tpu_emulator.controls.queued_resources() == {}
 
 
+def test_a_request_still_waiting_when_the_labs_grant_ends_is_withdrawn_and_makes_nothing(
+    cast, lab, tpu_emulator
+):
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+    vm_requests.send(made.pk)
+    lab.grant_end_date = timezone.localdate() - dt.timedelta(days=1)
+    lab.save()
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", None)  # capacity comes too late
+
+    vm_requests.send(made.pk)
+
+    made.refresh_from_db()
+    assert made.state == "failed" and made.error_code == "GRANT_ENDED"
+    assert "the lab's TPU grant ended on" in made.error
+    assert tpu_emulator.controls.queued_resources() == {}
+    assert not TpuVm.objects.filter(lab=lab).exists()
+    assert tpu_emulator.requests["CreateNode"] == 0
+
+
 def test_the_admins_hear_once_a_week_before_the_labs_grant_ends(cast, lab, tpu_emulator):
     from portal.models import OutboxMessage
 
