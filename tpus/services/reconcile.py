@@ -47,10 +47,17 @@ from tpus.services.leases import Heartbeat
 log = logging.getLogger(__name__)
 
 
-# Failures no change on the host mends (the worker's key, its pin, its address): not
-# tried again by themselves. Any other failure of a worker (the portal's account lost
-# sudo there, a script refused) is, with a back-off, so it heals soon after the fix.
-NOT_MENDED_ON_THE_HOST = {RemoteError.HOST_KEY, RemoteError.NO_PIN, RemoteError.NOT_ALLOWED}
+# Failures not tried again by themselves: no change on the host mends them (the
+# worker's host key, its pin, its address), or the fix reconciles anyway (the lab's
+# key refused: connecting the VM reconciles it once every worker takes the key). Any
+# other failure of a worker (the portal's account lost sudo there, a script refused)
+# is tried again with a back-off, so it heals soon after the fix.
+NOT_MENDED_ON_THE_HOST = {
+    RemoteError.HOST_KEY,
+    RemoteError.NO_PIN,
+    RemoteError.NOT_ALLOWED,
+    RemoteError.AUTH,
+}
 
 
 # How soon a run whose workers refused the lab's key while the VM is still taking it
