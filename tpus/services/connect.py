@@ -326,7 +326,20 @@ def _look_again(connection: VmConnection, workers: dict) -> None:
         queue.check_vm_connection(connection.pk, connection.attempt, looks, countdown=pause)
 
 
-def _finish(connection_id: int, attempt: int, workers: dict, reason: str) -> None:
+def confirmed_by_reconcile(vm_id: int) -> None:
+    """A reconcile logged in on every worker with the lab's key and the pinned host
+    keys, as the check does: the VM is connected (a check still looking stops at its
+    next look), and no reconcile more is asked for, that one has just run."""
+    connection = VmConnection.objects.filter(vm_id=vm_id, state=ConnectionState.CONNECTING).first()
+    if connection is None:
+        return
+    workers = {str(i): {"state": ACCEPTED, "detail": ""} for i in connection.workers}
+    _finish(connection.pk, connection.attempt, workers, "", reconciled=True)
+
+
+def _finish(
+    connection_id: int, attempt: int, workers: dict, reason: str, *, reconciled: bool = False
+) -> None:
     state = ConnectionState.FAILED if reason else ConnectionState.CONNECTED
     with transaction.atomic():
         updated = VmConnection.objects.filter(
@@ -345,5 +358,5 @@ def _finish(connection_id: int, attempt: int, workers: dict, reason: str) -> Non
             summary=f"{vm.name}: {reason or 'every worker accepts the lab key'}",
             data={"vm": vm.pk, "workers": workers},
         )
-        if not reason:
+        if not reason and not reconciled:
             hosts_must_change(vm, "every worker accepts the lab key")

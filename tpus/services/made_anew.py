@@ -31,8 +31,13 @@ from tpus.services.hosts import hosts_must_change
 
 log = logging.getLogger(__name__)
 
-# The API's creation time has nanoseconds the portal does not keep, and two clocks.
+# Two creation times from the API differ by this much or more: another node (the
+# API's nanoseconds are not stored).
 SLACK = dt.timedelta(seconds=1)
+# A pin taken this long or more before the node's creation (the portal's clock against
+# Google's) was taken on other machines. Wide, so that no clock skew makes a node's own
+# pins look old; a node made again minutes after its pins is caught by the first test.
+CLOCKS_SLACK = dt.timedelta(seconds=60)
 
 
 def pins_predate(vm: TpuVm, created: dt.datetime | None) -> bool:
@@ -44,7 +49,7 @@ def pins_predate(vm: TpuVm, created: dt.datetime | None) -> bool:
     if vm.node_created_at is not None and created - vm.node_created_at >= SLACK:
         return True
     return any(
-        w.host_keys_pinned_at is not None and created - w.host_keys_pinned_at >= SLACK
+        w.host_keys_pinned_at is not None and created - w.host_keys_pinned_at >= CLOCKS_SLACK
         for w in vm.workers.all()
         if w.is_pinned
     )

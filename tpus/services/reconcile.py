@@ -38,7 +38,7 @@ from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.labs import MembershipState
 from tpus.remote import HostKeyMismatch, RemoteError, run_on_workers
 from tpus.remote.desired import DesiredState, DesiredUser, encode
-from tpus.services import disk_mounts, emails, leases, made_anew
+from tpus.services import connect, disk_mounts, emails, leases, made_anew
 from tpus.services.hostkey_alarms import raise_alarm
 from tpus.services.hosts import remote_worker
 from tpus.services.labkeys import login_for
@@ -47,10 +47,22 @@ from tpus.services.leases import Heartbeat
 log = logging.getLogger(__name__)
 
 
-# Failures no change on the host mends (the worker's key, its pin, its address): not
-# tried again by themselves. Any other failure of a worker (the portal's account lost
-# sudo there, a script refused) is, with a back-off, so it heals soon after the fix.
-NOT_MENDED_ON_THE_HOST = {RemoteError.HOST_KEY, RemoteError.NO_PIN, RemoteError.NOT_ALLOWED}
+# Failures not tried again by themselves: no change on the host mends them (the
+# worker's host key, its pin, its address), or the fix reconciles anyway (the lab's
+# key refused: connecting the VM reconciles it once every worker takes the key). Any
+# other failure of a worker (the portal's account lost sudo there, a script refused)
+# is tried again with a back-off, so it heals soon after the fix.
+NOT_MENDED_ON_THE_HOST = {
+    RemoteError.HOST_KEY,
+    RemoteError.NO_PIN,
+    RemoteError.NOT_ALLOWED,
+    RemoteError.AUTH,
+}
+
+
+# How soon a run whose workers refused the lab's key while the VM is still taking it
+# (the guest agent applies it seconds after boot) is tried again.
+KEY_RETRY_SECONDS = 1.0
 
 
 @dataclass
@@ -62,6 +74,8 @@ class ReconcileReport:
     retryable: dict[int, str] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     changed: int = 0
+    # Workers refused the lab's key while the VM is still taking it: looked at again soon.
+    waiting_for_key: bool = False
 
     @property
     def complete(self) -> bool:
@@ -290,6 +304,7 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
         workers = list(vm.workers.select_related("sync").order_by("index"))
     report.version = version
     report.ok, report.retryable, report.failed = [], {}, {}
+    report.waiting_for_key = False
     try:
         data = encode(state)
     except ValueError as exc:
@@ -354,6 +369,7 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             # connected): not a failure yet. The connection check reconciles the VM
             # once every worker accepts the key; it fails the VM itself if none does.
             why = "the VM is still taking the lab's key (connecting); tried again then"
+            report.waiting_for_key = True
             report.retryable[worker.index] = why
             _record(worker, version, error=why, retryable=True)
             continue
@@ -368,6 +384,9 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
         )
     settle_grants(vm_id)
     disk_mounts.after_run(vm_id, report.ok, looked_at=looked_at)
+    if len(report.ok) == len(workers) and workers:
+        # Every worker took the lab's key: a VM still connecting is connected now.
+        connect.confirmed_by_reconcile(vm_id)
     audit.record(
         AuditAction.VM_RECONCILED,
         lab=vm.lab,
@@ -644,7 +663,11 @@ def _fail(grant: Grant, reason: str, *, retry: bool = False) -> None:
 
 
 def give_up(vm_id: int) -> None:
-    """Retries are exhausted: pending grants on workers that stayed unreachable fail."""
+    """Retries are exhausted: pending grants on workers that stayed unreachable fail.
+    Not while the VM is still taking the lab's key: the connection check reconciles
+    it once every worker does, and says so if they never do."""
+    if _still_connecting(vm_id):
+        return
     for sync in WorkerSync.objects.filter(worker__vm_id=vm_id).exclude(last_error=""):
         WorkerSync.objects.filter(pk=sync.pk).update(last_error_retryable=False)
     settle_grants(vm_id)

@@ -431,14 +431,18 @@ def _arrived(made: VmRequest, node: NodeInfo) -> None:
     """A node is there: once READY, put it in the lab, connected, pinned, reconciled."""
     if node.state != NodeState.READY or not all(w.external_ip for w in node.workers):
         return
-    if made.vm_id is not None:
-        # The VM is made anew: its workers have new host keys, as a new VM does. That is
-        # expected here, not an alarm: the pins are dropped and taken again from what
-        # the new workers publish, before anyone has a shell on them. (A changed key on
-        # a VM that was not made anew still stops provisioning and alerts the admins.)
-        made_anew.forget_host_keys(made.vm)
-    vm = inventory.register_created(made.lab, node, requested_by=made.requested_by)
+    # One transaction: the reconcile that registering the VM asks for starts once the
+    # VM is marked connecting, so a worker that has not taken the lab's key yet is
+    # looked at again soon, not failed.
     with transaction.atomic():
+        if made.vm_id is not None:
+            # The VM is made anew: its workers have new host keys, as a new VM does.
+            # That is expected here, not an alarm: the pins are dropped and taken again
+            # from what the new workers publish, before anyone has a shell on them. (A
+            # changed key on a VM that was not made anew still stops provisioning and
+            # alerts the admins.)
+            made_anew.forget_host_keys(made.vm)
+        vm = inventory.register_created(made.lab, node, requested_by=made.requested_by)
         connect.wait_for_workers(vm, made.requested_by)
         if made.vm_id is not None:
             keep_alive.run_again_what_it_lost(made)

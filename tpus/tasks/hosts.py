@@ -25,7 +25,9 @@ def reconcile_vm(self, vm_id: int) -> None:
     if self.request.is_eager or self.request.retries >= self.max_retries:
         reconcile.give_up(vm_id)
         return
-    raise self.retry(countdown=reconcile.unreachable_retry_delay(self.request.retries))
+    delay = reconcile.unreachable_retry_delay(self.request.retries)
+    # A new VM's guest agent puts the lab's key in place within seconds: look soon.
+    raise self.retry(countdown=reconcile.KEY_RETRY_SECONDS if report.waiting_for_key else delay)
 
 
 @task(ignore_result=True)

@@ -340,11 +340,18 @@ def test_a_grant_on_a_vm_still_taking_the_lab_key_waits_for_it_with_no_alarm(
     assert grant.state == "pending", grant.error
     assert not OutboxMessage.objects.exists()  # nobody told of a failure
 
-    # The guest agent puts the key in place; the connection check sees every worker
-    # take it and reconciles: the grant goes active, and that is the only email.
+    assert report.waiting_for_key  # the task looks again in a second
+
+    # The guest agent puts the key in place; the next look reaches every worker: the
+    # grant goes active (the only email), and the VM is connected by that reconcile,
+    # with no reconcile more asked for.
     apply_once(fleet, tpu_emulator.controls.show())
+    version = TpuVm.objects.get(pk=vm.pk).desired_version
     with django_capture_on_commit_callbacks(execute=True):
-        _connected(vm)
+        report = reconcile.reconcile_vm(vm.pk)
+    assert report.complete and not report.waiting_for_key
     grant.refresh_from_db()
     assert grant.state == "active", grant.error
     assert [m.kind for m in OutboxMessage.objects.all()] == ["access_active"]
+    assert VmConnection.objects.get(vm=vm).state == "connected"
+    assert TpuVm.objects.get(pk=vm.pk).desired_version == version

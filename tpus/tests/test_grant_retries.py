@@ -61,3 +61,23 @@ def test_a_refused_grant_not_yet_due_leaves_the_hosts_alone(vm, make_user, monke
     maintenance.rerun_stalled_claims()
 
     assert queued == []
+
+
+def test_out_of_retries_a_grant_on_a_vm_still_taking_the_lab_key_is_not_failed(vm, make_user):
+    from tpus.models import VmConnection, Worker, WorkerSync
+
+    worker = Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10")
+    WorkerSync.objects.create(
+        worker=worker, last_error="the VM is still taking the lab's key", last_error_retryable=True
+    )
+    grant = Grant.objects.create(user=make_user(), vm=vm, state="pending", version=1)
+    connection = VmConnection.objects.create(vm=vm, state="connecting")
+
+    reconcile.give_up(vm.pk)  # the connection check reconciles once the key is taken
+    grant.refresh_from_db()
+    assert grant.state == "pending"
+
+    VmConnection.objects.filter(pk=connection.pk).update(state="failed")
+    reconcile.give_up(vm.pk)  # the key never came: now the grant fails with the reason
+    grant.refresh_from_db()
+    assert grant.state == "failed"
