@@ -38,6 +38,9 @@ SLACK = dt.timedelta(seconds=1)
 # Google's) was taken on other machines. Wide, so that no clock skew makes a node's own
 # pins look old; a node made again minutes after its pins is caught by the first test.
 CLOCKS_SLACK = dt.timedelta(seconds=60)
+# How long after a node's creation the sync still looks for the keys of its workers
+# that had published none yet.
+LATE_KEYS_WINDOW = dt.timedelta(minutes=15)
 
 
 def pins_predate(vm: TpuVm, created: dt.datetime | None) -> bool:
@@ -95,6 +98,51 @@ def recognise(vm: TpuVm, node: NodeInfo | None = None) -> bool:
             # and the people with access hear it then (``reconcile.settle_grants``).
             TpuVm.objects.filter(pk=vm.pk).update(restore_version=F("desired_version"))
     log.info("%s was made anew (node created %s): pins taken again", vm, node.create_time)
+    return True
+
+
+def may_have_late_workers(vm: TpuVm, node: NodeInfo, now: dt.datetime) -> bool:
+    """Whether the sync should look for keys of workers that published none yet: a
+    ready node made in the last ``LATE_KEYS_WINDOW`` with a worker still unpinned.
+    (Guest agents publish within a minute of boot; an older unpinned worker is one
+    whose keys the API does not publish, for an admin to confirm: no call each sync.)"""
+    return (
+        node.state == NodeState.READY
+        and node.create_time is not None
+        and now - node.create_time < LATE_KEYS_WINDOW
+        and any(not w.is_pinned for w in vm.workers.all())
+    )
+
+
+def pin_late_workers(vm: TpuVm, node: NodeInfo) -> bool:
+    """Pin, from what they publish now, the workers of the VM's node that had published
+    no host keys yet when it was pinned (a node made anew whose guest agents had not
+    written them, a worker that booted late). Nobody can have a shell on an unpinned
+    worker (the portal never connects to one), so this is the moment of import for it.
+    True when a worker was pinned: the VM is set up again, accounts and disks included.
+    """
+    waiting = {w.pk for w in vm.workers.all() if not w.is_pinned}
+    if not waiting:
+        return False
+    try:
+        inventory.pin_from_guest_attributes(vm, node)
+    except CloudError as exc:
+        log.warning("guest attributes of %s unavailable: %s", vm, exc)
+        return False
+    pinned = list(
+        Worker.objects.filter(pk__in=waiting).exclude(host_keys=[]).values_list("index", flat=True)
+    )
+    if not pinned:
+        return False
+    with transaction.atomic():
+        audit.record(
+            AuditAction.HOST_KEYS_PINNED,
+            lab=vm.lab,
+            summary=f"{vm.name}: host keys of worker {', '.join(map(str, sorted(pinned)))} "
+            "taken from what they publish now",
+            data={"vm": vm.pk, "workers": sorted(pinned)},
+        )
+        hosts_must_change(vm, "late workers pinned")
     return True
 
 

@@ -88,6 +88,11 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
             # anything connects to them (and before their keys are compared below).
             if made_anew.recognise(vm, node):
                 vm.refresh_from_db()
+        elif made_anew.may_have_late_workers(vm, node, now):
+            # Workers that published no keys when their node was pinned (a node made
+            # anew whose guest agents had not written them yet) are pinned once they do.
+            if made_anew.pin_late_workers(vm, node):
+                vm.refresh_from_db()
         before = (vm.state, vm.health)
         recreated = _recreated(vm, node)
         changed = apply_node(vm, node)

@@ -172,6 +172,42 @@ def test_a_re_created_vm_is_pinned_again_from_what_it_publishes_with_no_alarm(
         assert worker.host_keys != before[worker.index]
 
 
+def test_a_worker_of_a_vm_made_anew_that_publishes_its_keys_late_is_pinned_at_a_later_sync(
+    tpu5, tpu_emulator, settings, django_capture_on_commit_callbacks
+):
+    settings.PORTAL_HOST_KEY_CHECKS_PER_SYNC = 0
+    addresses = list(tpu5.workers.order_by("index").values_list("external_ip", flat=True))
+    tpu_emulator.controls.delete("tpu5")
+    time.sleep(1.1)
+    # New machines; worker 1's guest agent has not written its keys yet.
+    tpu_emulator.controls.add_node(
+        PROJECT,
+        ZONE,
+        "tpu5",
+        accelerator_type="v4-16",
+        workers=2,
+        external_ips=addresses,
+        host_keys={0: {"ssh-ed25519": new_host_key()}},
+        generate_host_keys=False,
+    )
+    _sync(django_capture_on_commit_callbacks)
+    late = Worker.objects.get(vm=tpu5, index=1)
+    assert Worker.objects.get(vm=tpu5, index=0).is_pinned and not late.is_pinned
+    version = TpuVm.objects.get(pk=tpu5.pk).desired_version
+
+    tpu_emulator.controls.set_host_key("tpu5", 1, "ssh-ed25519", new_host_key())
+    _sync(django_capture_on_commit_callbacks)
+
+    late.refresh_from_db()
+    published = tpu_emulator.client.guest_host_keys(PROJECT, ZONE, "tpu5")
+    assert late.host_keys == sorted(published.for_worker(1).values())
+    assert late.host_keys_source == "guest_attributes"
+    # The VM is set up again, now on both workers; nobody was alarmed.
+    assert TpuVm.objects.get(pk=tpu5.pk).desired_version > version
+    assert not _alerts()
+    assert AuditEvent.objects.filter(summary__contains="host keys of worker 1 taken").exists()
+
+
 def test_a_vm_listed_again_after_missing_has_its_published_keys_compared(
     tpu5, tpu_emulator, settings, django_capture_on_commit_callbacks
 ):
