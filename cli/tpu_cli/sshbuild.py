@@ -8,6 +8,7 @@ but cannot add a ``ProxyCommand``, a ``Host *`` or a ``Match`` to the person's s
 from __future__ import annotations
 
 import base64
+import binascii
 import ipaddress
 import re
 import struct
@@ -100,7 +101,10 @@ def host_key(value: Any, what: str) -> str:
     kind, _, blob = value.partition(" ")
     if kind not in _KEY_TYPES or not _BASE64.match(blob) or len(blob) % 4:
         raise Refused(what, value)
-    raw = base64.b64decode(blob)
+    try:
+        raw = base64.b64decode(blob, validate=True)
+    except binascii.Error:
+        raise Refused(what, value) from None
     if len(raw) < 4:
         raise Refused(what, value)
     (length,) = struct.unpack(">I", raw[:4])
