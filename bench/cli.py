@@ -2,7 +2,7 @@
 person would write:
 
     sudo-capable root shell, from the repository root (PostgreSQL and Redis running):
-    .venv/bin/python -m bench.cli [--sizes 4,32] [--reps 3]
+    .venv/bin/python -m bench.cli [--sizes 4,32] [--reps 3] [--parts run,exec] [--long-runtime]
 
 1. `tpu run VM --workdir W --detach -- sleep 600` with W = 500 files, 50 MB: the
    first sync (a new folder on the workers) and a re-run after one file changed, from
@@ -22,6 +22,7 @@ live portal (gunicorn on 127.0.0.1) and the sshd fleet; nothing leaves the machi
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shlex
@@ -29,6 +30,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from bench.common import PYTHON, ROOT, machine, median, table
@@ -48,6 +50,11 @@ class CliBench(Bench):
         from tests.laptop import ClientLaptop
 
         self.laptop = ClientLaptop(self.dir / "home")
+        if self.args.long_runtime:
+            # As long as /run/user/<a 10-digit uid>: too long a folder for the sockets, so
+            # the client shares its connections from a short private folder in /tmp.
+            self.laptop.runtime = tempfile.mkdtemp(prefix="run-user-1234567890-", dir="/tmp")
+            atexit.register(shutil.rmtree, self.laptop.runtime, ignore_errors=True)
         key = self.dir / f"id_{self.user.email.split('@')[0]}"
         shutil.copy(key, self.laptop.path("~/.ssh/id_ed25519"))
         with transaction.atomic():
@@ -217,7 +224,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4,32", help="workers per pod (default 4,32)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per size (1..10)")
+    parser.add_argument("--parts", default="run,exec", help="which parts (default run,exec)")
+    parser.add_argument(
+        "--long-runtime",
+        action="store_true",
+        help="the laptop's XDG_RUNTIME_DIR as long as /run/user/<10-digit uid>",
+    )
     args = parser.parse_args(argv)
+    args.parts = set(args.parts.split(","))
     args.sizes = sorted({int(s) for s in args.sizes.split(",")})
     args.reps = max(1, min(args.reps, 10))
     args.poll, args.grace = 1, 2
@@ -228,13 +242,18 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     try:
         bench.start()
-        print("1. tpu run, first sync and one file changed → running …", flush=True)
-        runs = bench.part_run()
-        print("2. tpu exec on every worker …", flush=True)
-        execs = bench.part_exec()
+        runs = execs = ""
+        if "run" in args.parts:
+            print("1. tpu run, first sync and one file changed → running …", flush=True)
+            runs = bench.part_run()
+        if "exec" in args.parts:
+            print("2. tpu exec on every worker …", flush=True)
+            execs = bench.part_exec()
         print()
         print(f"machine: {machine()}")
-        print(f"{FILES} files, {SIZE // 2**20} MB; sizes {args.sizes}; {args.reps} repetitions")
+        runtime = f"; XDG_RUNTIME_DIR {bench.laptop.runtime}" if args.long_runtime else ""
+        print(f"{FILES} files, {SIZE // 2**20} MB; sizes {args.sizes}; {args.reps} "
+              f"repetitions{runtime}")  # fmt: skip
         print(f"\n{runs}\n\n{execs}")
     finally:
         bench.close()

@@ -210,6 +210,9 @@ HOSTILE = [
     ("a host name with a line", lambda d: _vm(d).update(host="tpu5\n    ProxyCommand sh -c x"),
      "the host name of vision/tpu5"),
     ("a host name with a space", lambda d: _vm(d).update(host="tpu5 *"), "the host name"),
+    ("another host's name", lambda d: _vm(d).update(host="github.com"),
+     "the host name of vision/tpu5 that is not valid: 'github.com'"),
+    ("a zone of another form", lambda d: _vm(d).update(zone="x"), "the zone of vision/tpu5"),
     ("a lab name", lambda d: _vm(d).update(lab="vision\nHost *"), "a lab name"),
     ("an address with options",
      lambda d: _worker(d).update(address="10.1.0.1 -oProxyCommand=x"),
@@ -236,7 +239,8 @@ HOSTILE = [
     ("a worker index as text", lambda d: _worker(d).update(index="0"), "a worker index"),
     ("a username with a line", lambda d: d.update(username="milo\n    ProxyCommand x"),
      "a unix username"),
-    ("one host twice", lambda d: d["vms"][1].update(host="tpu5-w1"), "a host name twice"),
+    ("one worker twice", lambda d: _vm(d)["workers"].append(_worker(d, 1)),
+     "a host key alias twice"),
     ("no list of VMs", lambda d: d.update(vms="Host *"), "the list of your VMs"),
 ]  # fmt: skip
 

@@ -117,3 +117,10 @@ def test_auth_status_without_a_sign_in(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     code, out, err = run(capsys, "auth", "status")
     assert code == errors.SIGNED_OUT and "You are not signed in" in err
+
+
+def test_what_a_worker_said_about_a_failed_job_is_cleaned_too():
+    from tpu_cli import follow
+
+    job = {"reason": "w0 failed\x1b]0;pwned\x07", "parts": [{"index": 0, "error": "\x1b[2Jboom"}]}
+    assert follow.why(job) == ["w0 failed", "  w0: boom"]

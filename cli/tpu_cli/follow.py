@@ -49,7 +49,12 @@ def job_exit_code(job: dict) -> int:
 
 def why(job: dict) -> list[str]:
     """What the person should read when a job did not succeed: its reason, the
-    pre-flight checks that failed, and each worker's error."""
+    pre-flight checks that failed, and each worker's error (what a worker said, cleaned
+    of escape sequences as its log is)."""
+    return [clean_line(line) for line in _why(job)]
+
+
+def _why(job: dict) -> list[str]:
     lines = []
     if job.get("reason"):
         lines.append(job["reason"])

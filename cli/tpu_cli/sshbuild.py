@@ -8,6 +8,7 @@ but cannot add a ``ProxyCommand``, a ``Host *`` or a ``Match`` to the person's s
 from __future__ import annotations
 
 import base64
+import binascii
 import ipaddress
 import re
 import struct
@@ -22,9 +23,21 @@ _USERNAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 # A lab slug, a VM name, a zone: letters, digits, '-' and '_' (no dot, no space, no
 # wildcard); what the portal's names are made of.
 _WORD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+# A Cloud TPU zone, as the portal takes them (us-central1-f, europe-west4-a).
+_ZONE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 # A host name the person types: words joined by '.' or '-' (tpu5, vision-tpu5,
 # tpu5.us-central1-f.vision).
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9][A-Za-z0-9_-]*)*$")
+
+
+def host_forms(lab: str, name: str, zone: str) -> set[str]:
+    """The names the portal gives a VM's worker 0 (the VM's name, with its lab in front
+    when two labs have one of that name, its zone after when one lab has it in two, or
+    ``name.zone.lab``): none can be another host the person reaches (github.com)."""
+    return {name, f"{lab}-{name}", f"{name}-{zone}", f"{lab}-{name}-{zone}",
+            f"{name}.{zone}.{lab}"}  # fmt: skip
+
+
 _KEY_TYPES = frozenset({
     "ssh-ed25519", "ssh-rsa", "ssh-dss", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384",
     "ecdsa-sha2-nistp521", "sk-ssh-ed25519@openssh.com", "sk-ecdsa-sha2-nistp256@openssh.com",
@@ -88,7 +101,10 @@ def host_key(value: Any, what: str) -> str:
     kind, _, blob = value.partition(" ")
     if kind not in _KEY_TYPES or not _BASE64.match(blob) or len(blob) % 4:
         raise Refused(what, value)
-    raw = base64.b64decode(blob)
+    try:
+        raw = base64.b64decode(blob, validate=True)
+    except binascii.Error:
+        raise Refused(what, value) from None
     if len(raw) < 4:
         raise Refused(what, value)
     (length,) = struct.unpack(">I", raw[:4])
@@ -114,8 +130,10 @@ def _vm_blocks(vm: Any, username: str, known: str, seen: set) -> tuple[list, lis
         raise Refused("a VM", vm)
     lab = _text(vm.get("lab"), _WORD, "a lab name")
     name = _text(vm.get("name"), _WORD, "a VM name")
-    zone = _text(vm.get("zone"), _WORD, f"the zone of {lab}/{name}")
+    zone = _text(vm.get("zone"), _ZONE, f"the zone of {lab}/{name}")
     host = _text(vm.get("host"), _HOST, f"the host name of {lab}/{name}")
+    if host not in host_forms(lab, name, zone):
+        raise Refused(f"the host name of {lab}/{name}", host)
     agent = vm.get("forward_agent")
     if not isinstance(agent, bool):
         raise Refused(f"the agent forwarding of {lab}/{name}", agent)
@@ -151,8 +169,8 @@ def _vm_blocks(vm: Any, username: str, known: str, seen: set) -> tuple[list, lis
         address = _address(worker["address"], f"the address of {alias}")
         names = ([host] if index == 0 else []) + ([f"{host}-w{index}"] if pod else [])
         for each in names:
-            if each in seen:
-                raise Refused("a host name twice", each)
+            if each in seen:  # vm tpu5-w1 beside pod tpu5's worker 1: ssh takes the first
+                continue
             seen.add(each)
             block = [
                 f"Host {each}",
