@@ -22,9 +22,9 @@ TPU = str(Path(sys.executable).parent / "tpu")
 PASSWORD = "a long passphrase 42"
 
 
-def _login(url: str, home: Path) -> tuple[subprocess.Popen, str]:
-    """`tpu login` started on a laptop whose home is ``home``; returns it and the link
-    it printed."""
+def _login(url: str, home: Path) -> tuple[subprocess.Popen, str, str]:
+    """`tpu login` started on a laptop whose home is ``home``; returns it, the link it
+    printed and the code to type there."""
     env = {"PATH": os.environ["PATH"], "HOME": str(home)}
     client = subprocess.Popen(
         [TPU, "login", url, "--no-browser", "--device-name", "milo-laptop"],
@@ -34,11 +34,18 @@ def _login(url: str, home: Path) -> tuple[subprocess.Popen, str]:
     shown = []
     for line in client.stderr:
         shown.append(line)
-        found = re.search(r"Approve this device \(milo-laptop\) at: (\S+)", line)
+        found = re.search(r"Type it to approve this device \(milo-laptop\) at: (\S+)", line)
         if found:
-            assert re.search(r"Your one-time code: [A-Z0-9]{4}-[A-Z0-9]{4}", "".join(shown))
-            return client, found.group(1)
+            code = re.search(r"Your one-time code: ([A-Z0-9]{4}-[A-Z0-9]{4})", "".join(shown))
+            assert code, shown
+            return client, found.group(1), code.group(1)
     raise AssertionError(f"no link in {shown}")
+
+
+def _type_code(page, link: str, code: str) -> None:
+    page.goto(link)
+    page.fill("input[name=code]", code)
+    page.get_by_role("button", name="Continue").click()
 
 
 def test_milo_signs_the_client_in_from_his_browser(page, live_server, make_user, tmp_path):
@@ -50,9 +57,11 @@ def test_milo_signs_the_client_in_from_his_browser(page, live_server, make_user,
     page.wait_for_url(lambda url: "/accounts/login/" not in url)
 
     # A code he did not mean to give: denied, and the client says so.
-    client, link = _login(live_server.url, tmp_path)
-    page.goto(link)
+    client, link, code = _login(live_server.url, tmp_path)
+    assert "code=" not in link  # the plain page: he types the code, as a person would
+    _type_code(page, link, code)
     expect(page.locator("body")).to_contain_text("milo-laptop")
+    expect(page.locator("#link-warning")).to_have_count(0)
     page.get_by_role("button", name="Deny").click()
     expect(page.locator("body")).to_contain_text("gets no token")
     assert client.wait(timeout=60) == 3
@@ -60,8 +69,8 @@ def test_milo_signs_the_client_in_from_his_browser(page, live_server, make_user,
     assert not (tmp_path / ".config" / "tpu-portal" / "credentials.json").exists()
 
     # His own: approved with his password; the client holds a token of his.
-    client, link = _login(live_server.url, tmp_path)
-    page.goto(link)
+    client, link, code = _login(live_server.url, tmp_path)
+    _type_code(page, link, code)
     page.get_by_label("Your password").fill(PASSWORD)
     page.get_by_role("button", name="Approve").click()
     expect(page.locator("body")).to_contain_text("is signed in as milo@uni.example")

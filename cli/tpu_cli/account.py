@@ -59,9 +59,11 @@ def _device_flow(api: Api, device_name: str, *, open_browser: bool) -> tuple:
                 USAGE,
             ) from None
         raise
-    link = codes.get("verification_uri_complete") or codes["verification_uri"]
+    # The plain page, where the person types the code: a link with the code filled in
+    # is what a phisher sends, and the portal's page warns about it.
+    link = codes["verification_uri"]
     say(f"Your one-time code: {codes['user_code']}")
-    say(f"Approve this device ({device_name}) at: {link}")
+    say(f"Type it to approve this device ({device_name}) at: {link}")
     import webbrowser  # only here: every command would pay for importing it
 
     if open_browser and webbrowser.open(link):
