@@ -273,6 +273,49 @@ def test_a_check_queued_twice_looks_once(scene, django_capture_on_commit_callbac
     assert VmConnection.objects.get(pk=connection_id).checks == 1
 
 
+def test_a_labs_checks_try_their_workers_one_vm_at_a_time(
+    scene, django_capture_on_commit_callbacks, queued_tasks
+):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from tpus.models import TpuVm
+
+    emulator, admin, vm = scene
+    emulator.controls.set_oslogin(PROJECT, True)
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.connect_vm(admin, vm)
+    [((connection_id, attempt, check), _)] = queued_tasks.take(CHECK)
+    # Another VM of the lab is trying its workers (which may hang until the timeout).
+    other = TpuVm.objects.create(lab=vm.lab, name="tpu6", zone=ZONE, source="imported")
+    busy = VmConnection.objects.create(
+        vm=other, state=ConnectionState.CONNECTING, attempt=1,
+        looking_until=timezone.now() + dt.timedelta(seconds=30),
+    )  # fmt: skip
+
+    started = time.monotonic()
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.check_connection(connection_id, attempt, check)
+
+    # Its turn comes later: it asks again in a second, holding no Celery worker.
+    assert time.monotonic() - started < 0.5
+    assert queued_tasks.take(CHECK) == [
+        ((connection_id, attempt, check), connect.TURN_WAIT_SECONDS)
+    ]
+    connection = VmConnection.objects.get(pk=connection_id)
+    assert connection.checks == 0 and connection.looking_until is None
+    assert {w["state"] for w in connection.workers.values()} == {"waiting"}
+    assert connect.stalled_connections() == []
+    # The other's try is over: this one tries its workers now.
+    VmConnection.objects.filter(pk=busy.pk).update(looking_until=None)
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.check_connection(connection_id, attempt, check)
+    connection.refresh_from_db()
+    assert connection.checks == 1 and connection.looking_until is None
+    assert {w["state"] for w in connection.workers.values()} == {"refused"}
+
+
 def test_a_connection_whose_check_was_lost_is_checked_again(make_lab, settings):
     import datetime as dt
 
