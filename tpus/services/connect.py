@@ -260,9 +260,10 @@ TURN_WAIT_SECONDS = 1.0
 
 
 def _take_turn(connection_id: int, attempt: int) -> bool | None:
-    """Whether this check may try its workers now: no other check of the VM's lab is
-    trying its own (each try is bounded by the SSH timeouts, and workers that hang take
-    all of them). None when the connection no longer waits for this attempt."""
+    """Whether this check may try its workers now: no check of the VM's lab is trying
+    workers (each try is bounded by the SSH timeouts, and workers that hang take all of
+    them), this VM's included (the same check queued twice). None when the connection
+    no longer waits for this attempt."""
     lab_id = (
         VmConnection.objects.filter(
             pk=connection_id, attempt=attempt, state=ConnectionState.CONNECTING
@@ -275,12 +276,7 @@ def _take_turn(connection_id: int, attempt: int) -> bool | None:
     now = timezone.now()
     with transaction.atomic():
         list(Lab.objects.select_for_update().filter(pk=lab_id).values_list("pk"))
-        other = (
-            VmConnection.objects.filter(vm__lab_id=lab_id, looking_until__gt=now)
-            .exclude(pk=connection_id)
-            .exists()
-        )
-        if other:
+        if VmConnection.objects.filter(vm__lab_id=lab_id, looking_until__gt=now).exists():
             return False
         VmConnection.objects.filter(pk=connection_id).update(
             looking_until=now + dt.timedelta(seconds=_look_seconds())
