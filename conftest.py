@@ -78,6 +78,34 @@ def tpu_emulator(tmp_path, settings):
         emulator.stop()
 
 
+class QueuedTasks:
+    """What the portal hands to Celery, recorded at ``tpus.queue``'s one door instead
+    of sent, so a test runs each task itself, when it is due."""
+
+    def __init__(self):
+        self.tasks: list[tuple[str, tuple, float | None]] = []
+
+    def record(self, name: str, *args, countdown: float | None = None) -> None:
+        self.tasks.append((name, args, countdown))
+
+    def take(self, name: str) -> list[tuple[tuple, float | None]]:
+        """The ``(args, countdown)`` of each task named ``name`` queued since the last
+        take; every recorded task is forgotten."""
+        found = [(args, countdown) for n, args, countdown in self.tasks if n == name]
+        self.tasks.clear()
+        return found
+
+
+@pytest.fixture
+def queued_tasks(monkeypatch) -> QueuedTasks:
+    """Tasks are recorded, not run (nor sent to a broker): see ``QueuedTasks``."""
+    from tpus import queue
+
+    recorder = QueuedTasks()
+    monkeypatch.setattr(queue, "_send", recorder.record)
+    return recorder
+
+
 @pytest.fixture
 def make_user(db):
     """A user with a verified email address, ready to sign in."""

@@ -81,6 +81,10 @@ class ConnectsBench:
         logging.getLogger("tpus").setLevel(logging.WARNING)
         logging.getLogger("mail.log").setLevel(logging.WARNING)
         self._scene()
+        if self.args.hosts_down:
+            # Dead VMs: connects to lab A's workers hang until the client's timeout.
+            for host in self.hosts:
+                self.fleet.down(host.name, hang=True)
         print(f"starting celery worker and beat (sync every {self.args.sync} s) …", flush=True)
         self.stack.start_worker()
         self.stack.start_beat()
@@ -228,11 +232,12 @@ class ConnectsBench:
                   f"{burst[-1]:.2f} s", flush=True)  # fmt: skip
             self.disconnect_a()
         target = self.args.sync + 5
+        never = "answer (hosts down)" if self.args.hosts_down else "accept the key"
         print()
         print(
             f"Lab B's IP change → its email at the SMTP sink (seconds), without and right "
-            f"after lab A's admin pressed Connect on {VMS_A} VMs whose workers never accept "
-            f"the key; sync every {self.args.sync} s, PORTAL_CONNECT_WAIT_SECONDS = "
+            f"after lab A's admin pressed Connect on {VMS_A} VMs whose workers never "
+            f"{never}; sync every {self.args.sync} s, PORTAL_CONNECT_WAIT_SECONDS = "
             f"{self.args.connect_wait}, a celery worker of {os.cpu_count()} processes; "
             f"{machine()}"
         )
@@ -269,6 +274,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--connect-wait", type=int, default=180,
         help="PORTAL_CONNECT_WAIT_SECONDS (default 180, the portal's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hosts-down", action="store_true",
+        help="lab A's hosts hang like dead VMs (each look waits for the SSH connect timeout)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     args.sync = max(5, args.sync)

@@ -41,6 +41,9 @@ class VmConnection(models.Model):
     # When the next check is due (while one runs: when it should have ended); a
     # connecting row long past it lost its task, and the sweep queues it again.
     next_check_at = models.DateTimeField(null=True, blank=True)
+    # Set while a check of this VM tries its workers: one at a time per lab, so a lab's
+    # burst of Connects to workers that hang never takes more than one Celery worker.
+    looking_until = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"{self.vm} {self.state}"

@@ -23,7 +23,7 @@ from portal import audit
 from tpus import access, queue
 from tpus.cloud import CloudError, KeyLine, cloud_tpu
 from tpus.cloud.sshkeys import OSLOGIN, is_true
-from tpus.models import AuditAction, ConnectionState, TpuVm, VmConnection
+from tpus.models import AuditAction, ConnectionState, Lab, TpuVm, VmConnection
 from tpus.models.inventory import VmSource
 from tpus.remote import HostKeyPins, RemoteError, run_on_workers
 from tpus.remote import Worker as RemoteWorker
@@ -255,6 +255,44 @@ def _claim(connection_id: int, attempt: int, check: int | None) -> VmConnection 
     return VmConnection.objects.select_related("vm__lab").get(pk=connection_id)
 
 
+# How soon a check that found another of its lab's checks trying workers asks again.
+TURN_WAIT_SECONDS = 1.0
+
+
+def _take_turn(connection_id: int, attempt: int) -> bool | None:
+    """Whether this check may try its workers now: no check of the VM's lab is trying
+    workers (each try is bounded by the SSH timeouts, and workers that hang take all of
+    them), this VM's included (the same check queued twice). None when the connection
+    no longer waits for this attempt."""
+    lab_id = (
+        VmConnection.objects.filter(
+            pk=connection_id, attempt=attempt, state=ConnectionState.CONNECTING
+        )
+        .values_list("vm__lab_id", flat=True)
+        .first()
+    )
+    if lab_id is None:
+        return None
+    now = timezone.now()
+    with transaction.atomic():
+        list(Lab.objects.select_for_update().filter(pk=lab_id).values_list("pk"))
+        if VmConnection.objects.filter(vm__lab_id=lab_id, looking_until__gt=now).exists():
+            return False
+        VmConnection.objects.filter(pk=connection_id).update(
+            looking_until=now + dt.timedelta(seconds=_look_seconds())
+        )
+    return True
+
+
+def _wait_turn(connection_id: int, attempt: int, check: int | None) -> None:
+    """Ask again soon, holding no Celery worker meanwhile."""
+    due = timezone.now() + dt.timedelta(seconds=TURN_WAIT_SECONDS)
+    if VmConnection.objects.filter(
+        pk=connection_id, attempt=attempt, state=ConnectionState.CONNECTING
+    ).update(next_check_at=due):
+        queue.check_vm_connection(connection_id, attempt, check, countdown=TURN_WAIT_SECONDS)
+
+
 def _save_workers(connection_id: int, attempt: int, workers: dict) -> bool:
     return bool(
         VmConnection.objects.filter(
@@ -268,11 +306,25 @@ def check_connection(connection_id: int, attempt: int, check: int | None = None)
     record each worker's answer, then end connected, or failed with the reason, or
     queue the next look with a countdown (soon at first, then every
     PORTAL_CONNECT_POLL_SECONDS) until PORTAL_CONNECT_WAIT_SECONDS after Connect.
-    It never waits for the workers itself, so a lab's Connects hold no Celery worker
-    another lab's work needs."""
-    connection = _claim(connection_id, attempt, check)
-    if connection is None:
+    It never waits for the workers itself, and a lab's checks try workers one VM at a
+    time (``_take_turn``), so a lab's Connects hold at most one Celery worker, however
+    many there are and however long its workers take to answer."""
+    turn = _take_turn(connection_id, attempt)
+    if turn is None:
+        return  # disconnected, connected, or connected again meanwhile
+    if not turn:
+        _wait_turn(connection_id, attempt, check)
         return
+    try:
+        connection = _claim(connection_id, attempt, check)
+        if connection is not None:
+            _look(connection)
+    finally:
+        VmConnection.objects.filter(pk=connection_id).update(looking_until=None)
+
+
+def _look(connection: VmConnection) -> None:
+    connection_id, attempt = connection.pk, connection.attempt
     vm = connection.vm
     login = login_for(vm.lab)
     workers = dict(connection.workers)

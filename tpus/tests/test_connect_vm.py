@@ -207,37 +207,21 @@ def test_a_lab_on_the_site_key_has_nothing_to_connect(make_lab, make_user, add_m
         connect.connect_vm(admin, vm)
 
 
-class Queued:
-    """What the portal hands to Celery, recorded at ``tpus.queue``'s one door instead
-    of sent, so a test runs each task itself, when it is due."""
-
-    def __init__(self, monkeypatch):
-        self.tasks: list[tuple[str, tuple, float | None]] = []
-        monkeypatch.setattr(
-            connect.queue,
-            "_send",
-            lambda name, *args, countdown=None: self.tasks.append((name, args, countdown)),
-        )
-
-    def take(self) -> tuple[str, tuple, float | None]:
-        [task] = self.tasks
-        self.tasks.clear()
-        return task
+CHECK = "tpus.tasks.check_vm_connection"
 
 
 def test_a_check_looks_once_and_queues_the_next_while_the_workers_refuse_the_key(
-    scene, django_capture_on_commit_callbacks, settings, monkeypatch
+    scene, django_capture_on_commit_callbacks, settings, queued_tasks
 ):
     from tpus.tasks import check_vm_connection
 
     emulator, admin, vm = scene
     settings.PORTAL_CONNECT_WAIT_SECONDS = 4
     emulator.controls.set_oslogin(PROJECT, True)  # the key never becomes a login
-    queued = Queued(monkeypatch)
     with django_capture_on_commit_callbacks(execute=True):
         connect.connect_vm(admin, vm)
-    name, args, countdown = queued.take()
-    assert (name, countdown) == ("tpus.tasks.check_vm_connection", None)
+    [(args, countdown)] = queued_tasks.take(CHECK)
+    assert countdown is None
 
     took, looks = [], 0
     while True:
@@ -252,8 +236,7 @@ def test_a_check_looks_once_and_queues_the_next_while_the_workers_refuse_the_key
         # Not there yet: the check recorded what each worker said, and queued the next
         # look for later instead of waiting for it.
         assert {w["state"] for w in connection.workers.values()} == {"refused"}
-        name, args, countdown = queued.take()
-        assert name == "tpus.tasks.check_vm_connection"
+        [(args, countdown)] = queued_tasks.take(CHECK)
         assert args == (connection.pk, connection.attempt, looks)
         assert 0 < countdown <= settings.PORTAL_CONNECT_POLL_SECONDS
         time.sleep(countdown)
@@ -268,27 +251,69 @@ def test_a_check_looks_once_and_queues_the_next_while_the_workers_refuse_the_key
     waited = (connection.finished_at - connection.started_at).total_seconds()
     wait = settings.PORTAL_CONNECT_WAIT_SECONDS
     assert wait - settings.PORTAL_CONNECT_POLL_SECONDS - 0.5 <= waited <= wait + 1.0, waited
-    assert queued.tasks == []
+    assert queued_tasks.take(CHECK) == []
 
 
-def test_a_check_queued_twice_looks_once(scene, django_capture_on_commit_callbacks, monkeypatch):
+def test_a_check_queued_twice_looks_once(scene, django_capture_on_commit_callbacks, queued_tasks):
     emulator, admin, vm = scene
     emulator.controls.set_oslogin(PROJECT, True)
-    queued = Queued(monkeypatch)
     with django_capture_on_commit_callbacks(execute=True):
         connect.connect_vm(admin, vm)
-    _, (connection_id, attempt, check), _ = queued.take()
+    [((connection_id, attempt, check), _)] = queued_tasks.take(CHECK)
 
     for _ in range(2):  # the task, and the same task again (the sweep found it late)
         with django_capture_on_commit_callbacks(execute=True):
             connect.check_connection(connection_id, attempt, check)
 
     assert VmConnection.objects.get(pk=connection_id).checks == 1
-    assert len(queued.tasks) == 1  # one chain of looks goes on, not two
+    assert len(queued_tasks.take(CHECK)) == 1  # one chain of looks goes on, not two
     # A look of an earlier attempt (Connect pressed again meanwhile) does nothing.
     with django_capture_on_commit_callbacks(execute=True):
         connect.check_connection(connection_id, attempt - 1, 1)
     assert VmConnection.objects.get(pk=connection_id).checks == 1
+
+
+def test_a_labs_checks_try_their_workers_one_vm_at_a_time(
+    scene, django_capture_on_commit_callbacks, queued_tasks
+):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from tpus.models import TpuVm
+
+    emulator, admin, vm = scene
+    emulator.controls.set_oslogin(PROJECT, True)
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.connect_vm(admin, vm)
+    [((connection_id, attempt, check), _)] = queued_tasks.take(CHECK)
+    # Another VM of the lab is trying its workers (which may hang until the timeout).
+    other = TpuVm.objects.create(lab=vm.lab, name="tpu6", zone=ZONE, source="imported")
+    busy = VmConnection.objects.create(
+        vm=other, state=ConnectionState.CONNECTING, attempt=1,
+        looking_until=timezone.now() + dt.timedelta(seconds=30),
+    )  # fmt: skip
+
+    started = time.monotonic()
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.check_connection(connection_id, attempt, check)
+
+    # Its turn comes later: it asks again in a second, holding no Celery worker.
+    assert time.monotonic() - started < 0.5
+    assert queued_tasks.take(CHECK) == [
+        ((connection_id, attempt, check), connect.TURN_WAIT_SECONDS)
+    ]
+    connection = VmConnection.objects.get(pk=connection_id)
+    assert connection.checks == 0 and connection.looking_until is None
+    assert {w["state"] for w in connection.workers.values()} == {"waiting"}
+    assert connect.stalled_connections() == []
+    # The other's try is over: this one tries its workers now.
+    VmConnection.objects.filter(pk=busy.pk).update(looking_until=None)
+    with django_capture_on_commit_callbacks(execute=True):
+        connect.check_connection(connection_id, attempt, check)
+    connection.refresh_from_db()
+    assert connection.checks == 1 and connection.looking_until is None
+    assert {w["state"] for w in connection.workers.values()} == {"refused"}
 
 
 def test_a_connection_whose_check_was_lost_is_checked_again(make_lab, settings):

@@ -145,19 +145,7 @@ def test_finished_operations_are_never_run_again(scene):
     assert disk_operations.operations_to_resume() == []
 
 
-class Queued:
-    """What the portal hands to Celery, recorded at ``tpus.queue``'s one door instead
-    of sent, so a test runs each task itself, when it is due."""
-
-    def __init__(self, monkeypatch):
-        from tpus import queue
-
-        self.tasks: list[tuple[str, tuple, float | None]] = []
-        monkeypatch.setattr(
-            queue,
-            "_send",
-            lambda name, *args, countdown=None: self.tasks.append((name, args, countdown)),
-        )
+RUN = "tpus.tasks.run_disk_operation"
 
 
 def _asked(admin, disk, vm, action, django_capture_on_commit_callbacks) -> DiskOperation:
@@ -179,13 +167,12 @@ def _follow(operation, queued, django_capture_on_commit_callbacks) -> list[float
         operation.refresh_from_db()
         if operation.state not in (DiskOperationState.RUNNING, DiskOperationState.UNMOUNTING):
             return took
-        looks = [(n, a, c) for n, a, c in queued.tasks if n == "tpus.tasks.run_disk_operation"]
-        queued.tasks.clear()
+        looks = queued.take(RUN)
         if operation.state == DiskOperationState.UNMOUNTING:
             continue  # the workers' reconcile hands it on (none was ever reached here)
         # Underway at Google: nobody holds the operation until the next look is due,
         # and that look is queued for then; no sweep takes it for a dead worker's.
-        [(_, args, countdown)] = looks
+        [(args, countdown)] = looks
         assert args == (operation.pk,) and operation.cloud_operation and countdown >= 1
         left = (operation.claimed_until - timezone.now()).total_seconds()
         assert 0 < left <= countdown
@@ -194,14 +181,13 @@ def _follow(operation, queued, django_capture_on_commit_callbacks) -> list[float
 
 
 def test_an_attach_sends_the_change_and_looks_again_later_instead_of_waiting(
-    scene, django_capture_on_commit_callbacks, monkeypatch
+    scene, django_capture_on_commit_callbacks, queued_tasks
 ):
     emulator, admin, disk, vm = scene
     emulator.operation_delay = 2.0  # Google takes its time
-    queued = Queued(monkeypatch)
+    queued = queued_tasks
     operation = _asked(admin, disk, vm, "attach", django_capture_on_commit_callbacks)
-    assert queued.tasks == [("tpus.tasks.run_disk_operation", (operation.pk,), None)]
-    queued.tasks.clear()
+    assert queued.take(RUN) == [((operation.pk,), None)]
 
     took = _follow(operation, queued, django_capture_on_commit_callbacks)
 
@@ -214,14 +200,14 @@ def test_an_attach_sends_the_change_and_looks_again_later_instead_of_waiting(
 
 
 def test_a_detach_looks_at_the_api_the_same_way(
-    scene, django_capture_on_commit_callbacks, monkeypatch
+    scene, django_capture_on_commit_callbacks, queued_tasks
 ):
     emulator, admin, disk, vm = scene
     inventory.attach_disk(admin, disk, vm, "READ_ONLY")
     emulator.operation_delay = 2.0
-    queued = Queued(monkeypatch)
+    queued = queued_tasks
     operation = _asked(admin, disk, vm, "detach", django_capture_on_commit_callbacks)
-    queued.tasks.clear()
+    queued.take(RUN)
 
     took = _follow(operation, queued, django_capture_on_commit_callbacks)
 
@@ -232,14 +218,13 @@ def test_a_detach_looks_at_the_api_the_same_way(
 
 
 def test_an_operation_google_does_not_finish_in_time_fails_as_before(
-    scene, django_capture_on_commit_callbacks, monkeypatch, settings
+    scene, django_capture_on_commit_callbacks, queued_tasks, settings
 ):
     import time
 
     emulator, admin, disk, vm = scene
     settings.TPU_API_OPERATION_TIMEOUT = 1
     emulator.operation_delay = 30.0
-    Queued(monkeypatch)
     operation = _asked(admin, disk, vm, "attach", django_capture_on_commit_callbacks)
     disk_operations.run_operation(operation.pk)
     time.sleep(1.1)

@@ -116,24 +116,7 @@ def test_a_kept_alive_vm_the_lab_stopped_is_not_brought_back(cast, vm, tpu_emula
     assert keep_alive.bring_back() == []
 
 
-class Queued:
-    """What the portal hands to Celery, recorded at ``tpus.queue``'s one door instead
-    of sent, so a test runs each task itself, when it is due."""
-
-    def __init__(self, monkeypatch):
-        from tpus import queue
-
-        self.tasks: list[tuple[str, tuple, float | None]] = []
-        monkeypatch.setattr(
-            queue, "_send", lambda name, *args, countdown=None: self.tasks.append(
-                (name, args, countdown)
-            )
-        )  # fmt: skip
-
-    def looks(self) -> list[tuple[tuple, float]]:
-        found = [(a, c) for n, a, c in self.tasks if n == "tpus.tasks.follow_vm_change"]
-        self.tasks.clear()
-        return found
+FOLLOW = "tpus.tasks.follow_vm_change"
 
 
 def _timed(call) -> float:
@@ -150,7 +133,7 @@ def _follow(queued, django_capture_on_commit_callbacks) -> list[float]:
     import time
 
     took = []
-    while looks := queued.looks():
+    while looks := queued.take(FOLLOW):
         [((change_id,), countdown)] = looks
         assert countdown >= 1
         time.sleep(countdown)
@@ -160,12 +143,12 @@ def _follow(queued, django_capture_on_commit_callbacks) -> list[float]:
 
 
 def test_a_stop_and_a_start_send_the_call_and_look_again_later_instead_of_waiting(
-    cast, vm, tpu_emulator, monkeypatch, django_capture_on_commit_callbacks
+    cast, vm, tpu_emulator, queued_tasks, django_capture_on_commit_callbacks
 ):
     from tpus.models import VmChange
 
     tpu_emulator.operation_delay = 2.0  # Google takes its time
-    queued = Queued(monkeypatch)
+    queued = queued_tasks
     vm_lifecycle.stop_vm(cast.admin, vm)
     queued.tasks.clear()
 
@@ -197,10 +180,10 @@ def test_a_stop_and_a_start_send_the_call_and_look_again_later_instead_of_waitin
 
 
 def test_a_deletion_ends_access_once_google_has_deleted_the_vm(
-    cast, vm, tpu_emulator, monkeypatch, django_capture_on_commit_callbacks
+    cast, vm, tpu_emulator, queued_tasks, django_capture_on_commit_callbacks
 ):
     tpu_emulator.operation_delay = 1.5
-    queued = Queued(monkeypatch)
+    queued = queued_tasks
     vm_lifecycle.delete_vm(cast.admin, vm, "tpu5")
     queued.tasks.clear()
     with django_capture_on_commit_callbacks(execute=True):
@@ -215,7 +198,7 @@ def test_a_deletion_ends_access_once_google_has_deleted_the_vm(
 
 
 def test_a_lost_look_is_queued_again_by_the_sweep(
-    cast, vm, tpu_emulator, monkeypatch, django_capture_on_commit_callbacks
+    cast, vm, tpu_emulator, queued_tasks, django_capture_on_commit_callbacks
 ):
     import datetime as dt
     import time
@@ -226,7 +209,7 @@ def test_a_lost_look_is_queued_again_by_the_sweep(
     from tpus.tasks import reconcile_sweep
 
     tpu_emulator.operation_delay = 0.5
-    queued = Queued(monkeypatch)
+    queued = queued_tasks
     vm_lifecycle.stop_vm(cast.admin, vm)
     with django_capture_on_commit_callbacks(execute=True):
         vm_lifecycle.run(vm.pk, vm_lifecycle.STOP)
@@ -239,7 +222,7 @@ def test_a_lost_look_is_queued_again_by_the_sweep(
 
     with django_capture_on_commit_callbacks(execute=True):
         reconcile_sweep()
-    [(args, countdown)] = queued.looks()
+    [(args, countdown)] = queued.take(FOLLOW)
     assert args == (change.pk,) and countdown is None
     time.sleep(0.6)  # Google is done meanwhile
     vm_lifecycle.follow(change.pk)
@@ -250,7 +233,7 @@ def test_a_lost_look_is_queued_again_by_the_sweep(
 
 
 def test_a_stop_google_does_not_finish_in_time_fails_as_before(
-    cast, vm, tpu_emulator, monkeypatch, settings, django_capture_on_commit_callbacks
+    cast, vm, tpu_emulator, queued_tasks, settings, django_capture_on_commit_callbacks
 ):
     import time
 
@@ -258,7 +241,7 @@ def test_a_stop_google_does_not_finish_in_time_fails_as_before(
 
     settings.TPU_API_OPERATION_TIMEOUT = 1
     tpu_emulator.operation_delay = 30.0
-    queued = Queued(monkeypatch)
+    queued = queued_tasks
     vm_lifecycle.stop_vm(cast.admin, vm)
     with django_capture_on_commit_callbacks(execute=True):
         vm_lifecycle.run(vm.pk, vm_lifecycle.STOP)
