@@ -78,7 +78,9 @@ def test_a_real_beat_and_worker_record_the_heartbeat(
         os.killpg(beat.pid, signal.SIGTERM)
         beat.wait(timeout=15)
     assert heartbeat.last_seen() is not None, "no heartbeat within 30 s"
-    settings.PORTAL_HEARTBEAT_SECONDS = 1
+    # Read with the usual interval: beat has stopped, and on a loaded machine the page
+    # can come more than three 1 s intervals after its last beat.
+    settings.PORTAL_HEARTBEAT_SECONDS = 60
     client.force_login(make_user(is_superuser=True, is_staff=True))
     assert (
         "Celery worker and beat last checked in"

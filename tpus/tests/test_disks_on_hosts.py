@@ -74,6 +74,17 @@ class Scene:
         return [d.name for d in self.emulator.client.get_node(PROJECT, ZONE, "tpu9").data_disks]
 
 
+@pytest.fixture(autouse=True)
+def _looks_again_by_the_beat(monkeypatch):
+    """These tests play the beat themselves (``disk_mounts.recheck_due``) to say when the
+    workers are looked at again; the look a reconcile queues for later would otherwise
+    run in this process as soon as it is due, before the test could see the state in
+    between."""
+    from tpus import queue
+
+    monkeypatch.setattr(queue, "recheck_disks", lambda vm_id, seconds: None)
+
+
 @pytest.fixture
 def make_scene(
     tpu_emulator, fleet, fleet_hosts, fleet_settings, fleet_username, fleet_uids, settings,
