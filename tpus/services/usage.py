@@ -318,9 +318,9 @@ class Usage:
         """``{"id", "jobs", "total"}`` rows ``start`` to ``stop`` of the ids of ``key``
         (``user`` or ``vm``), the largest worker-time first (then the smaller id), as
         ranking everyone would give them. The database sums, sorts and slices the ids
-        without live jobs; the few with live jobs (their totals only grow) are merged
-        in: none of them can stand before a row of the slice it did not already
-        pass, so the slice starts at most their number of rows before ``start``."""
+        that have no live jobs; the few that have are ranked here and merged in. The
+        database's slice begins as many rows before ``start`` as there are live ids,
+        so wherever those fall, every row from ``start`` to ``stop`` is known."""
         if stop <= start:
             return []
         live = most_used_first(self._with_live(key)[0])
