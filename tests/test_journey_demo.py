@@ -75,11 +75,21 @@ def printed(worker_env, celery_worker_process, fleet, tpu_emulator) -> str:
     session holds this fleet's slot, so the function gets the fleet itself). bin/demo
     runs these two, in this order, after ``migrate``, and lets both print."""
     script = (ROOT / "bin" / "demo").read_text()
-    commands = re.findall(r"^python manage\.py (\S+)(.*)$", script, re.M)
+    commands = re.findall(r"^(?:\w+=\$\()?python manage\.py ([^\s)]+)([^)\n]*)\)?$", script, re.M)
     assert commands[1:] == [
         ("ensure_site_admin", ""),
         ("demo_lab", ' --state "$state" --slot "$slot"'),
     ]
+    # Both kept, and printed once, together, only once the portal answers HTTP (its
+    # own start prints no login: PORTAL_PREPARED).
+    assert re.search(
+        r"^PORTAL_PREPARED=1 bin/portal &\n(?:.*\n)*?"
+        r"^if python -m portal\.wait_for_web http://127\.0\.0\.1:8000/healthz [^\n]*; then\n"
+        r"  printf '[^']*' \"\$admin_login\" \"\$steps\"\n",
+        script,
+        re.M,
+    ), script
+    assert script.count("$admin_login") == 1 and script.count("$steps") == 1
     for host in sorted(fleet.hosts.values(), key=lambda h: h.index)[:4]:
         fleet.heal(host.name)
     out = io.StringIO()
@@ -385,3 +395,40 @@ def test_a_newcomer_on_the_demo_signs_up_joins_is_added_to_tpu5_and_runs_the_job
     expect(nina.locator("#job-state .badge")).to_have_text("Succeeded", timeout=60_000)
     screenshots(nina, shots, "7-job")
     nina_context.close()
+
+
+def test_a_restarted_demo_does_not_ask_again_to_add_milo_who_has_access(
+    worker_env, fleet, tpu_emulator
+):
+    """``set_up_demo`` run again (bin/demo restarted) once milo has access to tpu5:
+    step 1 says so instead of asking to add him. (No Celery worker here: what the set
+    up queues runs in this process, so nothing of it outlives the test.)"""
+    from tpus.models import Grant, TpuVm
+
+    workers = sorted(fleet.hosts.values(), key=lambda h: h.index)[:4]
+    for host in workers:
+        fleet.heal(host.name)
+    call_command("ensure_site_admin", stdout=io.StringIO())
+    try:
+        first = set_up_demo(fleet, tpu_emulator.controls)
+        assert 'type milo in "Member" and click "Add to tpu5"' in first
+        vm = TpuVm.objects.get(name="tpu5", lab__slug="demo")
+        milo = Grant._meta.get_field("user").related_model.objects.get(email="milo@demo.example")
+        grant = Grant.objects.create(user=milo, vm=vm, state="active")
+
+        again = set_up_demo(fleet, tpu_emulator.controls)
+
+        [step1] = re.findall(r"^1\. (.+)$", again, re.M)
+        assert step1.startswith(
+            "milo has had access to tpu5 since an earlier run of the demo: open "
+        ), step1
+        assert 'to try "Add to tpu5" again, click "Revoke" there first' in step1
+        assert 'type milo in "Member"' not in again
+        Grant.objects.filter(pk=grant.pk).update(state="revoked")
+        assert 'type milo in "Member" and click "Add to tpu5"' in set_up_demo(
+            fleet, tpu_emulator.controls
+        )
+    finally:
+        # The other journeys give milo a UID of their own: leave no account of his.
+        for host in workers:
+            fleet.exec(host.name, ["sh", "-c", "userdel -r milo 2>/dev/null; true"], check=False)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import hashlib
+import uuid
 from dataclasses import dataclass
 
+from django.core.cache import cache
 from django.db import IntegrityError, transaction
 from django.db.models import (
     Case,
@@ -222,9 +225,10 @@ class Figures:
 class Usage:
     """Worker-hours in ``lab`` over ``period`` (only ``user``'s when given), as of
     ``now``: the period's per-day rows summed per person or per VM in the database,
-    which also sorts and pages them, plus the jobs not in them yet (one query, made
-    once per object: running, or ended since the last count, a few per VM at most).
-    A page costs the same few queries however many people used the lab."""
+    which also sorts and pages them (each page's sums kept in the shared cache until
+    more jobs are counted into the lab's rows), plus the jobs not in them yet (one
+    query, made once per object: running, or ended since the last count, a few per VM
+    at most). A page costs the same few queries however many people used the lab."""
 
     def __init__(self, lab: Lab, period: Period, *, user=None, now: dt.datetime | None = None):
         self.lab = lab
@@ -253,6 +257,38 @@ class Usage:
     def _figures(row: dict) -> Figures:
         return Figures(row["started_n"] + (row["carried_n"] or 0), row["total"])
 
+    def _cached(self, what: str, compute):
+        """``compute()``, a reading of the period's per-day rows, from the shared cache
+        while no jobs were counted into the lab's rows since (counting moves the lab's
+        version on): a page's sums are read from the database once per change."""
+        if self.period.start >= self.now:
+            return compute()
+        if "_version" not in self.__dict__:
+            self.__dict__["_version"] = _version(self.lab.pk)
+        name = ":".join(
+            [
+                "tpu-portal:usage",
+                self.__dict__["_version"],
+                str(self.lab.pk),
+                self.period.first.isoformat(),
+                self.period.last.isoformat(),
+                str(self.user.pk if self.user is not None else "all"),
+                what,
+            ]
+        )
+        found = cache.get(name)
+        if found is None:
+            found = compute()
+            cache.set(name, found, timeout=CACHED_SECONDS)
+        return found
+
+    def _sums_of(self, rows: QuerySet, key: str) -> list[dict]:
+        return [
+            {"id": row[key], "started_n": row["started_n"], "carried_n": row["carried_n"],
+             "total": row["total"]}
+            for row in rows
+        ]  # fmt: skip
+
     @functools.cached_property
     def _live(self) -> list[dict]:
         """The period's jobs whose time is not in the per-day rows: ``user``, ``vm``
@@ -280,8 +316,15 @@ class Usage:
         live = self._live_by(key)
         found: dict[int, Figures] = {}
         if live:
-            counted = self._sums(self._days().filter(**{f"{key}__in": list(live)}).values(key))
-            found = {row[key]: self._figures(row) for row in counted.order_by()}
+            ids = sorted(live)
+            rows = self._cached(
+                f"{key}:of:{_digest(ids)}",
+                lambda: self._sums_of(
+                    self._sums(self._days().filter(**{f"{key}__in": ids}).values(key)).order_by(),
+                    key,
+                ),
+            )
+            found = {row["id"]: self._figures(row) for row in rows}
         in_rows = set(found)
         for ident, figures in live.items():
             found.setdefault(ident, Figures()).add(figures.jobs, figures.total)
@@ -292,12 +335,15 @@ class Usage:
         """``jobs`` and ``total`` of the period, and how many ``people`` and ``vms``
         used it: one aggregate over the per-day rows, and the few ids with live jobs
         (``_with_live``, which the pages read too)."""
-        counted = self._days().aggregate(
-            started_n=Sum("started"),
-            carried_n=Sum("carried", filter=Q(day=self.period.first)),
-            total=Sum("worker_time"),
-            people=Count("user", distinct=True),
-            vms=Count("vm", distinct=True),
+        counted = self._cached(
+            "summary",
+            lambda: self._days().aggregate(
+                started_n=Sum("started"),
+                carried_n=Sum("carried", filter=Q(day=self.period.first)),
+                total=Sum("worker_time"),
+                people=Count("user", distinct=True),
+                vms=Count("vm", distinct=True),
+            ),
         )
         figures = Figures(
             (counted["started_n"] or 0) + (counted["carried_n"] or 0), counted["total"]
@@ -318,18 +364,25 @@ class Usage:
         """``{"id", "jobs", "total"}`` rows ``start`` to ``stop`` of the ids of ``key``
         (``user`` or ``vm``), the largest worker-time first (then the smaller id), as
         ranking everyone would give them. The database sums, sorts and slices the ids
-        without live jobs; the few with live jobs (their totals only grow) are merged
-        in: none of them can stand before a row of the slice it did not already
-        pass, so the slice starts at most their number of rows before ``start``."""
+        that have no live jobs; the few that have are ranked here and merged in. The
+        database's slice begins as many rows before ``start`` as there are live ids,
+        so wherever those fall, every row from ``start`` to ``stop`` is known."""
         if stop <= start:
             return []
         live = most_used_first(self._with_live(key)[0])
         first = max(0, start - len(live))
-        rows = self._sums(
-            self._days().exclude(**{f"{key}__in": [r["id"] for r in live]}).values(key)
-        ).order_by("-total", key)[first:stop]
+        others = sorted(r["id"] for r in live)
+        rows = self._cached(
+            f"{key}:ranked:{first}:{stop}:{_digest(others)}",
+            lambda: self._sums_of(
+                self._sums(self._days().exclude(**{f"{key}__in": others}).values(key)).order_by(
+                    "-total", key
+                )[first:stop],
+                key,
+            ),
+        )
         counted = [
-            {"id": row[key], "jobs": f.jobs, "total": f.total}
+            {"id": row["id"], "jobs": f.jobs, "total": f.total}
             for row in rows
             for f in (self._figures(row),)
         ]
@@ -350,12 +403,17 @@ class Usage:
     def grouped(self, key: str, *, after: int | None = None, first: int | None = None) -> dict:
         """Figures per ``key`` (``user`` or ``vm``) id, in id order: all of them, or
         the ``first`` ones after the id ``after`` (a keyset page, read as one)."""
-        counted = self._sums(self._days().values(key)).order_by(key)
-        if after is not None:
-            counted = counted.filter(**{f"{key}__gt": after})
-        if first is not None:
-            counted = counted[:first]
-        found = {row[key]: self._figures(row) for row in counted}
+
+        def read() -> list[dict]:
+            counted = self._sums(self._days().values(key)).order_by(key)
+            if after is not None:
+                counted = counted.filter(**{f"{key}__gt": after})
+            if first is not None:
+                counted = counted[:first]
+            return self._sums_of(counted, key)
+
+        rows = self._cached(f"{key}:ids:{after}:{first}", read)
+        found = {row["id"]: self._figures(row) for row in rows}
         last = max(found) if first is not None and len(found) == first else None
         for ident, figures in self._with_live(key)[0].items():
             if (after is None or ident > after) and (last is None or ident <= last):
@@ -377,6 +435,11 @@ class Usage:
 
 def _rank(row: dict) -> tuple:
     return (-row["total"], row["id"])
+
+
+def _digest(ids: list[int]) -> str:
+    """A short name for a set of ids, for a cache key."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
 class MostUsedFirst:
@@ -438,6 +501,25 @@ def hours(value: dt.timedelta | None) -> float:
 
 # --- keeping the per-day rows ----------------------------------------------------------
 
+# How long a period's figures stay in the cache (a newer version replaces them sooner).
+CACHED_SECONDS = 3600
+
+
+def _version(lab_id: int) -> str:
+    """The lab's figures' version: a new one whenever jobs are counted into its rows."""
+    key = f"tpu-portal:usage-version:{lab_id}"
+    version = cache.get(key)
+    if version is None:
+        cache.add(key, uuid.uuid4().hex, timeout=None)
+        version = cache.get(key) or "none"
+    return version
+
+
+def _new_versions(lab_ids) -> None:
+    for lab_id in lab_ids:
+        cache.set(f"tpu-portal:usage-version:{lab_id}", uuid.uuid4().hex, timeout=None)
+
+
 COUNT_BATCH = 500
 
 
@@ -466,6 +548,11 @@ def count_ended_jobs(limit: int = COUNT_BATCH) -> int:
             ) != len(ids):
                 raise _Raced
             _add_to_days(jobs)
+            # Now for this transaction's own reads, and again once it commits, so that
+            # figures cached meanwhile from the rows before it are not kept.
+            labs = {job.lab_id for job in jobs}
+            _new_versions(labs)
+            transaction.on_commit(lambda: _new_versions(labs))
     except (_Raced, IntegrityError):
         return 0
     return len(jobs)
@@ -483,8 +570,11 @@ def recount_all() -> int:
     """The per-day rows made again from every job: after TIME_ZONE changed (a day is a
     day in the portal's time zone)."""
     with transaction.atomic():
+        labs = set(UsageDay.objects.values_list("lab_id", flat=True).distinct())
         UsageDay.objects.all().delete()
         Job.objects.filter(usage_counted=True).update(usage_counted=False)
+        _new_versions(labs)
+        transaction.on_commit(lambda: _new_versions(labs))
     return count_all_ended_jobs()
 
 

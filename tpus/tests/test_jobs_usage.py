@@ -330,6 +330,14 @@ def _queries(client, url) -> int:
     return len(context)
 
 
+def _cold_queries(client, url, lab) -> int:
+    """The queries of ``url`` when the lab's figures are not in the cache."""
+    from django.core.cache import cache
+
+    cache.delete(f"tpu-portal:usage-version:{lab.pk}")
+    return _queries(client, url)
+
+
 @pytest.mark.parametrize(
     "page",
     [
@@ -369,12 +377,17 @@ def test_the_job_pages_make_as_many_queries_for_200_jobs_as_for_5(
         client.defaults["HTTP_AUTHORIZATION"] = f"Bearer {token}"
     _grow(scene, pod, 5, make_user)
     _queries(client, url)  # the first visit makes the lab's key pair and such, once
-    few = _queries(client, url)
+    few = _queries(client, url)  # the period's sums from the cache
+    cold = _cold_queries(client, url, scene.lab)  # and from the database
     _grow(scene, pod, 200, make_user)
     assert Job.objects.count() > 200
+    _queries(client, url)  # the sums of the rows of the people with new jobs, once
     assert _queries(client, url) == few  # the new jobs read one by one
+    assert _cold_queries(client, url, scene.lab) == cold
     usage.count_all_ended_jobs()
+    _queries(client, url)
     assert _queries(client, url) == few  # and summed from the per-day rows
+    assert _cold_queries(client, url, scene.lab) == cold
 
 
 def test_the_usage_page_has_the_database_sort_and_page_the_people(client, scene, make_user):
@@ -385,7 +398,7 @@ def test_the_usage_page_has_the_database_sort_and_page_the_people(client, scene,
     usage.count_all_ended_jobs()
     client.force_login(scene.admin)
 
-    with CaptureQueriesContext(connection) as context:
+    with CaptureQueriesContext(connection) as context:  # nothing in the cache yet
         page = _usage(client, "?people=2").content.decode()
 
     # Summed per person or VM in the database: each such query is a page (LIMIT) or

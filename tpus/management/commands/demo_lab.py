@@ -24,7 +24,8 @@ from testfleet.fleet import Fleet
 from testfleet.hostfs import write_keypair
 from testfleet.slots import SlotBusy
 from tpus.emulator.controls import Controls
-from tpus.models import ConnectionState, Lab, Membership, VmConnection
+from tpus.models import ConnectionState, Grant, Lab, Membership, VmConnection
+from tpus.models.grants import WANTED_STATES, GrantState
 from tpus.models.labs import MembershipState, Role
 from tpus.services import connect, inventory
 from tpus.services.labkeys import lab_key
@@ -129,15 +130,30 @@ def set_up_demo(fleet: Fleet, controls: Controls) -> str:
             f"Note: there is no JAX in {jax_env} (bin/setup test installs it), so the job"
             " of step 4 will be refused by its pre-flight."
         )
+    access_url = f"{site}/labs/{lab.slug}/vms/{vm.pk}/access/"
+    grant = Grant.objects.filter(user=milo, vm=vm, state__in=WANTED_STATES).first()
+    if grant is None:
+        step1 = (
+            f"Open {access_url} and sign in as the site admin (the login above); under"
+            f' "Give access", type {name} in "Member" and click "Add to {vm.name}": each'
+            f' worker\'s progress shows live until "{name} can now use {vm.name}."'
+        )
+    else:
+        # A restarted demo: milo was added in an earlier run (or is being added now).
+        state = {GrantState.ACTIVE: "has had", GrantState.PENDING: "is being given"}.get(
+            grant.state, "was given (it failed; Retry is on the page)"
+        )
+        step1 = (
+            f"{name} {state} access to {vm.name} since an earlier run of the demo: open"
+            f" {access_url} and sign in as the site admin (the login above) to see it under"
+            f' "Who has access" (to try "Add to {vm.name}" again, click "Revoke" there first).'
+        )
     # Every name in quotes is on the page where the step happens, word for word.
     return (
         f"Demo Lab is ready: {vm.name} = {', '.join(h.ip for h in hosts)}\n"
         + "".join(f"{note}\n" for note in notes)
         + f"Collaborator login: {MILO_EMAIL} / {milo_password} (his SSH key: {milo_key})\n"
-        f"1. Open {site}/labs/{lab.slug}/vms/{vm.pk}/access/ and sign in as the site admin"
-        f' (the login above); under "Give access", type {name} in "Member" and click'
-        f' "Add to {vm.name}": each worker\'s progress shows live until'
-        f' "{name} can now use {vm.name}."\n'
+        f"1. {step1}\n"
         f'2. Click "Sign out", open {site}/ssh/ and sign in as {name} (the collaborator'
         ' login above); click "Download config" and "Download known_hosts", then paste'
         " the commands under them into a terminal: they put both files in ~/.ssh.\n"
