@@ -24,9 +24,9 @@ from django.db.models import F
 from portal import audit
 from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
-from tpus.models import AuditAction, TpuVm, Worker
+from tpus.models import AuditAction, ConnectionState, TpuVm, VmConnection, Worker
 from tpus.models.inventory import API_SOURCES, HostKeySource, NodeState
-from tpus.services import inventory
+from tpus.services import connect, inventory
 from tpus.services.hosts import hosts_must_change
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,13 @@ def recognise(vm: TpuVm, node: NodeInfo | None = None) -> bool:
         log.warning("guest attributes of %s unavailable: %s", vm, exc)
     with transaction.atomic():
         hosts_must_change(vm, "made anew on new machines")
+        if VmConnection.objects.filter(
+            vm=vm, state__in=(ConnectionState.CONNECTED, ConnectionState.CONNECTING)
+        ).exists():
+            # The new machines' guest agents put the lab's key (the node's ssh-keys)
+            # in place seconds after boot: wait for it as for a new VM, so a worker
+            # not taking it yet is looked at again, with no alarm.
+            connect.wait_for_workers(vm, None)
         if vm.grants.exists() or vm.attachments.exists():
             # Whole again once every worker has the accounts and mounts: jobs wait,
             # and the people with access hear it then (``reconcile.settle_grants``).
