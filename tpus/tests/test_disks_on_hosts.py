@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import statistics
 import subprocess
 import threading
 import time
@@ -383,6 +384,8 @@ def test_a_late_device_is_looked_for_again_every_recheck_interval(
     times = list(looks.order_by("created_at").values_list("created_at", flat=True))[:5]
     gaps = [round((b - a).total_seconds(), 2) for a, b in zip(times, times[1:], strict=False)]
     # Every 2 s, counted from when the last look began: not 2 s after it ended, then
-    # up to a beat later (which made 5 s into 10 s).
-    assert all(1.5 <= gap <= 2.8 for gap in gaps), gaps
+    # up to a beat later (which made 5 s into 10 s; 2 s into 3.9–4.0 s). A loaded machine
+    # can delay one look, so the typical gap is what is held to the interval.
+    assert all(gap >= 1.5 for gap in gaps), gaps
+    assert statistics.median(gaps) <= 3.0, gaps
     assert "waiting for the device" in disk_mounts.disk_rows(scene.vm)[0].state
