@@ -141,7 +141,7 @@ def _pool_reasons(context, lab_id: int) -> dict[int, str]:
     request = context["request"]
     cache = request.__dict__.setdefault("_pool_reasons", {})
     if lab_id not in cache:
-        cache[lab_id] = scheduler.reasons(scheduler.load(lab_id))
+        cache[lab_id] = scheduler.why_they_wait(lab_id)
     return cache[lab_id]
 
 

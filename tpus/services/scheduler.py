@@ -51,26 +51,27 @@ def chip_count(accelerator_type: str, default: int = 1) -> int:
 # --- the snapshot --------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class VmRow:
     id: int
     name: str
     accelerator_type: str
     zone: str
     spot: bool
-    # Free for the pool now (see the module's text); else why not, for people.
+    # Free for the pool now (see the module's text).
     free: bool
     chips: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class JobRow:
     id: int
     user_id: int
     accelerator_type: str
     zones: tuple[str, ...]
     provisioning: str
-    queued_at: object
+    # Its place among the lab's waiting pool jobs by submission (queued_at, then id).
+    seq: int
 
     def fits(self, vm: VmRow) -> bool:
         """The VM is of the kind the job asked for."""
@@ -93,44 +94,48 @@ class Snapshot:
     max_chips_per_person: int
     vms: list[VmRow]
     jobs: list[JobRow]
-    # (user id, VM id) of every active grant of the waiting jobs' people.
+    # (user id, VM id) of the active grants on ``vms``.
     grants: set[tuple[int, int]]
-    # Chips each person's jobs hold now (validating to cancelling).
+    # Chips each person's jobs hold now (validating to cancelling), when the lab
+    # limits them.
     chips_held: Counter = field(default_factory=Counter)
 
 
-def load(lab_id: int, accelerator_type: str | None = None) -> Snapshot:
-    """The lab's waiting pool jobs (of one kind, or all) and its VMs of their kinds,
-    in five queries whatever their number (two when no job waits)."""
-    lab = Lab.objects.values("max_chips_per_person").get(pk=lab_id)
+def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = False) -> Snapshot:
+    """What placement needs of the lab's pool (of one kind, or all), in at most five
+    queries whatever the number of VMs, jobs and grants: its free VMs of the kinds
+    jobs wait for, the jobs waiting for those kinds, the grants on those VMs, and what
+    each person holds when the lab limits it. With ``every_vm``, the busy VMs of those
+    kinds too, and every waiting job (``reasons`` says why each waits)."""
+    lab = Lab.objects.values_list("max_chips_per_person", flat=True).get(pk=lab_id)
     waiting = Job.objects.filter(lab_id=lab_id, vm__isnull=True, state__in=WAITING_STATES)
     if accelerator_type is not None:
         waiting = waiting.filter(accelerator_type=accelerator_type)
-    jobs = [
-        JobRow(
-            id=row["id"],
-            user_id=row["user_id"],
-            accelerator_type=row["accelerator_type"],
-            zones=tuple(row["zones"] or ()),
-            provisioning=row["provisioning"],
-            queued_at=row["queued_at"],
+    taken = Job.objects.filter(vm=OuterRef("pk"), state__in=[*ACTIVE_STATES, *WAITING_STATES])
+    vms = TpuVm.objects.filter(
+        lab_id=lab_id, accelerator_type__in=waiting.values("accelerator_type")
+    ).annotate(taken=Exists(taken))
+    if not every_vm:
+        vms = vms.filter(**FREE).exclude(taken=True)
+    rows = [
+        VmRow(
+            id=pk,
+            name=name,
+            accelerator_type=kind,
+            zone=zone,
+            spot=spot,
+            free=(
+                state == TpuVm.State.READY
+                and missing is None
+                and restoring is None
+                and not holders
+                and not busy
+            ),
+            chips=chip_count(kind),
         )
-        for row in waiting.order_by("queued_at", "id").values(
-            "id", "user_id", "accelerator_type", "zones", "provisioning", "queued_at"
-        )
-    ]
-    if not jobs:
-        return Snapshot(lab_id, lab["max_chips_per_person"], [], [], set())
-    kinds = {job.accelerator_type for job in jobs}
-    vms = (
-        TpuVm.objects.filter(lab_id=lab_id, accelerator_type__in=kinds)
-        .annotate(
-            taken=Exists(
-                Job.objects.filter(vm=OuterRef("pk"), state__in=[*ACTIVE_STATES, *WAITING_STATES])
-            )
-        )
-        .order_by("name", "id")
-        .values(
+        for pk, name, kind, zone, spot, state, missing, restoring, holders, busy in vms.order_by(
+            "name", "id"
+        ).values_list(
             "id",
             "name",
             "accelerator_type",
@@ -142,44 +147,43 @@ def load(lab_id: int, accelerator_type: str | None = None) -> Snapshot:
             "outside_holders",
             "taken",
         )
-    )
-    rows = [
-        VmRow(
-            id=vm["id"],
-            name=vm["name"],
-            accelerator_type=vm["accelerator_type"],
-            zone=vm["zone"],
-            spot=vm["preemptible"],
-            free=(
-                vm["state"] == TpuVm.State.READY
-                and vm["missing_since"] is None
-                and vm["restore_version"] is None
-                and not vm["outside_holders"]
-                and not vm["taken"]
-            ),
-            chips=chip_count(vm["accelerator_type"]),
-        )
-        for vm in vms
     ]
-    people = {job.user_id for job in jobs}
+    if not rows and not every_vm:
+        return Snapshot(lab_id, lab, [], [], set())
+    if not every_vm:
+        waiting = waiting.filter(accelerator_type__in={vm.accelerator_type for vm in rows})
+    jobs = [
+        JobRow(pk, user_id, kind, tuple(zones or ()), provisioning, seq)
+        for seq, (pk, user_id, kind, zones, provisioning) in enumerate(
+            waiting.order_by("queued_at", "id").values_list(
+                "id", "user_id", "accelerator_type", "zones", "provisioning"
+            )
+        )
+    ]
+    if not jobs:
+        return Snapshot(lab_id, lab, rows, [], set())
     grants = set(
-        Grant.objects.filter(
-            vm__lab_id=lab_id, user_id__in=people, state=GrantState.ACTIVE
-        ).values_list("user_id", "vm_id")
+        Grant.objects.filter(vm_id__in=[vm.id for vm in rows], state=GrantState.ACTIVE)
+        .values_list("user_id", "vm_id")
+        .order_by()
     )
     held: Counter = Counter()
-    for user_id, kind in Job.objects.filter(
-        vm__lab_id=lab_id, user_id__in=people, state__in=ACTIVE_STATES
-    ).values_list("user_id", "vm__accelerator_type"):
-        held[user_id] += chip_count(kind)
-    return Snapshot(
-        lab_id=lab_id,
-        max_chips_per_person=lab["max_chips_per_person"],
-        vms=rows,
-        jobs=jobs,
-        grants=grants,
-        chips_held=held,
-    )
+    if lab:
+        people = {job.user_id for job in jobs}
+        for user_id, kind in Job.objects.filter(
+            vm__lab_id=lab_id, user_id__in=people, state__in=ACTIVE_STATES
+        ).values_list("user_id", "vm__accelerator_type"):
+            held[user_id] += chip_count(kind)
+    return Snapshot(lab_id, lab, rows, jobs, grants, held)
+
+
+# What makes a VM free for the pool, as a filter (``VmRow.free`` says the same).
+FREE = {
+    "state": TpuVm.State.READY,
+    "missing_since__isnull": True,
+    "restore_version__isnull": True,
+    "outside_holders": [],
+}
 
 
 # --- the decision --------------------------------------------------------------------
@@ -187,7 +191,7 @@ def load(lab_id: int, accelerator_type: str | None = None) -> Snapshot:
 
 def fifo(job: JobRow, snapshot: Snapshot):
     """First come, first served: the order a kind's line is served in (a sort key)."""
-    return (job.queued_at, job.id)
+    return job.seq
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,12 @@ def reasons(
             continue
         out[job.id] = f"{text} {line[:1].upper()}{line[1:]}"
     return out
+
+
+def why_they_wait(lab_id: int, accelerator_type: str | None = None) -> dict[int, str]:
+    """``reasons`` for the lab's waiting pool jobs (of one kind, or all), read in a
+    constant number of queries."""
+    return reasons(load(lab_id, accelerator_type, every_vm=True))
 
 
 def job_text(job: JobRow) -> str:

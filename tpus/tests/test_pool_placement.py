@@ -58,7 +58,7 @@ def test_it_never_places_a_job_where_the_person_has_no_grant(scene, passes):
     job = pool_job(scene.milo, scene.lab)
     job.refresh_from_db()
     assert job.vm_id is None
-    reasons = scheduler.reasons(scheduler.load(scene.lab.pk))
+    reasons = scheduler.why_they_wait(scene.lab.pk)
     assert reasons[job.pk] == "All 1 v4-8 you may use is busy; 0 jobs before yours."
 
 
@@ -100,7 +100,7 @@ def test_two_pool_jobs_on_two_free_vms_both_get_one(scene, passes):
     placed = dict(Job.objects.filter(pk__in=[one.pk, two.pk, three.pk]).values_list("pk", "vm_id"))
     assert placed == {one.pk: first.pk, two.pk: second.pk, three.pk: None}
     assert sorted(passes) == sorted([first.pk, second.pk])
-    assert scheduler.reasons(scheduler.load(scene.lab.pk)) == {
+    assert scheduler.why_they_wait(scene.lab.pk) == {
         three.pk: "All 2 v4-8 you may use are busy; 0 jobs before yours."
     }
 
@@ -114,9 +114,7 @@ def test_the_first_in_line_goes_first_and_a_job_that_cannot_go_lets_the_next_one
     first = pool_job(scene.milo, scene.lab)
     second = pool_job(scene.ann, scene.lab)
     spot_only = pool_job(scene.ann, scene.lab, provisioning="spot")
-    assert scheduler.reasons(scheduler.load(scene.lab.pk))[second.pk].endswith(
-        "1 job before yours."
-    )
+    assert scheduler.why_they_wait(scene.lab.pk)[second.pk].endswith("1 job before yours.")
     Job.objects.filter(vm__in=[vm, spot]).update(state="succeeded")
     Grant.objects.filter(user=scene.milo).update(state="revoked")
     placed = scheduler.place(scene.lab.pk)
@@ -135,7 +133,7 @@ def test_a_persons_chip_limit_keeps_their_next_job_waiting(scene, passes):
     job = pool_job(scene.milo, scene.lab)
     job.refresh_from_db()
     assert job.vm_id is None
-    assert scheduler.reasons(scheduler.load(scene.lab.pk))[job.pk] == (
+    assert scheduler.why_they_wait(scene.lab.pk)[job.pk] == (
         "Your running jobs hold 4 chips; this lab allows 4 at once per person. 0 jobs before yours."
     )
 

@@ -24,7 +24,7 @@ def lab_job(request, slug, job_id):
         return redirect("job_detail", lab.slug, job.vm_id, job.pk)
     reason = job.reason
     if job.is_waiting:
-        reason = scheduler.reasons(scheduler.load(lab.pk, job.accelerator_type)).get(job.pk, "")
+        reason = scheduler.why_they_wait(lab.pk, job.accelerator_type).get(job.pk, "")
     context = {
         "lab": lab,
         "job": job,
