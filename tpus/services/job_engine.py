@@ -600,7 +600,7 @@ def _start(
         report.ended.append(job.pk)
         return True
     with transaction.atomic():
-        job = Job.objects.select_for_update().select_related("vm__lab").get(pk=job.pk)
+        job = Job.objects.select_for_update(of=("self",)).select_related("vm__lab").get(pk=job.pk)
         now = timezone.now()
         job.started_at = now
         job.changed_at = now
@@ -951,7 +951,7 @@ def _back_in_line(
 
 def _end(job: Job, state: JobState, reason: str) -> None:
     with transaction.atomic():
-        job = Job.objects.select_for_update().select_related("vm__lab").get(pk=job.pk)
+        job = Job.objects.select_for_update(of=("self",)).select_related("vm__lab").get(pk=job.pk)
         if job.has_ended:
             return
         now = timezone.now()

@@ -421,7 +421,11 @@ def cancel_job(job: Job, by, *, reason: str = "", request=None) -> Job:
     looks for the cancel before it says start, and whenever the job would go back in
     line); a started one gets TERM, a grace period, KILL on every worker."""
     with transaction.atomic():
-        job = Job.objects.select_for_update().select_related("vm__lab", "lab").get(pk=job.pk)
+        job = (
+            Job.objects.select_for_update(of=("self",))
+            .select_related("vm__lab", "lab")
+            .get(pk=job.pk)
+        )
         if not job.can_cancel:
             return job
         now = timezone.now()
