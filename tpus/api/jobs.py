@@ -153,7 +153,7 @@ def _sees_all_of(job: Job, context) -> bool:
     if job.user_id == request.user.pk:
         return True
     known = _admin_of_labs(request)
-    lab_id = job.vm.lab_id
+    lab_id = job.vm.lab_id if job.vm_id else job.lab_id
     if lab_id not in known:
         known[lab_id] = access.admin_labs(request.user).filter(pk=lab_id).exists()
     return known[lab_id]

@@ -10,7 +10,15 @@ from ninja import Router, Status
 
 from portal.schemas import Error
 from tpus import access
-from tpus.api.jobs import JobCheckOut, JobError, JobIn, JobOut, JobSummaryOut, _reloaded
+from tpus.api.jobs import (
+    JobCheckOut,
+    JobError,
+    JobIn,
+    JobOut,
+    JobSummaryOut,
+    _admin_of_labs,
+    _reloaded,
+)
 from tpus.models import Job
 from tpus.models.jobs import WAITING_STATES
 from tpus.services import jobs as job_services
@@ -86,7 +94,9 @@ def validate_pool_job(request, slug: str, payload: PoolJobIn):
 def list_pool_jobs(request, slug: str):
     lab = access.get_member_lab(request.user, slug)
     jobs = Job.objects.filter(lab=lab, vm__isnull=True, state__in=WAITING_STATES)
-    if not access.is_lab_admin(request.user, lab):
+    is_admin = access.is_lab_admin(request.user, lab)
+    _admin_of_labs(request)[lab.pk] = is_admin
+    if not is_admin:
         mine = jobs.filter(user=request.user).values("accelerator_type")
         jobs = jobs.filter(Q(user=request.user) | Q(accelerator_type__in=mine))
     return jobs.select_related("user__unix_account").order_by("queued_at", "id")[:1000]
