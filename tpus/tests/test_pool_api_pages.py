@@ -109,3 +109,19 @@ def test_run_on_any_free_v4_8_from_the_vm_page(busy, client):
     scheduler.place(busy.lab.pk)
     placed = client.get(reverse("lab_job", args=["vision", job.pk]))
     assert placed["Location"] == reverse("job_detail", args=["vision", busy.vm.pk, job.pk])
+
+
+def test_a_pool_job_run_again_goes_back_to_the_pool(busy, client, api):
+    job = api(busy.milo, "post", "/labs/vision/jobs", BODY).json()
+    Job.objects.filter(vm=busy.vm, state="running").update(state="succeeded")
+    scheduler.place(busy.lab.pk)
+    Job.objects.filter(pk=job["id"]).update(state="succeeded")
+    make_job(busy.vm, busy.ann, "running")
+    client.force_login(busy.milo)
+    response = client.post(reverse("job_rerun", args=["vision", busy.vm.pk, job["id"]]))
+    new = Job.objects.get(rerun_of_id=job["id"])
+    assert new.vm_id is None and new.accelerator_type == "v4-8"
+    assert response["Location"] == reverse("lab_job", args=["vision", new.pk])
+    again = api(busy.milo, "post", f"/labs/vision/vms/{busy.vm.pk}/jobs/{job['id']}/rerun")
+    assert again.status_code == 201 and again.json()["vm_id"] is None
+    assert again.json()["url"].endswith(f"/labs/vision/jobs/{again.json()['id']}/")

@@ -277,6 +277,11 @@ def job_rerun(request, slug, vm_id, job_id):
         text = " ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
         messages.error(request, text)
         return redirect("job_detail", lab.slug, job.vm_id, job.pk)
+    if new.is_pool_job:
+        # Again for any free VM of its kind: its page says where it waits or runs.
+        where = f"for any free {new.kind_text}"
+        messages.success(request, f"Job {new.pk} submitted {where}: job {job.pk} again.")
+        return redirect("lab_job", lab.slug, new.pk)
     messages.success(request, f"Job {new.pk} submitted to {job.vm.name}: job {job.pk} again.")
     return redirect("job_detail", lab.slug, job.vm_id, new.pk)
 
