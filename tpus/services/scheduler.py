@@ -8,7 +8,7 @@ whatever the number of VMs and jobs), decides without touching the database
 (``decide``: pure), and writes each decision as a conditional UPDATE that gives the
 job its VM only while it still has none (``place``). From then on the job is a job of
 that VM like any other: the VM's pass (``job_engine.advance``) validates and starts
-it, holding the VM's place as today.
+it, holding the VM's place as any job of it does.
 
 A VM is free for the pool when it is READY, listed by Google, not being set up again,
 no job holds or waits for it, and the last look at its chips found nothing holding
