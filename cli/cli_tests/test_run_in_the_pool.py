@@ -8,6 +8,7 @@ import pytest
 from cli_tests.test_run_checks_first import GRANT, _run
 from cli_tests.test_ssh_files import answer
 from tpu_cli import errors, pool
+from tpu_cli.main import main
 
 WAITING = {
     "id": 7, "vm_id": None, "vm": None, "lab": "vision", "state": "queued",
@@ -64,3 +65,18 @@ def test_what_does_not_go_with_a_kind_is_refused_before_the_portal_is_asked(
     code, err = _run(capsys, *argv, "--", "python3", "train.py")
     assert code == errors.USAGE and words in err
     assert not [a for a in lab.asked if a[0] == "POST"]
+
+
+def test_tpu_jobs_lists_a_job_waiting_for_any_v4_8_and_why(lab, capsys):
+    lab.on("GET", "/labs/vision/vms/5/jobs", {"items": [], "next": None})
+    row = {**WAITING, "user": "milo@uni.example", "username": "milo",
+           "command": "python3 train.py", "queued_at": "2026-11-28T16:00:00Z"}  # fmt: skip
+    lab.on("GET", "/labs/vision/jobs", [row])
+
+    with pytest.raises(SystemExit) as ended:
+        main(["jobs"])
+    said = capsys.readouterr()
+    out = said.out + said.err
+    assert ended.value.code == 0
+    assert "vision/any v4-8" in out
+    assert f"Job 7 (any v4-8): {WAITING['reason']}" in out

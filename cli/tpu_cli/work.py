@@ -335,6 +335,9 @@ def jobs(args) -> int:
                       job["state"], job["queued_at"][:16].replace("T", " "),
                       job["command"][:60])  # fmt: skip
     out.print(table)
+    for job in rows:
+        if job.get("vm_id", 0) is None and job.get("reason"):
+            say(f"Job {job['id']} ({job['vm']}): {job['reason']}")
     return 0
 
 
