@@ -91,6 +91,7 @@ def _register_routers() -> None:
     from tpus.api.inventory import router as inventory_router
     from tpus.api.jobs import router as jobs_router
     from tpus.api.labs import router as tpus_router
+    from tpus.api.pool import router as pool_router
     from tpus.api.provisioning import router as provisioning_router
     from tpus.api.workers import router as workers_router
 
@@ -101,6 +102,7 @@ def _register_routers() -> None:
     api.add_router("", access_router)
     api.add_router("", workers_router)
     api.add_router("", jobs_router)
+    api.add_router("", pool_router)
     api.add_router("", provisioning_router)
 
 

@@ -236,6 +236,26 @@ def get_job_for_viewer(user, lab: Lab, vm_id: int, job_id: int):
         raise Http404("No such job.") from None
 
 
+def get_lab_job_for_viewer(user, lab: Lab, job_id: int):
+    """A job of the lab found by its id alone, with the checks of
+    ``get_job_for_viewer``: a job placed on a VM (or named for one) as its VM's path
+    answers it; a job still waiting for a VM of its kind for the person who submitted
+    it and the lab's admins. Anyone else, and another lab's job, gets a 404."""
+    from tpus.models import Job
+
+    try:
+        job = Job.objects.select_related("lab", "user__unix_account").get(
+            Q(lab=lab) | Q(vm__lab=lab), pk=job_id
+        )
+    except (Job.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such job.") from None
+    if job.vm_id is not None:
+        return get_job_for_viewer(user, lab, job.vm_id, job.pk)
+    if job.user_id != user.pk and not is_lab_admin(user, lab):
+        raise Http404("No such job.")
+    return job
+
+
 def get_own_job(user, job_id: int):
     """A job the person submitted, found by its id alone, with the checks of
     ``get_job_for_viewer``: in a lab whose members' area they may see, on a VM they may
@@ -244,11 +264,11 @@ def get_own_job(user, job_id: int):
     from tpus.models import Job
 
     try:
-        job = Job.objects.select_related("vm__lab").get(pk=job_id, user=user)
+        job = Job.objects.select_related("vm__lab", "lab").get(pk=job_id, user=user)
     except (Job.DoesNotExist, ValueError, TypeError):
         raise Http404("No such job.") from None
-    lab = get_member_lab(user, job.vm.lab.slug)
-    return get_job_for_viewer(user, lab, job.vm_id, job.pk)
+    lab = get_member_lab(user, (job.vm.lab if job.vm_id else job.lab).slug)
+    return get_lab_job_for_viewer(user, lab, job.pk)
 
 
 CANCEL_REFUSED = "Only the person who submitted a job and the lab's admins can cancel it."
@@ -256,4 +276,4 @@ CANCEL_REFUSED = "Only the person who submitted a job and the lab's admins can c
 
 def may_cancel_job(user, job) -> bool:
     """The person who submitted a job and the lab's admins may cancel it."""
-    return job.user_id == user.pk or is_lab_admin(user, job.vm.lab)
+    return job.user_id == user.pk or is_lab_admin(user, job.vm.lab if job.vm_id else job.lab)

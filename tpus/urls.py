@@ -1,6 +1,6 @@
 from django.urls import path
 
-from tpus.views import connect, grants, hostkeys, inventory, jobs, labs, provisioning, ssh
+from tpus.views import connect, grants, hostkeys, inventory, jobs, labs, pool, provisioning, ssh
 
 urlpatterns = [
     path("", labs.dashboard, name="dashboard"),
@@ -113,6 +113,8 @@ urlpatterns = [
     path("labs/<slug:slug>/grants/<int:grant_id>/retry/", grants.grant_retry, name="grant_retry"),
     path("labs/<slug:slug>/usage/", jobs.lab_usage, name="lab_usage"),
     path("labs/<slug:slug>/usage/csv/", jobs.lab_usage_csv, name="lab_usage_csv"),
+    path("labs/<slug:slug>/jobs/<int:job_id>/", pool.lab_job, name="lab_job"),
+    path("labs/<slug:slug>/jobs/<int:job_id>/cancel/", pool.lab_job_cancel, name="lab_job_cancel"),
     path("labs/<slug:slug>/vms/<int:vm_id>/jobs/", jobs.vm_jobs, name="vm_jobs"),
     path("labs/<slug:slug>/vms/<int:vm_id>/jobs/new/", jobs.job_submit, name="job_submit"),
     path("labs/<slug:slug>/vms/<int:vm_id>/jobs/<int:job_id>/", jobs.job_detail, name="job_detail"),

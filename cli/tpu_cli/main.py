@@ -85,7 +85,18 @@ def _parser() -> argparse.ArgumentParser:
 
     p = command("run", "Sync a workdir to every worker, run a job, follow its log.", work.run,
                 description=RUN_HELP)  # fmt: skip
-    p.add_argument("vm", help="tpu5, or lab/tpu5")
+    p.add_argument("vm", nargs="?", help="tpu5, or lab/tpu5 (or --type for any free VM of a kind)")
+    p.add_argument(
+        "--type",
+        metavar="TYPE",
+        help="instead of a VM: any free VM of this accelerator type (v4-8) you may use",
+    )
+    p.add_argument("--lab", metavar="SLUG", help="with --type: the lab (when you are in several)")
+    p.add_argument(
+        "--zone", action="append", metavar="ZONE", help="with --type: only in ZONE (repeat)"
+    )
+    p.add_argument("--spot", action="store_true", help="with --type: only spot VMs")
+    p.add_argument("--on-demand", action="store_true", help="with --type: only on-demand VMs")
     p.add_argument("--workdir", metavar="DIR", help="a folder to sync first; the job runs there")
     p.add_argument("--env", action="append", metavar="K=V", help="an environment variable (repeat)")
     p.add_argument("--venv", metavar="PATH", help="a Python venv on the workers (e.g. ~/venv)")
@@ -95,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--notify", action="store_true", help="an email when it ends")
     p.add_argument("--detach", action="store_true", help="queue it and return (prints the job)")
     p.add_argument("--json", action="store_true", help="with --detach: the job as JSON")
-    p.usage = f"tpu {p.prog.split()[-1]} [options] VM -- CMD ..."
+    p.usage = f"tpu {p.prog.split()[-1]} [options] (VM | --type TYPE) -- CMD ..."
 
     p = command("logs", "A job's log on every worker (-f: follow it live).", work.logs,
                 description="A job's log on every worker (-f: follow it live), each line "
@@ -122,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("vm")
     p.add_argument("--worker", default="all", metavar="all|N")
     p.add_argument("--json", action="store_true", help="each worker's exit status")
-    p.usage = f"tpu {p.prog.split()[-1]} [options] VM -- CMD ..."
+    p.usage = f"tpu {p.prog.split()[-1]} [options] (VM | --type TYPE) -- CMD ..."
 
     p = command("forward", "Forward a port of worker 0 here (TensorBoard, Jupyter).",
                 work.forward)  # fmt: skip

@@ -10,7 +10,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from tpu_cli import connections, follow, paths, remote, sshfiles
+from tpu_cli import connections, follow, paths, pool, remote, sshfiles
 from tpu_cli.errors import FAILED, INTERRUPTED, USAGE, ApiError, CliError
 from tpu_cli.session import Session, err, out, say
 
@@ -75,7 +75,22 @@ def run(args) -> int:
         local = local.resolve()
         if local == paths.home().resolve():
             raise CliError("The workdir is your whole home; choose a project folder.", USAGE)
+    pooled = getattr(args, "type", None)
+    if bool(pooled) == bool(args.vm):
+        raise CliError(
+            "Name the VM (tpu run tpu5 -- …) or a kind (tpu run --type v4-8 -- …).", USAGE
+        )
+    if not pooled and (args.lab or args.zone or args.spot or args.on_demand):
+        raise CliError("--lab, --zone, --spot and --on-demand go with --type.", USAGE)
+    if pooled and local is not None:
+        raise CliError(
+            "--workdir does not go with --type yet: the VM is known only once the job is "
+            "placed. Keep the code in your home on each VM of the kind, or on a data disk.",
+            USAGE,
+        )
     session = Session()
+    if pooled:
+        return _run_in_pool(session, args, command, env)
     vm = session.vm(args.vm)
     folder = remote_folder(local) if local is not None else ""
     body = {"args": command, "cwd": folder, "python": worker_path(args.venv or ""), "env": env,
@@ -92,6 +107,33 @@ def run(args) -> int:
             out.print_json(json.dumps(job))
         return 0
     return _follow(session, vm, job["id"], args.worker, ssh)
+
+
+def _run_in_pool(session: Session, args, command: list[str], env: list[str]) -> int:
+    """``tpu run --type v4-8``: queued for any free VM of the kind; followed on the VM
+    the portal gives it."""
+    lab = pool.lab_of(session, args.lab)
+    body = {"args": command, "python": worker_path(args.venv or ""), "env": env,
+            "time_limit_minutes": args.time_limit, "notify": args.notify,
+            **pool.kind_body(args)}  # fmt: skip
+    job = pool.submit(session, lab, body)
+    where = f"on {lab}/{job['vm']}" if job["vm_id"] else f"for any free {args.type} of {lab}"
+    say(f"Job {job['id']} queued {where}: {job['url']}")
+    if args.detach:
+        if args.json:
+            pool.print_job(job)
+        return 0
+    try:
+        job = pool.wait_until_placed(session, lab, job)
+    except KeyboardInterrupt:
+        say(f"\nDetached; job {job['id']} waits on. Cancel it: tpu cancel {job['id']}")
+        return INTERRUPTED
+    if job["vm_id"] is None:
+        say(f"Job {job['id']} {job['state']} before a VM took it.")
+        return FAILED
+    vm = pool.placed_vm(session, job)
+    say(f"Job {job['id']} placed on {vm.label}.")
+    return _follow(session, vm, job["id"], args.worker)
 
 
 def _check(session: Session, vm, body: dict) -> None:
@@ -244,9 +286,14 @@ def logs(args) -> int:
 
 def cancel(args) -> int:
     session = Session()
-    vm, job = session.find_job(args.job)
+    waiting = pool.unplaced(session, args.job)
+    if waiting is not None:
+        vm, path = None, f"/labs/{waiting['lab']}/jobs/{waiting['id']}/cancel"
+    else:
+        vm, job = session.find_job(args.job)
+        path = f"{vm.api_path}/jobs/{job['id']}/cancel"
     try:
-        job = session.api.post(f"{vm.api_path}/jobs/{job['id']}/cancel")
+        job = session.api.post(path)
     except ApiError as exc:
         if exc.status == 409:
             raise CliError(exc.detail, FAILED) from None
@@ -254,7 +301,8 @@ def cancel(args) -> int:
     if args.json:
         out.print_json(json.dumps(job))
     else:
-        say(f"Job {job['id']} on {vm.label}: {job['state']}.")
+        where = vm.label if vm is not None else f"any {job['accelerator_type']}"
+        say(f"Job {job['id']} on {where}: {job['state']}.")
     return 0
 
 
@@ -268,6 +316,8 @@ def jobs(args) -> int:
         for job in session.api.pages(f"{vm.api_path}/jobs", updated_since=changed):
             job["lab"] = vm.lab
             rows.append(job)
+    if not args.vm:
+        rows += pool.waiting_rows(session, [vm.lab for vm in chosen])
     rows.sort(key=lambda j: j["queued_at"], reverse=True)
     if args.json:
         out.print_json(json.dumps(rows))
@@ -285,6 +335,9 @@ def jobs(args) -> int:
                       job["state"], job["queued_at"][:16].replace("T", " "),
                       job["command"][:60])  # fmt: skip
     out.print(table)
+    for job in rows:
+        if job.get("vm_id", 0) is None and job.get("reason"):
+            say(f"Job {job['id']} ({job['vm']}): {job['reason']}")
     return 0
 
 

@@ -93,6 +93,9 @@ class LabSettingsOut(Schema):
     job_tasks_max: int
     job_memory_max_mb: int
     job_log_max_mb: int
+    # The pool (jobs for any free VM of a kind): chips one person's jobs may hold at
+    # once; 0: no limit.
+    max_chips_per_person: int
     # API tokens its members make expire after this many days (the shortest of their labs').
     token_lifetime_days: int
 
@@ -113,6 +116,7 @@ class LabSettingsIn(StrictIn):
     job_tasks_max: int = None
     job_memory_max_mb: int = None
     job_log_max_mb: int = None
+    max_chips_per_person: int = None
     token_lifetime_days: int = None
 
 

@@ -28,7 +28,7 @@ from tpus.api import filters as api_filters
 from tpus.api.docs import PAGED, filter_help
 from tpus.models import Job
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState
-from tpus.services import job_logs, usage
+from tpus.services import job_logs, scheduler, usage
 from tpus.services import jobs as job_services
 from tpus.services.jobs import JobSpec, parse_env
 
@@ -86,8 +86,16 @@ class JobSummaryOut(Schema):
     and logs are in the job's own object."""
 
     id: int
-    vm_id: int
-    vm: str
+    # The VM it runs on; null while a job submitted to a kind waits for one.
+    vm_id: int | None
+    vm: str | None
+    # The kind a job submitted to the pool asked for ("" for a job named for its VM).
+    accelerator_type: str
+    zones: list[str]
+    # any, on_demand or spot
+    provisioning: str
+    # When the pool gave it its VM.
+    placed_at: datetime | None
     user: str
     username: str | None
     state: str
@@ -102,7 +110,13 @@ class JobSummaryOut(Schema):
 
     @staticmethod
     def resolve_vm(obj):
-        return obj.vm.name
+        return obj.vm.name if obj.vm_id else None
+
+    @staticmethod
+    def resolve_reason(obj, context):
+        if obj.vm_id is None and obj.is_waiting:
+            return _pool_reasons(context, obj.lab_id).get(obj.pk) or obj.reason
+        return obj.reason
 
     @staticmethod
     def resolve_user(obj):
@@ -122,6 +136,15 @@ class JobSummaryOut(Schema):
         return _sees_all_of(obj, context) or obj.program == obj.argv
 
 
+def _pool_reasons(context, lab_id: int) -> dict[int, str]:
+    """Why each of the lab's pool jobs waits, read once per lab and request."""
+    request = context["request"]
+    cache = request.__dict__.setdefault("_pool_reasons", {})
+    if lab_id not in cache:
+        cache[lab_id] = scheduler.why_they_wait(lab_id)
+    return cache[lab_id]
+
+
 def _sees_all_of(job: Job, context) -> bool:
     """The owner and the lab's admins see a job's whole command; others who share the
     VM its program only. Whether the viewer administers the job's lab is asked once
@@ -130,7 +153,7 @@ def _sees_all_of(job: Job, context) -> bool:
     if job.user_id == request.user.pk:
         return True
     known = _admin_of_labs(request)
-    lab_id = job.vm.lab_id
+    lab_id = job.vm.lab_id if job.vm_id else job.lab_id
     if lab_id not in known:
         known[lab_id] = access.admin_labs(request.user).filter(pk=lab_id).exists()
     return known[lab_id]
@@ -213,7 +236,8 @@ class JobOut(JobSummaryOut):
     # process failed first (128 + N for one killed by signal N); null while it waits or
     # runs, and when no process failed (rejected, cancelled or lost before one did).
     exit_code: int | None
-    # Its place in the VM's queue while it waits (1: next to start).
+    # Its place in the VM's queue while it waits (1: next to start); for a job waiting
+    # for a VM of its kind, in its kind's line.
     position: int | None
     preflight: list[PreflightCheckOut]
     parts: list[JobPartOut]
@@ -229,7 +253,13 @@ class JobOut(JobSummaryOut):
 
     @staticmethod
     def resolve_lab(obj):
-        return obj.vm.lab.slug
+        return (obj.vm.lab if obj.vm_id else obj.lab).slug
+
+    @staticmethod
+    def resolve_reason(obj, context):
+        if obj.vm_id is None and obj.is_waiting:
+            return _pool_reasons(context, obj.lab_id).get(obj.pk) or obj.reason
+        return obj.reason
 
     @staticmethod
     def resolve_rerun_of(obj):
@@ -253,7 +283,10 @@ class JobOut(JobSummaryOut):
 
     @staticmethod
     def resolve_url(obj, context):
-        path = reverse("job_detail", args=[obj.vm.lab.slug, obj.vm_id, obj.pk])
+        if obj.vm_id is None:
+            path = reverse("lab_job", args=[obj.lab.slug, obj.pk])
+        else:
+            path = reverse("job_detail", args=[obj.vm.lab.slug, obj.vm_id, obj.pk])
         return context["request"].build_absolute_uri(path)
 
 
@@ -304,7 +337,7 @@ def validate_job(request, slug: str, vm_id: int, payload: JobIn):
 
 
 def _reloaded(job: Job) -> Job:
-    return Job.objects.select_related("vm__lab", "user__unix_account").get(pk=job.pk)
+    return Job.objects.select_related("vm__lab", "lab", "user__unix_account").get(pk=job.pk)
 
 
 @router.get(

@@ -83,6 +83,7 @@ class LabSettingsForm(forms.ModelForm):
             "job_tasks_max",
             "job_memory_max_mb",
             "job_log_max_mb",
+            "max_chips_per_person",
             "token_lifetime_days",
         ]
         widgets = {"grant_end_date": forms.DateInput(attrs={"type": "date"})}
@@ -93,6 +94,7 @@ class LabSettingsForm(forms.ModelForm):
         "job_tasks_max",
         "job_memory_max_mb",
         "job_log_max_mb",
+        "max_chips_per_person",
         "token_lifetime_days",
     )
 

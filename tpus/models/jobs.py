@@ -51,13 +51,42 @@ ENDED_STATES = (
 )
 
 
+class Provisioning(models.TextChoices):
+    """Which VMs of a kind a job submitted to the pool may run on."""
+
+    ANY = "any", "On-demand or spot"
+    ON_DEMAND = "on_demand", "On-demand only"
+    SPOT = "spot", "Spot only"
+
+
 class Job(models.Model):
     """ "milo runs train.py on tpu5": the command, the environment it runs in, and how
-    it went. The same ``host_id`` names the job on every worker."""
+    it went. The same ``host_id`` names the job on every worker.
+
+    A job names its VM, or a kind of VM of its lab (``accelerator_type``, optionally
+    ``zones`` and ``provisioning``: "any free v4-8"); such a job has no VM until the
+    scheduler (``services.scheduler``) places it on a free one, and from then on is a
+    job of that VM like any other."""
 
     State = JobState
+    Provisioning = Provisioning
 
-    vm = models.ForeignKey("tpus.TpuVm", on_delete=models.CASCADE, related_name="jobs")
+    vm = models.ForeignKey(
+        "tpus.TpuVm", null=True, blank=True, on_delete=models.CASCADE, related_name="jobs"
+    )
+    # The lab the job was submitted in (the VM's lab once it has one).
+    lab = models.ForeignKey(
+        "tpus.Lab", null=True, blank=True, on_delete=models.CASCADE, related_name="jobs"
+    )
+    # The kind of VM asked for; empty for a job submitted to a VM by name.
+    accelerator_type = models.CharField(max_length=40, blank=True)
+    # Zones the job may run in ([] for any of the lab's), and on-demand or spot.
+    zones = models.JSONField(default=list, blank=True)
+    provisioning = models.CharField(
+        max_length=10, choices=Provisioning.choices, default=Provisioning.ANY
+    )
+    # When the scheduler gave it its VM (None for a job submitted to a VM by name).
+    placed_at = models.DateTimeField(null=True, blank=True)
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs"
     )
@@ -119,6 +148,12 @@ class Job(models.Model):
             models.Index(fields=["vm", "state", "queued_at"]),
             models.Index(fields=["user", "queued_at"]),
             models.Index(fields=["vm", "ended_at"]),
+            # The pool's line: the jobs of a lab still waiting for a VM of their kind.
+            models.Index(
+                fields=["lab", "accelerator_type", "queued_at"],
+                condition=models.Q(vm__isnull=True),
+                name="job_waiting_for_a_vm",
+            ),
             # The few jobs usage reads one by one: running, or ended and not yet in
             # the per-day rows.
             models.Index(
@@ -134,11 +169,50 @@ class Job(models.Model):
                 fields=["vm"],
                 condition=models.Q(state__in=[s.value for s in ACTIVE_STATES]),
                 name="one_active_job_per_vm",
-            )
+            ),
+            # A job without a VM asked for a kind, and only waits (or was cancelled
+            # while it waited): nothing runs nowhere.
+            models.CheckConstraint(
+                condition=models.Q(vm__isnull=False)
+                | (
+                    ~models.Q(accelerator_type="")
+                    & models.Q(state__in=[s.value for s in (*WAITING_STATES, JobState.CANCELLED)])
+                ),
+                name="job_without_vm_waits_for_a_kind",
+            ),
         ]
 
     def __str__(self) -> str:
+        if self.vm_id is None:
+            return f"job {self.pk} for a {self.accelerator_type}"
         return f"job {self.pk} on {self.vm_id}"
+
+    @property
+    def is_pool_job(self) -> bool:
+        """Submitted to a kind of VM rather than to one VM by name."""
+        return bool(self.accelerator_type)
+
+    @property
+    def is_unplaced(self) -> bool:
+        """Waiting for the scheduler to give it a VM."""
+        return self.vm_id is None
+
+    @property
+    def kind_text(self) -> str:
+        """The kind asked for, for people: ``v4-8``, ``v4-8 in us-central2-b, spot``."""
+        words = self.accelerator_type
+        if self.zones:
+            words += " in " + ", ".join(self.zones)
+        if self.provisioning != Provisioning.ANY:
+            words += ", " + ("spot" if self.provisioning == Provisioning.SPOT else "on-demand")
+        return words
+
+    @property
+    def where_text(self) -> str:
+        """Where it runs (its VM's name), or the kind it waits for (``any v4-8``)."""
+        if self.vm_id is not None:
+            return self.vm.name
+        return f"any {self.kind_text}"
 
     @property
     def argv(self) -> list[str]:

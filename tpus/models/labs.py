@@ -101,6 +101,14 @@ class Lab(models.Model):
         default=3,
         help_text="How many jobs one person may have waiting on one TPU VM; 0: no limit.",
     )
+    # The pool (jobs submitted to a kind of VM, ``services.scheduler``): how many chips
+    # one person's jobs may hold at once before their next waits.
+    max_chips_per_person = models.PositiveIntegerField(
+        "chips running at once per person",
+        default=0,
+        help_text="How many TPU chips one person's jobs may hold at once when jobs are "
+        "placed on any free VM of a kind; 0: no limit.",
+    )
     # Each job's cgroup on each worker (docs/jobs-host.md): what one job may take there.
     job_tasks_max = models.PositiveIntegerField(
         "tasks per job and worker",

@@ -34,7 +34,7 @@ from tpus.models import Job, JobWorker, TpuVm
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState, first_failed
 from tpus.remote import Held, HostKeyMismatch, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
-from tpus.services import disk_mounts, emails, leases, made_anew
+from tpus.services import disk_mounts, emails, leases, made_anew, scheduler
 from tpus.services.hosts import remote_worker
 from tpus.services.jobs import coordinator_of, may_run_jobs, run_again_after_preemption
 from tpus.services.labkeys import login_for
@@ -90,7 +90,9 @@ def vms_with_jobs() -> list[int]:
 
 
 def poll_all() -> None:
-    """Queue a pass for every VM with a job running or waiting (the periodic poll)."""
+    """Queue a pass for every VM with a job running or waiting (the periodic poll),
+    after giving free VMs to the pool's waiting jobs (which queues their passes)."""
+    scheduler.place_all()
     for vm_id in vms_with_jobs():
         queue.advance_jobs(vm_id)
 
@@ -136,6 +138,12 @@ def _step(vm_id: int, report: PassReport, connections: _PassConnections) -> bool
             .order_by("queued_at", "id")
             .first()
         )
+        if head is None and _placed_here(vm_id):
+            head = (
+                Job.objects.filter(vm_id=vm_id, state__in=WAITING_STATES)
+                .order_by("queued_at", "id")
+                .first()
+            )
         if head is None:
             return False
         return _begin(head, report, connections)
@@ -144,6 +152,17 @@ def _step(vm_id: int, report: PassReport, connections: _PassConnections) -> bool
         return _recover(job, report, connections)
     report.polled += 1
     return _poll(job, report, connections)
+
+
+def _placed_here(vm_id: int) -> bool:
+    """The VM's place is free and no job waits for it by name: the pool's waiting jobs
+    of its kind get the lab's free VMs now (this one among them, for this pass to
+    start; the others' passes are queued). True when one was placed here."""
+    vm = TpuVm.objects.filter(pk=vm_id).values("lab_id", "accelerator_type").first()
+    if vm is None or not vm["accelerator_type"]:
+        return False
+    placed = scheduler.place(vm["lab_id"], vm["accelerator_type"])
+    return any(p.vm_id == vm_id for p in placed)
 
 
 def _vm_and_workers(vm_id: int):
@@ -183,9 +202,7 @@ def chip_layout(vm: TpuVm, workers: int) -> tuple[int, str]:
     if not match:
         return settings.PORTAL_JOB_DEFAULT_CHIPS_PER_WORKER, globs.get("*", "/dev/accel*")
     generation = match[1] + (match[2] or "")
-    size = int(match[3])
-    counts_chips = generation in ("v5litepod", "v5e", "v6e")
-    chips = size if counts_chips else max(1, size // 2)
+    chips = scheduler.chip_count(vm.accelerator_type)
     per_worker = max(1, chips // max(1, workers))
     return per_worker, globs.get(generation, globs.get("*", "/dev/accel*"))
 
@@ -583,7 +600,7 @@ def _start(
         report.ended.append(job.pk)
         return True
     with transaction.atomic():
-        job = Job.objects.select_for_update().select_related("vm__lab").get(pk=job.pk)
+        job = Job.objects.select_for_update(of=("self",)).select_related("vm__lab").get(pk=job.pk)
         now = timezone.now()
         job.started_at = now
         job.changed_at = now
@@ -934,7 +951,7 @@ def _back_in_line(
 
 def _end(job: Job, state: JobState, reason: str) -> None:
     with transaction.atomic():
-        job = Job.objects.select_for_update().select_related("vm__lab").get(pk=job.pk)
+        job = Job.objects.select_for_update(of=("self",)).select_related("vm__lab").get(pk=job.pk)
         if job.has_ended:
             return
         now = timezone.now()

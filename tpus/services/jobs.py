@@ -9,6 +9,7 @@ is a row the VM's next pass acts on.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import shlex
 from dataclasses import dataclass, field
@@ -22,10 +23,12 @@ from django.utils import timezone
 from portal import audit
 from portal.audit import AuditAction
 from tpus import queue
-from tpus.models import Grant, Job, TpuVm
+from tpus.models import Grant, Job, Lab, TpuVm
 from tpus.models.grants import GrantState
-from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState
+from tpus.models.inventory import validate_accelerator_type
+from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
 from tpus.remote import jobs as wire
+from tpus.services import scheduler
 
 log = logging.getLogger(__name__)
 MAX_TIME_LIMIT_MINUTES = 7 * 24 * 60
@@ -232,21 +235,7 @@ def submit_job(
             )
         if dry_run:
             return None
-        job = Job.objects.create(
-            vm=vm,
-            user=user,
-            host_id=_new_host_id(),
-            script=spec.script,
-            args=spec.args,
-            python=spec.python,
-            cwd=spec.cwd,
-            env=[[name, value] for name, value in spec.env],
-            time_limit_minutes=spec.time_limit_minutes,
-            notify=spec.notify,
-            rerun_after_preemption=spec.rerun_after_preemption,
-            use_tcmalloc=spec.use_tcmalloc,
-            rerun_of=rerun_of,
-        )
+        job = Job.objects.create(vm=vm, lab=vm.lab, user=user, rerun_of=rerun_of, **_fields(spec))
         audit.record(
             AuditAction.JOB_SUBMITTED,
             actor=user,
@@ -260,12 +249,169 @@ def submit_job(
     return job
 
 
+def _fields(spec: JobSpec) -> dict:
+    """A cleaned spec as a job's fields."""
+    return dict(
+        host_id=_new_host_id(),
+        script=spec.script,
+        args=spec.args,
+        python=spec.python,
+        cwd=spec.cwd,
+        env=[[name, value] for name, value in spec.env],
+        time_limit_minutes=spec.time_limit_minutes,
+        notify=spec.notify,
+        rerun_after_preemption=spec.rerun_after_preemption,
+        use_tcmalloc=spec.use_tcmalloc,
+    )
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of VM a job may ask for instead of one VM: "any free v4-8", optionally
+    in some zones, on-demand or spot only."""
+
+    accelerator_type: str
+    zones: tuple[str, ...] = ()
+    provisioning: str = Provisioning.ANY
+
+    @classmethod
+    def of(cls, job: Job) -> Kind:
+        return cls(job.accelerator_type, tuple(job.zones), job.provisioning)
+
+
+def clean_kind(kind: Kind, lab: Lab) -> Kind:
+    """The kind with its zones in order and without repeats, or ValidationError naming
+    each bad field."""
+    errors: dict[str, list[str]] = {}
+    accelerator_type = (kind.accelerator_type or "").strip()
+    try:
+        validate_accelerator_type(accelerator_type)
+    except ValidationError:
+        errors["accelerator_type"] = ["An accelerator type looks like v4-8, v4-32 or v5litepod-8."]
+    zones = []
+    for zone in kind.zones:
+        zone = str(zone).strip()
+        if not _ZONE.fullmatch(zone):
+            errors.setdefault("zones", []).append(f"{zone[:60]!r} is not a zone name.")
+        elif zone not in zones:
+            zones.append(zone)
+    if kind.provisioning not in Provisioning.values:
+        errors["provisioning"] = ["Provisioning is one of: " + ", ".join(Provisioning.values) + "."]
+    if errors:
+        raise ValidationError(errors)
+    return Kind(accelerator_type, tuple(sorted(zones)), kind.provisioning)
+
+
+def vms_of_kind(user, lab: Lab, kind: Kind):
+    """The lab's VMs of the kind on which the person has access in force."""
+    vms = TpuVm.objects.filter(
+        lab=lab,
+        accelerator_type=kind.accelerator_type,
+        missing_since__isnull=True,
+        grants__user=user,
+        grants__state=GrantState.ACTIVE,
+    )
+    if kind.zones:
+        vms = vms.filter(zone__in=kind.zones)
+    if kind.provisioning == Provisioning.SPOT:
+        vms = vms.filter(preemptible=True)
+    elif kind.provisioning == Provisioning.ON_DEMAND:
+        vms = vms.filter(preemptible=False)
+    return vms
+
+
+def submit_pool_job(
+    user,
+    lab: Lab,
+    kind: Kind,
+    spec: JobSpec,
+    *,
+    rerun_of: Job | None = None,
+    request=None,
+    dry_run: bool = False,
+) -> Job | None:
+    """Queue a job on any free VM of ``kind`` in ``lab`` (the pool): it waits without
+    a VM until the scheduler gives it one it may run on, then runs as a job of that VM.
+    The same checks as ``submit_job``, with access on at least one VM of the kind
+    instead of on one VM; the lab's limit of waiting jobs counts per kind. With
+    ``dry_run``, the checks alone (None)."""
+    account = getattr(user, "unix_account", None)
+    if account is None or not account.username:
+        raise PermissionDenied("Choose a username first: jobs run as your account on the VM.")
+    kind = clean_kind(kind, lab)
+    spec = clean_spec(spec, account.username)
+    what = _kind_words(kind)
+    with transaction.atomic():
+        lab = Lab.objects.select_for_update().get(pk=lab.pk)
+        if not vms_of_kind(user, lab, kind).exists():
+            raise PermissionDenied(
+                f"You have active access to no {what} of {lab.name}, so no job of yours "
+                "can run on one; ask a lab admin."
+            )
+        limit = lab.max_queued_jobs
+        waiting = Job.objects.filter(
+            lab=lab,
+            vm__isnull=True,
+            user=user,
+            accelerator_type=kind.accelerator_type,
+            state__in=WAITING_STATES,
+        ).count()
+        if limit and waiting >= limit:
+            raise ValidationError(
+                f"You already have {waiting} job(s) waiting for a {kind.accelerator_type}; "
+                f"this lab allows {limit}. Cancel one or wait for it to start."
+            )
+        if dry_run:
+            return None
+        job = Job.objects.create(
+            vm=None,
+            lab=lab,
+            user=user,
+            accelerator_type=kind.accelerator_type,
+            zones=list(kind.zones),
+            provisioning=kind.provisioning,
+            rerun_of=rerun_of,
+            **_fields(spec),
+        )
+        audit.record(
+            AuditAction.JOB_SUBMITTED,
+            actor=user,
+            lab=lab,
+            target_user=user,
+            summary=f"job {job.pk} on any {what}: {job.command_text[:200]}",
+            data={"job": job.pk, "accelerator_type": kind.accelerator_type},
+            request=request,
+        )
+        # A free VM of the kind takes it at once: its pass is queued with the commit.
+        scheduler.place(lab.pk, kind.accelerator_type)
+    return job
+
+
+def _kind_words(kind: Kind) -> str:
+    words = kind.accelerator_type
+    if kind.zones:
+        words += " in " + ", ".join(kind.zones)
+    if kind.provisioning == Provisioning.SPOT:
+        words += " (spot)"
+    elif kind.provisioning == Provisioning.ON_DEMAND:
+        words += " (on-demand)"
+    return words
+
+
+_ZONE = re.compile(r"[a-z]+-[a-z]+[0-9]+-[a-z]")
+
+
 def rerun_job(user, job: Job, *, request=None) -> Job:
-    """The same job again, at the end of the queue."""
+    """The same job again, at the end of the queue (of its VM, or of its kind)."""
     if job.user_id != user.pk:
         raise PermissionDenied("Only the person who submitted a job can run it again.")
     if not job.has_ended:
         raise ValidationError("The job has not ended yet.")
+    if job.is_pool_job:
+        lab = job.lab or job.vm.lab
+        return submit_pool_job(
+            user, lab, Kind.of(job), JobSpec.of(job), rerun_of=job, request=request
+        )
     return submit_job(user, job.vm, JobSpec.of(job), rerun_of=job, request=request)
 
 
@@ -275,7 +421,11 @@ def cancel_job(job: Job, by, *, reason: str = "", request=None) -> Job:
     looks for the cancel before it says start, and whenever the job would go back in
     line); a started one gets TERM, a grace period, KILL on every worker."""
     with transaction.atomic():
-        job = Job.objects.select_for_update().select_related("vm__lab").get(pk=job.pk)
+        job = (
+            Job.objects.select_for_update(of=("self",))
+            .select_related("vm__lab", "lab")
+            .get(pk=job.pk)
+        )
         if not job.can_cancel:
             return job
         now = timezone.now()
@@ -294,13 +444,14 @@ def cancel_job(job: Job, by, *, reason: str = "", request=None) -> Job:
         audit.record(
             AuditAction.JOB_CANCEL_REQUESTED,
             actor=by,
-            lab=job.vm.lab,
+            lab=job.vm.lab if job.vm_id else job.lab,
             target_user=job.user,
-            summary=f"job {job.pk} on {job.vm.name}" + (f": {reason}" if reason else ""),
+            summary=f"job {job.pk} on {job.where_text}" + (f": {reason}" if reason else ""),
             data={"job": job.pk, "vm": job.vm_id},
             request=request,
         )
-        queue.advance_jobs(job.vm_id)
+        if job.vm_id is not None:
+            queue.advance_jobs(job.vm_id)
     return job
 
 
@@ -323,7 +474,8 @@ def _new_host_id() -> str:
 def run_again_after_preemption(job: Job) -> Job | None:
     """A job lost because Google took its VM back, whose owner asked for it: the same
     job again at the head of the VM's line (queued as early as the lost one was), to
-    start once the VM is back. None when it was not asked for or cannot be queued now
+    start once the VM is back; a job submitted to a kind goes back to the head of its
+    kind's line, for any free VM of it. None when it was not asked for or cannot be queued now
     (the person lost access, or the lab's limit of waiting jobs)."""
     job = Job.objects.select_related("vm__lab", "user__unix_account").get(pk=job.pk)
     if not job.rerun_after_preemption or job.state != JobState.LOST:
@@ -331,7 +483,13 @@ def run_again_after_preemption(job: Job) -> Job | None:
     if Job.objects.filter(rerun_of=job).exists():
         return None
     try:
-        again = submit_job(job.user, job.vm, JobSpec.of(job), rerun_of=job)
+        if job.is_pool_job:
+            # Any free VM of its kind takes it, not only the one Google took back.
+            again = submit_pool_job(
+                job.user, job.lab or job.vm.lab, Kind.of(job), JobSpec.of(job), rerun_of=job
+            )
+        else:
+            again = submit_job(job.user, job.vm, JobSpec.of(job), rerun_of=job)
     except (PermissionDenied, ValidationError) as exc:
         log.info("job %s is not run again after the preemption: %s", job.pk, exc)
         return None

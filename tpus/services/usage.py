@@ -141,11 +141,18 @@ def vm_now(vm: TpuVm) -> tuple[VmNow, list[Job]]:
 
 
 def position(job: Job) -> int | None:
-    """A waiting job's place in its VM's queue (1: next to start), else None."""
+    """A waiting job's place in its VM's queue (1: next to start), or in its kind's
+    line while it waits for a VM of the pool, else None."""
     if not job.is_waiting:
         return None
+    if job.vm_id is None:
+        line = Job.objects.filter(
+            lab_id=job.lab_id, vm__isnull=True, accelerator_type=job.accelerator_type
+        )
+    else:
+        line = Job.objects.filter(vm_id=job.vm_id)
     ahead = (
-        Job.objects.filter(vm_id=job.vm_id, state__in=WAITING_STATES)
+        line.filter(state__in=WAITING_STATES)
         .filter(Q(queued_at__lt=job.queued_at) | Q(queued_at=job.queued_at, id__lt=job.pk))
         .count()
     )
@@ -536,7 +543,7 @@ def count_ended_jobs(limit: int = COUNT_BATCH) -> int:
             jobs = list(
                 Job.objects.select_for_update(skip_locked=True, of=("self",))
                 .filter(started_at__isnull=False, usage_counted=False, ended_at__gt=F("started_at"))
-                .annotate(lab_id=F("vm__lab_id"))
+                .annotate(vm_lab_id=F("vm__lab_id"))
                 .only("pk", "user_id", "vm_id", "started_at", "ended_at", "worker_count")
                 .order_by("pk")[:limit]
             )
@@ -604,7 +611,8 @@ def _add_to_days(jobs: list[Job]) -> None:
         for day, (started, carried, time) in day_pieces(
             job.started_at, job.ended_at, job.worker_count
         ).items():
-            row = sums.setdefault((job.lab_id, day, job.user_id, job.vm_id), [0, 0, dt.timedelta()])
+            key = (job.vm_lab_id, day, job.user_id, job.vm_id)
+            row = sums.setdefault(key, [0, 0, dt.timedelta()])
             row[0] += started
             row[1] += carried
             row[2] += time

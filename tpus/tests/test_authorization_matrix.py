@@ -826,6 +826,46 @@ def _urls(cast):
             f"/api/v1/{jobs}/workers/0/log",
             [401, MISSING, MISSING, 502, 502, 502],
         ),
+        # The pool: a job of the lab by its id alone; one placed (or named for its VM)
+        # is its VM's job page.
+        (
+            "lab_job",
+            "get",
+            reverse("lab_job", args=[lab, job.pk]),
+            [REDIRECT, MISSING, MISSING, REDIRECT, REDIRECT, REDIRECT],
+        ),
+        (
+            "lab_job_cancel",
+            "post",
+            reverse("lab_job_cancel", args=[lab, job.pk]),
+            [REDIRECT, MISSING, MISSING, REDIRECT, REDIRECT, REDIRECT],
+        ),
+        ("api_pool_jobs", "get", f"/api/v1/labs/{lab}/jobs", [401, MISSING, MISSING, OK, OK, OK]),
+        # No one here has active access to a v4-8 of the lab.
+        (
+            "api_pool_job_submit",
+            "post",
+            f"/api/v1/labs/{lab}/jobs",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
+        ),
+        (
+            "api_pool_job_validate",
+            "post",
+            f"/api/v1/labs/{lab}/jobs/validate",
+            [401, MISSING, MISSING, FORBIDDEN, FORBIDDEN, FORBIDDEN],
+        ),
+        (
+            "api_lab_job",
+            "get",
+            f"/api/v1/labs/{lab}/jobs/{job.pk}",
+            [401, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
+            "api_lab_job_cancel",
+            "post",
+            f"/api/v1/labs/{lab}/jobs/{job.pk}/cancel",
+            [401, MISSING, MISSING, 409, 409, 409],
+        ),
         ("api_usage", "get", f"/api/v1/labs/{lab}/usage", [401, MISSING, MISSING, OK, OK, OK]),
         (
             "api_usage_people",
@@ -919,6 +959,8 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                 "api_worker_keys_pin": {"shown": "forged"},
                 "api_job_submit": {"args": ["true"]},
                 "api_job_validate": {"args": ["true"]},
+                "api_pool_job_submit": {"args": ["true"], "accelerator_type": "v4-8"},
+                "api_pool_job_validate": {"args": ["true"], "accelerator_type": "v4-8"},
             }.get(name, {})
             response = getattr(client, method)(url, body, content_type="application/json")
         else:

@@ -134,3 +134,13 @@ def test_a_settings_form_without_the_job_limits_keeps_the_labs_and_a_new_lab_get
     lab = Lab.objects.get(slug="new-lab")
     defaults = {f.name: f.default for f in Lab._meta.fields if f.name.startswith("job_")}
     assert {name: getattr(lab, name) for name in defaults} == defaults
+
+
+def test_an_admin_sets_the_chips_a_person_may_hold_at_once_in_the_pool(cast, patch):
+    response = patch(cast.admin, {"max_chips_per_person": 16})
+    assert response.status_code == 200, response.content
+    assert response.json()["max_chips_per_person"] == 16
+    assert Lab.objects.get(pk=cast.lab.pk).max_chips_per_person == 16
+    refused = patch(cast.admin, {"max_chips_per_person": -1})
+    assert refused.status_code == 400 and list(refused.json()["errors"]) == ["max_chips_per_person"]
+    assert Lab.objects.get(pk=cast.lab.pk).max_chips_per_person == 16

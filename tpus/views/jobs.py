@@ -99,8 +99,11 @@ def job_submit(request, slug, vm_id):
     vm = access.get_vm_for_viewer(request.user, lab, vm_id)
     form = JobForm(request.POST if request.method == "POST" else None)
     status = 200
+    pool = request.POST.get("where") == "pool" and bool(vm.accelerator_type)
     if request.method == "POST" and form.is_valid():
         try:
+            if pool:
+                return _submit_to_pool(request, lab, vm, form)
             job = job_services.submit_job(request.user, vm, form.spec(), request=request)
         except PermissionDenied as exc:
             form.add_error(None, str(exc) or "You may not run jobs on this TPU VM.")
@@ -120,6 +123,17 @@ def job_submit(request, slug, vm_id):
         "libtpu_required": settings.PORTAL_JOB_REQUIRE_LIBTPU,
     }
     return render(request, "tpus/job_submit.html", context, status=status)
+
+
+def _submit_to_pool(request, lab, vm, form):
+    """ "Run on any free v4-8": the job goes to the lab's pool of VMs of this VM's kind;
+    its page says where it waits, then where it runs."""
+    kind = job_services.Kind(vm.accelerator_type)
+    job = job_services.submit_pool_job(request.user, lab, kind, form.spec(), request=request)
+    job.refresh_from_db()
+    where = f"to {job.vm.name}" if job.vm_id else f"for any free {vm.accelerator_type}"
+    messages.success(request, f"Job {job.pk} submitted {where}.")
+    return redirect("lab_job", lab.slug, job.pk)
 
 
 # --- a job's page ---------------------------------------------------------------------
@@ -263,6 +277,11 @@ def job_rerun(request, slug, vm_id, job_id):
         text = " ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
         messages.error(request, text)
         return redirect("job_detail", lab.slug, job.vm_id, job.pk)
+    if new.is_pool_job:
+        # Again for any free VM of its kind: its page says where it waits or runs.
+        where = f"for any free {new.kind_text}"
+        messages.success(request, f"Job {new.pk} submitted {where}: job {job.pk} again.")
+        return redirect("lab_job", lab.slug, new.pk)
     messages.success(request, f"Job {new.pk} submitted to {job.vm.name}: job {job.pk} again.")
     return redirect("job_detail", lab.slug, job.vm_id, new.pk)
 

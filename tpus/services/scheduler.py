@@ -1,0 +1,337 @@
+"""The pool: which waiting job runs on which free VM of its kind. The one place that
+decides it.
+
+A job may ask for a kind of VM of its lab instead of one VM by name: an accelerator
+type (``v4-8``), optionally zones and on-demand or spot. Until placed it has no VM.
+Placement reads one snapshot of the lab (``load``: a constant number of queries
+whatever the number of VMs and jobs), decides without touching the database
+(``decide``: pure), and writes each decision as a conditional UPDATE that gives the
+job its VM only while it still has none (``place``). From then on the job is a job of
+that VM like any other: the VM's pass (``job_engine.advance``) validates and starts
+it, holding the VM's place as any job of it does.
+
+A VM is free for the pool when it is READY, listed by Google, not being set up again,
+no job holds or waits for it, and the last look at its chips found nothing holding
+them outside the portal. A job goes only where its person has an active grant.
+
+Order: the kinds' lines are ordered by ``order_key`` (now first come, first served);
+a job that cannot go on any free VM (no grant there, the person's chip limit) lets the
+next one in line have it. Placement takes the lab's row lock for its few queries only,
+so two placements of one lab never give one VM two jobs; it never waits on a worker.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from django.db import transaction
+from django.db.models import Case, Exists, IntegerField, OuterRef, Value, When
+from django.utils import timezone
+
+from tpus import queue
+from tpus.models import Grant, Job, Lab, TpuVm
+from tpus.models.grants import GrantState
+from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
+
+
+def chip_count(accelerator_type: str, default: int = 1) -> int:
+    """How many chips a VM of the type has. v2, v3, v4 and v5p names count
+    TensorCores (two per chip); v5e (v5litepod) and v6e names count chips."""
+    match = re.fullmatch(r"(v[0-9]+[a-z]*?)(litepod)?-([0-9]+)", accelerator_type or "")
+    if not match:
+        return default
+    generation = match[1] + (match[2] or "")
+    size = int(match[3])
+    return size if generation in ("v5litepod", "v5e", "v6e") else max(1, size // 2)
+
+
+# --- the snapshot --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class VmRow:
+    id: int
+    name: str
+    accelerator_type: str
+    zone: str
+    spot: bool
+    # Free for the pool now (see the module's text).
+    free: bool
+    chips: int
+
+
+@dataclass(slots=True)
+class JobRow:
+    id: int
+    user_id: int
+    accelerator_type: str
+    zones: tuple[str, ...]
+    provisioning: str
+    # Its place among the lab's waiting pool jobs by submission (queued_at, then id).
+    seq: int
+
+    def fits(self, vm: VmRow) -> bool:
+        """The VM is of the kind the job asked for."""
+        if vm.accelerator_type != self.accelerator_type:
+            return False
+        if self.zones and vm.zone not in self.zones:
+            return False
+        if self.provisioning == Provisioning.SPOT:
+            return vm.spot
+        if self.provisioning == Provisioning.ON_DEMAND:
+            return not vm.spot
+        return True
+
+
+@dataclass
+class Snapshot:
+    """What placement needs of one lab, read at once."""
+
+    lab_id: int
+    max_chips_per_person: int
+    vms: list[VmRow]
+    jobs: list[JobRow]
+    # (user id, VM id) of the active grants on ``vms``.
+    grants: set[tuple[int, int]]
+    # Chips each person's jobs hold now (validating to cancelling), when the lab
+    # limits them.
+    chips_held: Counter = field(default_factory=Counter)
+
+
+def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = False) -> Snapshot:
+    """What placement needs of the lab's pool (of one kind, or all), in at most five
+    queries whatever the number of VMs, jobs and grants: its free VMs of the kinds
+    jobs wait for, the jobs waiting for those kinds, the grants on those VMs, and what
+    each person holds when the lab limits it. With ``every_vm``, the busy VMs of those
+    kinds too, and every waiting job (``reasons`` says why each waits)."""
+    lab = Lab.objects.values_list("max_chips_per_person", flat=True).get(pk=lab_id)
+    waiting = Job.objects.filter(lab_id=lab_id, vm__isnull=True, state__in=WAITING_STATES)
+    if accelerator_type is not None:
+        waiting = waiting.filter(accelerator_type=accelerator_type)
+    taken = Job.objects.filter(vm=OuterRef("pk"), state__in=[*ACTIVE_STATES, *WAITING_STATES])
+    vms = TpuVm.objects.filter(
+        lab_id=lab_id, accelerator_type__in=waiting.values("accelerator_type")
+    ).annotate(taken=Exists(taken))
+    if not every_vm:
+        vms = vms.filter(**FREE).exclude(taken=True)
+    rows = [
+        VmRow(
+            id=pk,
+            name=name,
+            accelerator_type=kind,
+            zone=zone,
+            spot=spot,
+            free=(
+                state == TpuVm.State.READY
+                and missing is None
+                and restoring is None
+                and not holders
+                and not busy
+            ),
+            chips=chip_count(kind),
+        )
+        for pk, name, kind, zone, spot, state, missing, restoring, holders, busy in vms.order_by(
+            "name", "id"
+        ).values_list(
+            "id",
+            "name",
+            "accelerator_type",
+            "zone",
+            "preemptible",
+            "state",
+            "missing_since",
+            "restore_version",
+            "outside_holders",
+            "taken",
+        )
+    ]
+    if not rows and not every_vm:
+        return Snapshot(lab_id, lab, [], [], set())
+    if not every_vm:
+        waiting = waiting.filter(accelerator_type__in={vm.accelerator_type for vm in rows})
+    jobs = [
+        JobRow(pk, user_id, kind, tuple(zones or ()), provisioning, seq)
+        for seq, (pk, user_id, kind, zones, provisioning) in enumerate(
+            waiting.order_by("queued_at", "id").values_list(
+                "id", "user_id", "accelerator_type", "zones", "provisioning"
+            )
+        )
+    ]
+    if not jobs:
+        return Snapshot(lab_id, lab, rows, [], set())
+    grants = set(
+        Grant.objects.filter(vm_id__in=[vm.id for vm in rows], state=GrantState.ACTIVE)
+        .values_list("user_id", "vm_id")
+        .order_by()
+    )
+    held: Counter = Counter()
+    if lab:
+        people = {job.user_id for job in jobs}
+        for user_id, kind in Job.objects.filter(
+            vm__lab_id=lab_id, user_id__in=people, state__in=ACTIVE_STATES
+        ).values_list("user_id", "vm__accelerator_type"):
+            held[user_id] += chip_count(kind)
+    return Snapshot(lab_id, lab, rows, jobs, grants, held)
+
+
+# What makes a VM free for the pool, as a filter (``VmRow.free`` says the same).
+FREE = {
+    "state": TpuVm.State.READY,
+    "missing_since__isnull": True,
+    "restore_version__isnull": True,
+    "outside_holders": [],
+}
+
+
+# --- the decision --------------------------------------------------------------------
+
+
+def fifo(job: JobRow, snapshot: Snapshot):
+    """First come, first served: the order a kind's line is served in (a sort key)."""
+    return job.seq
+
+
+@dataclass(frozen=True)
+class Placement:
+    job_id: int
+    vm_id: int
+
+
+def decide(
+    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fifo
+) -> list[Placement]:
+    """For each free VM, the next job of its kind that may go there: in the order of
+    ``order_key``, each job on the first free VM (by name) it fits, whose person has
+    an active grant on it, within the person's chip limit. Touches no database."""
+    free: dict[str, list[VmRow]] = defaultdict(list)
+    for vm in snapshot.vms:
+        if vm.free:
+            free[vm.accelerator_type].append(vm)
+    limit = snapshot.max_chips_per_person
+    held = Counter(snapshot.chips_held)
+    placements = []
+    for job in sorted(snapshot.jobs, key=lambda j: order_key(j, snapshot)):
+        vms = free.get(job.accelerator_type)
+        if not vms:
+            continue
+        for vm in vms:
+            if not job.fits(vm) or (job.user_id, vm.id) not in snapshot.grants:
+                continue
+            if limit and held[job.user_id] + vm.chips > limit:
+                break
+            placements.append(Placement(job.id, vm.id))
+            held[job.user_id] += vm.chips
+            vms.remove(vm)
+            break
+    return placements
+
+
+def reasons(
+    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fifo
+) -> dict[int, str]:
+    """Why each waiting pool job of the snapshot still waits, in words: "All 12 v4-8
+    you may use are busy; 3 jobs before yours." Pure, like ``decide``."""
+    ahead: Counter = Counter()
+    out = {}
+    limit = snapshot.max_chips_per_person
+    by_kind: dict[str, list[VmRow]] = defaultdict(list)
+    for vm in snapshot.vms:
+        by_kind[vm.accelerator_type].append(vm)
+    for job in sorted(snapshot.jobs, key=lambda j: order_key(j, snapshot)):
+        before = ahead[job.accelerator_type]
+        ahead[job.accelerator_type] += 1
+        line = f"{before} job{'s' if before != 1 else ''} before yours."
+        usable = [
+            vm
+            for vm in by_kind[job.accelerator_type]
+            if job.fits(vm) and (job.user_id, vm.id) in snapshot.grants
+        ]
+        held = snapshot.chips_held[job.user_id]
+        if not usable:
+            text = f"You have active access to no {job_text(job)} of this lab; ask a lab admin."
+        elif limit and held + min(vm.chips for vm in usable) > limit:
+            text = (
+                f"Your running jobs hold {held} chip{'s' if held != 1 else ''}; this lab "
+                f"allows {limit} at once per person."
+            )
+        elif any(vm.free for vm in usable):
+            text = f"A free {job.accelerator_type} is being given to it."
+        else:
+            count = len(usable)
+            verb = "are" if count != 1 else "is"
+            text = f"All {count} {job_text(job)} you may use {verb} busy;"
+            out[job.id] = f"{text} {line}"
+            continue
+        out[job.id] = f"{text} {line[:1].upper()}{line[1:]}"
+    return out
+
+
+def why_they_wait(lab_id: int, accelerator_type: str | None = None) -> dict[int, str]:
+    """``reasons`` for the lab's waiting pool jobs (of one kind, or all), read in a
+    constant number of queries."""
+    return reasons(load(lab_id, accelerator_type, every_vm=True))
+
+
+def job_text(job: JobRow) -> str:
+    words = job.accelerator_type
+    if job.zones:
+        words += " in " + ", ".join(job.zones)
+    if job.provisioning == Provisioning.SPOT:
+        words += " (spot)"
+    elif job.provisioning == Provisioning.ON_DEMAND:
+        words += " (on-demand)"
+    return words
+
+
+# --- doing it ------------------------------------------------------------------------
+
+
+def place(lab_id: int, accelerator_type: str | None = None) -> list[Placement]:
+    """Give the lab's waiting pool jobs (of one kind, or all) the free VMs they may
+    run on, and queue each VM's pass to start its job. Returns what was placed."""
+    with transaction.atomic():
+        # One placement of a lab at a time, for its few queries: two cannot both see a
+        # VM free and give it a job each.
+        if not Lab.objects.select_for_update().filter(pk=lab_id).exists():
+            return []
+        snapshot = load(lab_id, accelerator_type)
+        decided = decide(snapshot)
+        if not decided:
+            return []
+        # One conditional UPDATE for every decision: a job gets its VM only while it
+        # still waits without one (a cancel meanwhile wins).
+        now = timezone.now()
+        vm_of = Case(
+            *(When(pk=p.job_id, then=Value(p.vm_id)) for p in decided),
+            output_field=IntegerField(),
+        )
+        Job.objects.filter(
+            pk__in=[p.job_id for p in decided], vm__isnull=True, state=JobState.QUEUED
+        ).update(vm_id=vm_of, placed_at=now, changed_at=now, reason="")
+        taken = set(
+            Job.objects.filter(pk__in=[p.job_id for p in decided], placed_at=now).values_list(
+                "pk", "vm_id"
+            )
+        )
+        placed = [p for p in decided if (p.job_id, p.vm_id) in taken]
+        for placement in placed:
+            queue.advance_jobs(placement.vm_id)
+    return placed
+
+
+def labs_with_waiting_jobs() -> list[int]:
+    """Labs with a pool job still waiting for a VM (the job poll places theirs)."""
+    return list(
+        Job.objects.filter(vm__isnull=True, state__in=WAITING_STATES)
+        .values_list("lab_id", flat=True)
+        .distinct()
+        .order_by("lab_id")
+    )
+
+
+def place_all() -> int:
+    """Placement for every lab with pool jobs waiting; how many were placed."""
+    return sum(len(place(lab_id)) for lab_id in labs_with_waiting_jobs())
