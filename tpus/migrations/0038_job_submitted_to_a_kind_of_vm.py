@@ -18,7 +18,7 @@ def lab_of_each_job(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tpus', '0036_worker_retry_after_a_failure_the_host_can_mend'),
+        ('tpus', '0037_connection_checks_one_lab_at_a_time'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
