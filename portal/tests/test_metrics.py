@@ -12,6 +12,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from kombu import Connection
 
+from portal.checks import metrics_not_public
 from portal.metrics.figures import queue_names
 from portal.models import OutboxMessage
 from portal.tests.metrics_support import TOKEN, Scrape, scrape
@@ -221,3 +222,18 @@ def test_a_scrape_costs_the_same_queries_however_much_there_is(
         response = client.get("/metrics", **auth)
     assert len(small) == len(large) == 7, [q["sql"] for q in large.captured_queries]
     assert Scrape(response.content.decode()).value("portal_queued_jobs", lab="busy-6-5") == 2
+
+
+def test_check_deploy_warns_when_anyone_could_read_the_metrics(settings):
+    settings.PORTAL_METRICS_TOKEN = ""
+    settings.PORTAL_METRICS_ALLOWED_NETWORKS = ["10.0.0.0/8", "::/0"]
+    assert [w.id for w in metrics_not_public(None)] == ["portal.W001"]
+    settings.PORTAL_METRICS_TOKEN = "short"
+    assert [w.id for w in metrics_not_public(None)] == ["portal.W002"]
+    settings.PORTAL_METRICS_TOKEN = TOKEN
+    assert metrics_not_public(None) == []
+    settings.PORTAL_METRICS_TOKEN = ""
+    settings.PORTAL_METRICS_ALLOWED_NETWORKS = ["10.0.0.0/8"]
+    assert metrics_not_public(None) == []
+    settings.PORTAL_METRICS_ALLOWED_NETWORKS = []
+    assert metrics_not_public(None) == []  # off
