@@ -26,7 +26,7 @@ def client_ip(request) -> str | None:
     if peer is None:
         return None
     trusted = trusted_networks(tuple(settings.PORTAL_TRUSTED_PROXIES))
-    if not _within(peer, trusted):
+    if not within(peer, trusted):
         return str(peer)
     client = peer
     hops = request.META.get("HTTP_X_FORWARDED_FOR", "").split(",")
@@ -36,7 +36,7 @@ def client_ip(request) -> str | None:
             # A hop no proxy of ours wrote: stop at the last one we can vouch for.
             break
         client = address
-        if not _within(address, trusted):
+        if not within(address, trusted):
             break
     return str(client)
 
@@ -61,12 +61,18 @@ def parse_address(text: str) -> Address | None:
 
 @lru_cache(maxsize=8)
 def trusted_networks(cidrs: tuple[str, ...]) -> tuple[Network, ...]:
-    """The setting's CIDRs as networks (the settings module has checked each)."""
+    """A setting's CIDRs as networks (the settings module has checked each)."""
     return tuple(ipaddress.ip_network(cidr.strip(), strict=False) for cidr in cidrs)
 
 
 def check_trusted_proxies(cidrs: list[str]) -> list[str]:
     """The setting as given, or ImproperlyConfigured naming the value that is no CIDR."""
+    return check_networks("PORTAL_TRUSTED_PROXIES", cidrs)
+
+
+def check_networks(setting: str, cidrs: list[str]) -> list[str]:
+    """A setting's addresses or CIDRs as given, or ImproperlyConfigured naming the
+    value that is neither."""
     from django.core.exceptions import ImproperlyConfigured
 
     for cidr in cidrs:
@@ -74,11 +80,12 @@ def check_trusted_proxies(cidrs: list[str]) -> list[str]:
             ipaddress.ip_network(cidr.strip(), strict=False)
         except ValueError:
             raise ImproperlyConfigured(
-                f"PORTAL_TRUSTED_PROXIES: {cidr!r} is not an address or a network "
+                f"{setting}: {cidr!r} is not an address or a network "
                 "(such as 127.0.0.1 or 10.0.0.0/8)."
             ) from None
     return cidrs
 
 
-def _within(address: Address, networks: tuple[Network, ...]) -> bool:
+def within(address: Address, networks: tuple[Network, ...]) -> bool:
+    """Whether the address lies in one of the networks."""
     return any(address.version == net.version and address in net for net in networks)

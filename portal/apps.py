@@ -12,3 +12,4 @@ class PortalConfig(AppConfig):
             checks,  # noqa: F401  (registers the checks)
             tasks,  # noqa: F401  (registers the outbox sweep; see tpus.apps)
         )
+        from portal.metrics import task_timing  # noqa: F401  (times every Celery task)

@@ -1,5 +1,8 @@
 """System checks for a deployment.
 
+``/metrics`` (``portal.metrics``) is checked for a deployment too: it must not be
+open to the whole internet.
+
 The static files manifest check is tagged ``deploy``: without the manifest,
 production answers HTTP 500 on every page (``{% static %}`` cannot resolve a name),
 so ``check --deploy`` must say so before the server starts. It is not an always-on
@@ -10,9 +13,11 @@ want of a file that only ``collectstatic`` writes.
 
 from __future__ import annotations
 
+import ipaddress
+
 from django.conf import settings
 from django.contrib.staticfiles.storage import ManifestFilesMixin
-from django.core.checks import Error, Tags, register
+from django.core.checks import Error, Tags, Warning, register
 from django.core.files.storage import storages
 
 _COLLECT = (
@@ -49,3 +54,39 @@ def static_files_manifest_exists(app_configs, **kwargs) -> list[Error]:
         return []
     message, check_id = problem
     return [Error(message, hint=_COLLECT.format(root=settings.STATIC_ROOT), id=check_id)]
+
+
+# A token Prometheus sends on every scrape: long enough that guessing is hopeless.
+METRICS_TOKEN_MIN_LENGTH = 32
+
+
+@register(Tags.security, deploy=True)
+def metrics_not_public(app_configs, **kwargs) -> list[Warning]:
+    """``/metrics`` shows how busy each lab is and how the portal's work goes; it is for
+    the operator's monitoring, not for everyone who can reach the portal."""
+    token = settings.PORTAL_METRICS_TOKEN
+    networks = [
+        ipaddress.ip_network(cidr.strip(), strict=False)
+        for cidr in settings.PORTAL_METRICS_ALLOWED_NETWORKS
+    ]
+    found = []
+    if not token and any(network.prefixlen == 0 for network in networks):
+        found.append(
+            Warning(
+                "PORTAL_METRICS_ALLOWED_NETWORKS includes every address (a /0 network) "
+                "and PORTAL_METRICS_TOKEN is not set, so anyone can read /metrics.",
+                hint="List only the networks Prometheus scrapes from, or set "
+                "PORTAL_METRICS_TOKEN (or PORTAL_METRICS_TOKEN_FILE) as well.",
+                id="portal.W001",
+            )
+        )
+    if token and len(token) < METRICS_TOKEN_MIN_LENGTH:
+        found.append(
+            Warning(
+                f"PORTAL_METRICS_TOKEN is shorter than {METRICS_TOKEN_MIN_LENGTH} characters.",
+                hint="Use a random one: "
+                'python -c "import secrets; print(secrets.token_urlsafe(32))"',
+                id="portal.W002",
+            )
+        )
+    return found

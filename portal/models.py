@@ -75,3 +75,27 @@ class OutboxMessage(models.Model):
         OutboxMessage.objects.filter(pk=self.pk, state=OutboxState.PENDING).update(**fields)
         for name, value in fields.items():
             setattr(self, name, value)
+
+
+class HistogramBucket(models.Model):
+    """How many observations of one histogram series fell into one of its buckets, and
+    their sum: a row per (metric, label values, bucket), added to by one upsert per
+    observation (``portal.metrics.histograms.observe``) from any process, web or
+    worker, and read whole by ``/metrics``. The bucket is an index into the bounds the
+    histogram declares in code; the last index is +Inf."""
+
+    name = models.CharField(max_length=100)
+    labels = models.CharField(max_length=300, help_text="The label values, a JSON list.")
+    bucket = models.PositiveSmallIntegerField()
+    samples = models.BigIntegerField(default=0)
+    seconds = models.FloatField(default=0.0, help_text="The sum of the observations.")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["name", "labels", "bucket"], name="one_row_per_histogram_bucket"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name}{self.labels}[{self.bucket}]"

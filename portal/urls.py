@@ -7,6 +7,7 @@ from django.views.generic import RedirectView
 from accounts.views import device_login
 from portal.api import api
 from portal.health import healthz
+from portal.metrics.views import metrics
 
 # The Django admin signs in through allauth, so admins get rate limits and TOTP there too.
 admin.site.login = login_required(admin.site.login)
@@ -25,6 +26,7 @@ class FaviconRedirect(RedirectView):
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    path("metrics", metrics, name="metrics"),
     path("favicon.ico", FaviconRedirect.as_view(), name="favicon"),
     path("", include("tpus.urls")),
     path("account/", include("accounts.urls")),

@@ -7,7 +7,7 @@ Values that differ between deployments are read from typed environment variables
 from pathlib import Path
 
 from portal import env
-from portal.addresses import check_trusted_proxies
+from portal.addresses import check_networks, check_trusted_proxies
 
 BASE_DIR = Path(__file__).resolve().parent.parent.parent
 # Runtime state of a local install: the SQLite database, the embedded broker's file,
@@ -34,6 +34,14 @@ CSRF_TRUSTED_ORIGINS = env.listing("CSRF_TRUSTED_ORIGINS", [SITE_URL])
 # them (portal/addresses.py). Rate limits, the audit log and the device page use it;
 # empty ignores X-Forwarded-For, so each request comes from its direct peer.
 PORTAL_TRUSTED_PROXIES = check_trusted_proxies(env.listing("PORTAL_TRUSTED_PROXIES", []))
+# /metrics (Prometheus' format, docs/deploy.md): off unless one of these is set. A
+# scrape must bring the token (``Authorization: Bearer …``), come from one of the
+# networks (comma-separated addresses or CIDRs, the client address as above), or both
+# when both are set.
+PORTAL_METRICS_TOKEN = env.secret("PORTAL_METRICS_TOKEN", "")
+PORTAL_METRICS_ALLOWED_NETWORKS = check_networks(
+    "PORTAL_METRICS_ALLOWED_NETWORKS", env.listing("PORTAL_METRICS_ALLOWED_NETWORKS", [])
+)
 # A refused form (a stale tab, a proxy that drops Origin) lands on the portal's own page.
 CSRF_FAILURE_VIEW = "portal.errors.csrf_failure"
 

@@ -50,8 +50,10 @@ globals().update(env.email(env.string("EMAIL_URL")))
 
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_SSL_REDIRECT = env.boolean("SECURE_SSL_REDIRECT", True)
-# A load balancer polls the backends over plain HTTP.
-SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+# A load balancer polls the backends over plain HTTP, and Prometheus may scrape them
+# so inside the private network (a token sent over plain HTTP is sent before any
+# redirect, so redirecting /metrics would protect nothing).
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
 SECURE_HSTS_SECONDS = env.integer("SECURE_HSTS_SECONDS", 31536000, minimum=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = True
 SECURE_HSTS_PRELOAD = env.boolean("SECURE_HSTS_PRELOAD", True)

@@ -142,3 +142,23 @@ def test_check_deploy_refuses_a_manifest_it_cannot_read(tmp_path):
 
 
 # --- The README's production steps, run as written -----------------------------------
+
+
+def test_check_deploy_warns_when_metrics_are_open_to_every_address(collected_static):
+    env = {
+        **PRODUCTION_ENV,
+        "STATIC_ROOT": collected_static,
+        "PORTAL_METRICS_ALLOWED_NETWORKS": "0.0.0.0/0",
+    }
+    result = _manage("check", "--deploy", "--fail-level", "WARNING", env=env)
+    assert result.returncode != 0
+    assert "portal.W001" in result.stderr
+    with_token = {**env, "PORTAL_METRICS_TOKEN": "k" * 40}
+    assert _manage("check", "--deploy", "--fail-level", "WARNING", env=with_token).returncode == 0
+
+
+def test_a_metrics_network_that_is_not_a_cidr_fails_every_check():
+    env = {**PRODUCTION_ENV, "PORTAL_METRICS_ALLOWED_NETWORKS": "10.0.0.0/8,prometheus"}
+    result = _manage("check", env=env)
+    assert result.returncode != 0
+    assert "PORTAL_METRICS_ALLOWED_NETWORKS: 'prometheus' is not an address" in result.stderr

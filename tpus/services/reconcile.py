@@ -24,6 +24,8 @@ from django.utils import timezone
 
 from accounts.unix import mark_names_provisioned
 from portal import audit
+from portal.metrics import histograms
+from portal.metrics.histograms import RECONCILE_DURATION, REVOKE_DURATION
 from tpus.models import (
     AuditAction,
     ConnectionState,
@@ -266,6 +268,7 @@ def reconcile_vm(vm_id: int) -> ReconcileReport:
     if not (_claim(vm_id, token) or _take_over(vm_id, token)):
         report.busy = True
         return report
+    started, outcome = time.monotonic(), "error"
     try:
         while True:
             mine = TpuVm.objects.filter(pk=vm_id, reconcile_claim=token)
@@ -277,9 +280,18 @@ def reconcile_vm(vm_id: int) -> ReconcileReport:
             vm = TpuVm.objects.get(pk=vm_id)
             if vm.desired_version <= report.version or not _claim(vm_id, token):
                 break
+        outcome = _outcome(report)
     finally:
         _release(vm_id, token)
+        histograms.observe(RECONCILE_DURATION, time.monotonic() - started, outcome=outcome)
     return report
+
+
+def _outcome(report: ReconcileReport) -> str:
+    """The reconcile's outcome as ``portal_reconcile_duration_seconds`` labels it."""
+    if report.busy:
+        return "taken_over"
+    return "complete" if report.complete else "incomplete"
 
 
 def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
@@ -567,6 +579,8 @@ def settle_grants(vm_id: int) -> None:
                 state=GrantState.REVOKED, revoked_at=now, changed_at=now
             ):
                 emails.send_grant_email(grant.pk, "revoked")
+                # From the revoke (its state change) to every worker having applied it.
+                histograms.observe(REVOKE_DURATION, (now - grant.changed_at).total_seconds())
 
 
 def _tell_back(vm_id: int, applied: int) -> None:
