@@ -78,7 +78,7 @@ def test_a_lab_whose_zone_hangs_delays_no_other_labs_sync_nor_its_ip_email(
     # The healthy lab's share of the tick: its change and its email, at once.
     with django_capture_on_commit_callbacks(execute=True):
         took = _timed(lambda: tasks.sync_lab_inventory(*due[healthy.pk]))
-    assert took < 1.0, took
+    assert took < 2.0, took  # (a loaded machine's margin; the slow lab's share takes 3 s)
     change = IpChange.objects.get()
     assert (change.worker.vm.lab_id, change.new_ip) == (healthy.pk, "35.9.9.9")
     assert [m.to for m in mail.outbox if "35.9.9.9" in m.subject] == [["milo@uni.example"]]
@@ -86,7 +86,7 @@ def test_a_lab_whose_zone_hangs_delays_no_other_labs_sync_nor_its_ip_email(
     # The slow lab's share takes its tries' time, and records the failure on it only.
     with django_capture_on_commit_callbacks(execute=True):
         took = _timed(lambda: tasks.sync_lab_inventory(*due[slow.pk]))
-    assert took >= 2.0, took
+    assert took >= 3.0, took
     assert ZoneSync.objects.get(lab=slow, zone=ZONE).failing
     assert not ZoneSync.objects.get(lab=healthy, zone=ZONE).failing
     assert not Lab.objects.filter(sync_claimed_until__isnull=False).exists()

@@ -484,7 +484,7 @@ def _run_looks(queued, capture) -> list[float]:
 def test_a_direct_create_sends_the_call_and_looks_again_instead_of_waiting_for_google(
     cast, lab, tpu_emulator, queued_tasks, django_capture_on_commit_callbacks
 ):
-    tpu_emulator.operation_delay = 2.0  # Google takes its time to make the node
+    tpu_emulator.operation_delay = 3.0  # Google takes its time to make the node
     made = vm_requests.request_vm(cast.admin, lab, spec())
     queued_tasks.tasks.clear()
 
@@ -500,7 +500,7 @@ def test_a_direct_create_sends_the_call_and_looks_again_instead_of_waiting_for_g
 
     took += _run_looks(queued_tasks, django_capture_on_commit_callbacks)
 
-    assert max(took) < 1.0, took
+    assert max(took) < 1.5, took  # each look is one call, never the 3 s Google takes
     assert len(took) >= 2
     made.refresh_from_db()
     assert made.state == "ready" and made.operation == ""
@@ -568,12 +568,12 @@ def test_cancelling_answers_at_once_and_googles_deletion_is_followed_after(
     with django_capture_on_commit_callbacks(execute=True):
         took = _timed(lambda: vm_requests.cancel_request(cast.admin, made))
 
-    assert took < 1.0, took
+    assert took < 1.5, took  # one call, never the 3 s Google takes
     made.refresh_from_db()
     assert made.state == "cancelled" and made.operation_call == "DeleteQueuedResource"
     assert AuditEvent.objects.filter(action="vm.request_cancelled").count() == 1
     looks = _run_looks(queued_tasks, django_capture_on_commit_callbacks)
-    assert looks and max(looks) < 1.0
+    assert looks and max(looks) < 1.5
     made.refresh_from_db()
     assert (made.state, made.operation, made.error) == ("cancelled", "", "")
     assert tpu_emulator.controls.queued_resources() == {}
