@@ -600,3 +600,32 @@ def test_a_cancel_google_does_not_carry_out_is_shown_on_the_request(
     assert made.state == "cancelled" and made.operation == ""
     assert made.error.startswith("Google Cloud did not cancel the request: ")
     assert "did not finish in time" in made.error
+
+
+def test_a_kept_alive_vm_is_asked_for_again_with_no_task_waiting_for_its_leftovers_deletion(
+    cast, lab, tpu_emulator, queued_tasks, django_capture_on_commit_callbacks
+):
+    from tpus.services import sync
+
+    made, vm = _kept_alive_vm(cast, lab, tpu_emulator)
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.follow_open()
+    again = VmRequest.objects.exclude(pk=made.pk).get()
+    tpu_emulator.operation_delay = 2.0  # each deletion and the new request take Google 2 s
+    queued_tasks.tasks.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        took = [_timed(lambda: vm_requests.send(again.pk))]
+    again.refresh_from_db()
+    # The queued resource of its first life goes first (with its node).
+    assert (again.state, again.operation_call) == ("requested", "DeleteQueuedResource")
+    took += _run_looks(queued_tasks, django_capture_on_commit_callbacks)
+
+    assert max(took) < 1.5, took
+    again.refresh_from_db()
+    assert again.state == "ready" and again.operation == ""
+    assert tpu_emulator.requests["CreateQueuedResource"] == 2  # the first life's, and this
+    vm.refresh_from_db()
+    assert vm.state == "READY"
