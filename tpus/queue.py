@@ -122,9 +122,10 @@ def scan_host_keys(scan_id: int) -> None:
     _on_commit("tpus.tasks.scan_worker_host_keys", scan_id)
 
 
-def send_vm_request(request_id: int) -> None:
-    """Ask Google Cloud for a requested TPU VM, or look again how the request goes."""
-    _on_commit("tpus.tasks.send_vm_request", request_id)
+def send_vm_request(request_id: int, *, countdown: float | None = None) -> None:
+    """Ask Google Cloud for a requested TPU VM, or look again how the request goes
+    (``countdown`` seconds from now: the next look at its operation)."""
+    _on_commit("tpus.tasks.send_vm_request", request_id, countdown=countdown)
 
 
 def change_vm(vm_id: int, action: str) -> None:

@@ -136,6 +136,11 @@ class NodeLifecycle:
         self, project: str, request_id: str, wanted: NodeRequest
     ) -> QueuedResourceInfo:
         """Ask for a TPU VM that waits for capacity. Returns the request as accepted."""
+        return queued_info(self._create_queued_resource(project, request_id, wanted, wait=True))
+
+    def _create_queued_resource(
+        self, project: str, request_id: str, wanted: NodeRequest, *, wait: bool
+    ):
         parent = f"projects/{project}/locations/{wanted.zone}"
         spec = tpu_v2.QueuedResource.Tpu.NodeSpec(
             parent=parent, node_id=wanted.name, node=_node(wanted)
@@ -159,9 +164,9 @@ class NodeLifecycle:
             operation = v2.create_queued_resource(
                 request=request, timeout=self.config.timeout, retry=None
             )
-            return self._wait(operation)
+            return self._wait(operation) if wait else operation
 
-        return queued_info(self._call("CreateQueuedResource", send, read=False))
+        return self._call("CreateQueuedResource", send, read=False)
 
     def get_queued_resource(self, project: str, zone: str, request_id: str) -> QueuedResourceInfo:
         name = f"projects/{project}/locations/{zone}/queuedResources/{request_id}"

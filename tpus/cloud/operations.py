@@ -1,6 +1,6 @@
 """Long-running operations started now and looked at later, so that no task waits for
-Google: a disk attach or detach (UpdateNode), a node's stop, start or deletion, or a
-queued request's cancellation is sent, and the operation's name handed back; a later
+Google: a disk attach or detach (UpdateNode), a node's stop, start or deletion, , a
+queued request's creation or cancellation is sent, and the operation's name handed back; a later
 task asks how it goes, one GetOperation a look. ``CloudTPU`` mixes this in, so every
 call still goes through its one choke point, ``_call``.
 """
@@ -15,7 +15,7 @@ from google.cloud import tpu_v2, tpu_v2alpha1
 from google.longrunning import operations_pb2
 
 from tpus.cloud import convert
-from tpus.cloud.errors import to_cloud_error
+from tpus.cloud.errors import CloudError, to_cloud_error
 from tpus.cloud.records import NodeInfo
 
 
@@ -30,6 +30,16 @@ class Started:
     @property
     def done(self) -> bool:
         return not self.operation
+
+
+def gone_is_done(call) -> Started:
+    """Send a deletion (``call``); one of something already gone is success."""
+    try:
+        return call()
+    except CloudError as exc:
+        if exc.code != "NOT_FOUND":
+            raise
+        return Started()
 
 
 # What a finished operation carries, by the type its response is packed as.
@@ -62,6 +72,14 @@ class OperationLooks:
     def begin_create_node(self, project: str, wanted) -> Started:
         """``create_node`` without the wait (look with ``method="CreateNode"``)."""
         return self._started(self._create_node(project, wanted, wait=False), "CreateNode")
+
+    def begin_create_queued_resource(self, project: str, request_id: str, wanted) -> Started:
+        """``create_queued_resource`` without the wait (look with
+        ``method="CreateQueuedResource"``)."""
+        return self._started(
+            self._create_queued_resource(project, request_id, wanted, wait=False),
+            "CreateQueuedResource",
+        )
 
     def begin_stop_node(self, project: str, zone: str, name: str) -> Started:
         """``stop_node`` without the wait."""

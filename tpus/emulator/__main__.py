@@ -218,7 +218,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("count", type=int)
     p.add_argument("code", help="e.g. UNAVAILABLE, RESOURCE_EXHAUSTED, PERMISSION_DENIED")
     p.add_argument("--method", help="only calls of this method, e.g. ListNodes")
-    command("clear-faults", "drop pending injected failures")
+    p = command("slow", "answer every call about a project this many seconds late")
+    p.add_argument("project")
+    p.add_argument("seconds", type=float, help="0 answers at once again")
+    command("clear-faults", "drop pending injected failures and slow projects")
     command("show", "print the state as JSON")
     return parser
 
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "fail-request": lambda: c.fail_request(args.request, args.code, args.message),
         "queued": lambda: print(json.dumps(c.queued_resources(), indent=2, sort_keys=True)),
         "fail": lambda: c.fail(args.count, args.code, method=args.method),
+        "slow": lambda: c.slow(args.project, args.seconds),
         "clear-faults": c.clear_faults,
         "show": lambda: print(json.dumps(c.show(), indent=2, sort_keys=True)),
     }

@@ -1,5 +1,6 @@
 """Controls for the emulated lab: add nodes and disks, move IPs, start maintenance,
-preempt, delete, set node metadata and project settings, and make the next calls fail.
+preempt, delete, set node metadata and project settings, make the next calls fail, and
+make one project's calls slow.
 The command line and the tests both use these; each call is one transaction on the
 state file, so a running server sees the change at its next request.
 
@@ -470,3 +471,16 @@ class Controls:
     def clear_faults(self) -> None:
         with self.store.transaction() as data:
             data["faults"] = []
+            data["slow"] = {}
+
+    def slow(self, project: str, seconds: float) -> None:
+        """Every call about ``project`` answers ``seconds`` late (0: at once again);
+        past the caller's timeout, the call fails with DEADLINE_EXCEEDED."""
+        if seconds < 0:
+            raise ControlError("seconds must be 0 or more")
+        with self.store.transaction() as data:
+            slow = data.setdefault("slow", {})
+            if seconds:
+                slow[project] = seconds
+            else:
+                slow.pop(project, None)

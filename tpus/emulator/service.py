@@ -13,6 +13,7 @@ import base64
 import bisect
 import re
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from types import ModuleType
@@ -38,6 +39,7 @@ from tpus.emulator.store import State
 
 _NODE = re.compile(r"^projects/([^/]+)/locations/([^/]+)/nodes/([^/]+)$")
 _PARENT = re.compile(r"^projects/([^/]+)/locations/([^/]+)$")
+_PROJECT = re.compile(r"^projects/([^/]+)/")
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
 # v2's documented UpdateNode masks leave data disks out; gcloud attaches disks through
@@ -191,6 +193,7 @@ class TpuEmulator(queued.QueuedResourceCalls):
         def handle(request, context):
             with self._requests_lock:  # handlers run on many threads
                 self.requests[method] += 1
+            self._slow_down(request)
             fault = self._take_fault(method)
             if fault:
                 context.abort(
@@ -202,6 +205,16 @@ class TpuEmulator(queued.QueuedResourceCalls):
                 context.abort(abort.code, abort.message)
 
         return handle
+
+    def _slow_down(self, request) -> None:
+        """Hold the answer when a test made the request's project slow."""
+        slow = self.store.read().get("slow")
+        if not slow:
+            return
+        about = getattr(request, "parent", "") or getattr(request, "name", "")
+        match = _PROJECT.match(about)
+        if match and match[1] in slow:
+            time.sleep(float(slow[match[1]]))
 
     def _take_fault(self, method: str) -> str | None:
         def matches(fault):

@@ -43,6 +43,9 @@ def empty_state() -> State:
         "host_pool": {},
         # Pending injected failures, consumed in order: {"code", "method", "remaining"}.
         "faults": [],
+        # Project id -> seconds every call about the project takes before it is answered
+        # (a project whose API calls hang, as one lab's slow region does).
+        "slow": {},
         # Project id -> settings the TPU API does not show, e.g. {"enable_oslogin": true}
         # (a real project sets enable-oslogin in its Compute Engine project metadata).
         "projects": {},

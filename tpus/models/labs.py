@@ -138,6 +138,9 @@ class Lab(models.Model):
         "members expire after this long; someone in several labs gets the shortest.",
     )
     created_at = models.DateTimeField(default=timezone.now)
+    # The lease of the task listing the lab's zones now (``sync.sync_lab``): one at a
+    # time per lab, however many beats and Refresh clicks ask.
+    sync_claimed_until = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["name"]

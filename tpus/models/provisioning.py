@@ -110,7 +110,16 @@ class VmRequest(models.Model):
     waiting_since = models.DateTimeField(null=True, blank=True)
     ready_at = models.DateTimeField(null=True, blank=True)
     changed_at = models.DateTimeField(default=timezone.now)
+    # While a look at ``operation`` is queued: when it is due (the pass leaves the
+    # request to it until then); while a task works on the request: its lease.
     claimed_until = models.DateTimeField(null=True, blank=True)
+    # The Cloud TPU API's long-running operation the request waits for (its create, the
+    # deletion of what would hold its name, or its own withdrawal), the call that
+    # started it and when: short tasks queued with a countdown look at it, so no task
+    # waits for Google. Blank when none is underway.
+    operation = models.CharField(max_length=500, blank=True)
+    operation_call = models.CharField(max_length=30, blank=True)
+    operation_sent_at = models.DateTimeField(null=True, blank=True)
     # A VM kept alive that Google took back and the portal did not ask for again: why
     # (its chips are not free, the lab's grant ended) and since when. Each keep-alive
     # pass checks again; the row keeps the duty until the VM is asked for.

@@ -18,8 +18,8 @@ from django.utils import timezone
 
 from portal import audit
 from tpus import queue
-from tpus.cloud import CloudError
 from tpus.cloud.config import cloud_tpu
+from tpus.cloud.operations import gone_is_done
 from tpus.models import AuditAction, TpuVm
 from tpus.models.inventory import AttachmentState, DiskAttachment, NodeState
 from tpus.models.provisioning import VmRequest, VmRequestState
@@ -154,17 +154,22 @@ def disks_to_carry(made: VmRequest) -> list[tuple[str, str]]:
     ]
 
 
-def clear_leftovers(made: VmRequest) -> None:
+def clear_leftovers(made: VmRequest) -> tuple[str, str] | None:
     """Before a kept-alive VM is asked for again: what Google still has of its last
     life (the preempted node, a suspended or failed queued resource of it) is deleted,
-    or the new request could not take the name."""
+    or the new request could not take the name. Each deletion is sent without waiting:
+    the first Google is still on is returned (its operation and call) for the request
+    to look at later; None once nothing is left."""
     client = cloud_tpu()
     project = made.lab.gcp_project_id
     for info in client.list_queued_resources(project, made.zone):
         if info.node_id == made.name and info.name != made.cloud_id:
-            client.delete_queued_resource(project, made.zone, info.name, with_node=True)
-    try:
-        client.delete_node(project, made.zone, made.name)
-    except CloudError as exc:
-        if exc.code != "NOT_FOUND":
-            raise
+            started = gone_is_done(
+                lambda name=info.name: client.begin_delete_queued_resource(
+                    project, made.zone, name, with_node=True
+                )
+            )
+            if not started.done:
+                return started.operation, "DeleteQueuedResource"
+    started = gone_is_done(lambda: client.begin_delete_node(project, made.zone, made.name))
+    return None if started.done else (started.operation, "DeleteNode")

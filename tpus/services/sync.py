@@ -1,6 +1,11 @@
 """Keeping the inventory current: one ListNodes per (project, zone) across every lab,
 then each registered VM is updated from what was listed.
 
+The beat's tick only queues one task per lab (``sync_every_lab``); each lists its own
+lab's zones (``sync_lab``), one such task per lab at a time (a lease on the lab's
+row). So one lab's zone that hangs or fails (a call's timeout, three tries) delays
+that lab's listing only: every other lab's, and its IP-change emails, go on beside it.
+
 A zone whose listing failed is left exactly as it was: a transient API error never
 marks a VM missing or changes an address. How each zone's listing went is recorded
 for the lab's pages, API and admins (``sync_health``). Then the host keys the API
@@ -15,14 +20,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from portal import audit
+from tpus import queue
 from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, IpChange, Lab, Worker
 from tpus.models.inventory import API_SOURCES, NodeHealth, NodeState, TpuVm
-from tpus.services import ipchanges, made_anew, published_keys, sync_health
+from tpus.services import ipchanges, leases, made_anew, published_keys, sync_health
 from tpus.services.inventory import apply_node
 
 log = logging.getLogger(__name__)
@@ -48,6 +55,32 @@ def _pairs(labs) -> dict[tuple[str, str], list[Lab]]:
         for zone in lab.zones:
             pairs[(lab.gcp_project_id, zone)].append(lab)
     return pairs
+
+
+def sync_every_lab() -> int:
+    """The beat's tick: queue each lab's own sync (one query, no API call)."""
+    ids = list(Lab.objects.order_by("pk").values_list("pk", flat=True))
+    for lab_id in ids:
+        queue.refresh_lab(lab_id)
+    return len(ids)
+
+
+def sync_lab(lab_id: int) -> SyncReport | None:
+    """List one lab's zones and update its VMs, unless another task does so now (then
+    None: the running one lists them now). The lease is renewed while the lab's zones
+    are listed, so a task that died is replaced within one lease."""
+    now = timezone.now()
+    rows = Lab.objects.filter(pk=lab_id)
+    taken = rows.filter(Q(sync_claimed_until__isnull=True) | Q(sync_claimed_until__lt=now)).update(
+        sync_claimed_until=now + leases.length()
+    )
+    if not taken:
+        return None
+    try:
+        with leases.Heartbeat(rows, "sync_claimed_until", "lab's sync lease"):
+            return sync_inventory(list(rows))
+    finally:
+        rows.update(sync_claimed_until=None)
 
 
 def sync_inventory(labs=None) -> SyncReport:

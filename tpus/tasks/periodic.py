@@ -21,15 +21,15 @@ def record_heartbeat() -> None:
 @every(settings.PORTAL_SYNC_SECONDS, name="sync-inventory")
 @task(ignore_result=True)
 def sync_inventory() -> None:
-    """Refresh every lab's TPU VMs: one ListNodes per (project, zone)."""
-    sync.sync_inventory()
+    """Refresh every lab's TPU VMs: one task per lab, each one ListNodes per zone."""
+    sync.sync_every_lab()
 
 
 @task(ignore_result=True)
 def sync_lab_inventory(lab_id: int) -> None:
-    lab = Lab.objects.filter(pk=lab_id).first()
-    if lab is not None:
-        sync.sync_inventory([lab])
+    """Refresh one lab's TPU VMs (the beat's share, or its Refresh button)."""
+    if Lab.objects.filter(pk=lab_id).exists():
+        sync.sync_lab(lab_id)
 
 
 @every(settings.PORTAL_RECONCILE_SWEEP_SECONDS, name="reconcile-sweep")

@@ -449,3 +449,183 @@ def test_a_vm_asked_for_again_whose_read_write_disk_another_vm_took_fails_with_w
     again.refresh_from_db()
     assert again.state == "failed"
     assert "already being used by" in again.error
+
+
+# --- no task waits for Google ----------------------------------------------------------
+
+SEND = "tpus.tasks.send_vm_request"
+
+
+def _timed(call) -> float:
+    import time
+
+    began = time.monotonic()
+    call()
+    return time.monotonic() - began
+
+
+def _run_looks(queued, capture) -> list[float]:
+    """Run each look at a request when it is due, as a worker would, until none is
+    queued; how long each took."""
+    import time
+
+    took = []
+    for _ in range(60):
+        due = queued.take(SEND)
+        if not due:
+            break
+        for args, countdown in due:
+            time.sleep(countdown or 0)
+            with capture(execute=True):
+                took.append(_timed(lambda args=args: vm_requests.send(*args)))
+    return took
+
+
+def test_a_direct_create_sends_the_call_and_looks_again_instead_of_waiting_for_google(
+    cast, lab, tpu_emulator, queued_tasks, django_capture_on_commit_callbacks
+):
+    tpu_emulator.operation_delay = 3.0  # Google takes its time to make the node
+    made = vm_requests.request_vm(cast.admin, lab, spec())
+    queued_tasks.tasks.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        took = [_timed(lambda: vm_requests.send(made.pk))]
+    made.refresh_from_db()
+    assert made.state == "requested" and made.sent_at is not None
+    assert (bool(made.operation), made.operation_call) == (True, "CreateNode")
+    [(args, countdown)] = [(a, c) for n, a, c in queued_tasks.tasks if n == SEND]
+    assert args == (made.pk,) and countdown == 1.0  # the first look comes soon
+    vm_requests.send(made.pk)  # the pass, before the look is due: leaves it to the look
+    assert tpu_emulator.requests["GetOperation"] == 0
+
+    took += _run_looks(queued_tasks, django_capture_on_commit_callbacks)
+
+    assert max(took) < 1.5, took  # each look is one call, never the 3 s Google takes
+    assert len(took) >= 2
+    made.refresh_from_db()
+    assert made.state == "ready" and made.operation == ""
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    assert all(w.is_pinned for w in vm.workers.all())
+    assert VmConnection.objects.get(vm=vm).state == "connecting"
+    assert tpu_emulator.requests["CreateNode"] == 1
+
+
+def test_a_look_lost_with_its_task_is_taken_by_the_follow_pass(
+    cast, lab, tpu_emulator, queued_tasks, django_capture_on_commit_callbacks
+):
+    import time
+
+    tpu_emulator.operation_delay = 0.5
+    made = vm_requests.request_vm(cast.admin, lab, spec())
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.send(made.pk)
+    queued_tasks.tasks.clear()  # the look's task is lost (a broker restart)
+    time.sleep(1.1)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.follow_open()
+    [(args, countdown)] = queued_tasks.take(SEND)
+    assert args == (made.pk,) and countdown is None
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.send(made.pk)
+    made.refresh_from_db()
+    assert made.state == "ready" and made.operation == ""
+    assert tpu_emulator.requests["CreateNode"] == 1
+
+
+def test_a_create_google_fails_after_taking_it_fails_as_a_refused_call_did(
+    cast, lab, tpu_emulator, queued_tasks, settings, django_capture_on_commit_callbacks
+):
+    import time
+
+    settings.TPU_API_OPERATION_TIMEOUT = 1
+    tpu_emulator.operation_delay = 30.0
+    made = vm_requests.request_vm(cast.admin, lab, spec())
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.send(made.pk)
+    time.sleep(1.1)
+    queued_tasks.tasks.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.send(made.pk)
+    made.refresh_from_db()
+    # Past TPU_API_OPERATION_TIMEOUT, as the waiting call failed: retryable, so the
+    # request stays asked for and the next pass sends it again.
+    assert made.state == "requested" and made.operation == ""
+    assert queued_tasks.take(SEND) == []
+
+
+def test_cancelling_answers_at_once_and_googles_deletion_is_followed_after(
+    cast, lab, tpu_emulator, queued_tasks, django_capture_on_commit_callbacks
+):
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.send(made.pk)
+    assert VmRequest.objects.get(pk=made.pk).state == "waiting"
+    tpu_emulator.operation_delay = 3.0  # Google takes its time to delete it
+    queued_tasks.tasks.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        took = _timed(lambda: vm_requests.cancel_request(cast.admin, made))
+
+    assert took < 1.5, took  # one call, never the 3 s Google takes
+    made.refresh_from_db()
+    assert made.state == "cancelled" and made.operation_call == "DeleteQueuedResource"
+    assert AuditEvent.objects.filter(action="vm.request_cancelled").count() == 1
+    looks = _run_looks(queued_tasks, django_capture_on_commit_callbacks)
+    assert looks and max(looks) < 1.5
+    made.refresh_from_db()
+    assert (made.state, made.operation, made.error) == ("cancelled", "", "")
+    assert tpu_emulator.controls.queued_resources() == {}
+
+
+def test_a_cancel_google_does_not_carry_out_is_shown_on_the_request(
+    cast, lab, tpu_emulator, queued_tasks, settings, django_capture_on_commit_callbacks
+):
+    import time
+
+    tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
+    made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.send(made.pk)
+    settings.TPU_API_OPERATION_TIMEOUT = 1
+    tpu_emulator.operation_delay = 30.0
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.cancel_request(cast.admin, made)
+    time.sleep(1.1)
+    queued_tasks.tasks.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.send(made.pk)
+    made.refresh_from_db()
+    assert made.state == "cancelled" and made.operation == ""
+    assert made.error.startswith("Google Cloud did not cancel the request: ")
+    assert "did not finish in time" in made.error
+
+
+def test_a_kept_alive_vm_is_asked_for_again_with_no_task_waiting_for_its_leftovers_deletion(
+    cast, lab, tpu_emulator, queued_tasks, django_capture_on_commit_callbacks
+):
+    from tpus.services import sync
+
+    made, vm = _kept_alive_vm(cast, lab, tpu_emulator)
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    with django_capture_on_commit_callbacks(execute=True):
+        vm_requests.follow_open()
+    again = VmRequest.objects.exclude(pk=made.pk).get()
+    tpu_emulator.operation_delay = 2.0  # each deletion and the new request take Google 2 s
+    queued_tasks.tasks.clear()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        took = [_timed(lambda: vm_requests.send(again.pk))]
+    again.refresh_from_db()
+    # The queued resource of its first life goes first (with its node).
+    assert (again.state, again.operation_call) == ("requested", "DeleteQueuedResource")
+    took += _run_looks(queued_tasks, django_capture_on_commit_callbacks)
+
+    assert max(took) < 1.5, took
+    again.refresh_from_db()
+    assert again.state == "ready" and again.operation == ""
+    assert tpu_emulator.requests["CreateQueuedResource"] == 2  # the first life's, and this
+    vm.refresh_from_db()
+    assert vm.state == "READY"
