@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tpus', '0038_vm_request_operation'),
+        ('tpus', '0039_vm_request_operation'),
     ]
 
     operations = [

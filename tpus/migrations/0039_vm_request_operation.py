@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tpus', '0037_connection_checks_one_lab_at_a_time'),
+        ('tpus', '0038_job_submitted_to_a_kind_of_vm'),
     ]
 
     operations = [
