@@ -557,7 +557,7 @@ def count_ended_jobs(limit: int = COUNT_BATCH) -> int:
             _add_to_days(jobs)
             # Now for this transaction's own reads, and again once it commits, so that
             # figures cached meanwhile from the rows before it are not kept.
-            labs = {job.lab_id for job in jobs}
+            labs = {job.vm_lab_id for job in jobs}
             _new_versions(labs)
             transaction.on_commit(lambda: _new_versions(labs))
     except (_Raced, IntegrityError):
