@@ -8,7 +8,7 @@ from django.conf import settings
 
 from portal.celery import every
 from tpus.models import VmRequest
-from tpus.services import vm_lifecycle, vm_requests
+from tpus.services import vm_lifecycle, vm_request_work
 from tpus.tasks.naming import task
 
 
@@ -16,14 +16,14 @@ from tpus.tasks.naming import task
 def send_vm_request(request_id: int) -> None:
     """Ask Google Cloud for the VM (once), or look how the request goes."""
     if VmRequest.objects.filter(pk=request_id).exists():
-        vm_requests.send(request_id)
+        vm_request_work.send(request_id)
 
 
 @every(settings.PORTAL_VM_REQUEST_POLL_SECONDS, name="follow-vm-requests")
 @task(ignore_result=True)
 def follow_vm_requests() -> None:
     """Every open request gets a look of its own."""
-    vm_requests.follow_open()
+    vm_request_work.follow_open()
 
 
 @task(bind=True, ignore_result=True, max_retries=None)

@@ -18,7 +18,7 @@ from portal.models import OutboxMessage
 from tpus import queue
 from tpus.models import AuditEvent, Grant, LabAllowance, TpuVm, VmRequest
 from tpus.models.provisioning import OPEN_REQUEST_STATES
-from tpus.services import allowances, keep_alive, sync, vm_lifecycle, vm_requests
+from tpus.services import allowances, keep_alive, sync, vm_lifecycle, vm_request_work, vm_requests
 from tpus.services.vm_requests import VmSpec
 
 PROJECT = "vision-project"
@@ -150,7 +150,7 @@ def stopped(cast, tpu_emulator):
     """tpu5, a v4-8 (4 chips) the portal made, stopped, in a lab allowed 8 chips."""
     lab = _lab(cast, chips=8)
     made = vm_requests.request_vm(cast.admin, lab, _spec("tpu5", keep_alive=True))
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     vm_lifecycle.stop_vm(cast.admin, vm)
     vm_lifecycle.run(vm.pk, vm_lifecycle.STOP)
@@ -162,7 +162,7 @@ def stopped(cast, tpu_emulator):
 def _two_more(cast, lab) -> None:
     """The room the stopped VM left is taken: two more v4-8 make 8 chips of 8."""
     for name in ("tpu6", "tpu7"):
-        vm_requests.send(vm_requests.request_vm(cast.admin, lab, _spec(name)).pk)
+        vm_request_work.send(vm_requests.request_vm(cast.admin, lab, _spec(name)).pk)
 
 
 FULL = (
@@ -252,7 +252,7 @@ def kept(cast, tpu_emulator):
         _spec("tpu5", accelerator_type="v4-32", provisioning="spot", queued=True,
               keep_alive=True),
     )  # fmt: skip
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     Grant.objects.create(user=cast.member, vm=vm, state="active")
     return vm
@@ -313,7 +313,7 @@ def test_a_kept_alive_vm_whose_chips_were_taken_stays_down_until_they_are_free(
     other = vm_requests.request_vm(
         cast.admin, lab, _spec("tpu6", accelerator_type="v4-32", provisioning="spot")
     )
-    vm_requests.send(other.pk)
+    vm_request_work.send(other.pk)
 
     assert keep_alive.bring_back() == []
     assert not _asked_again(kept)
@@ -331,7 +331,7 @@ def test_a_kept_alive_vm_whose_chips_were_taken_stays_down_until_they_are_free(
     [again] = keep_alive.bring_back()
     assert again.vm_id == kept.pk
     assert allowances.holding(lab, "v4", "spot") == 16
-    vm_requests.send(again.pk)
+    vm_request_work.send(again.pk)
     assert TpuVm.objects.get(pk=kept.pk).state == "READY"
 
     # Taken back and refused again later: a new spell, told again once.

@@ -8,7 +8,7 @@ from django.test import Client
 
 from accounts.services import create_token
 from tpus.models import LabAllowance, TpuVm, VmRequest
-from tpus.services import vm_lifecycle, vm_requests
+from tpus.services import vm_lifecycle, vm_request_work, vm_requests
 
 PROJECT = "vision-project"
 ZONE = "us-central2-b"
@@ -62,7 +62,7 @@ def test_a_site_admin_sets_the_allowance_and_an_admin_asks_follows_and_cancels(
     assert made.status_code == 201
     body = made.json()
     assert (body["state"], body["provisioning"], body["queued"]) == ("requested", "spot", True)
-    vm_requests.send(body["id"])
+    vm_request_work.send(body["id"])
     one = admin.get(f"{url}/vm-requests/{body['id']}").json()
     assert one["state"] == "waiting" and one["waiting_since"]
     assert admin.get(f"{url}/allowances").json()[0]["used"] == 16
@@ -78,7 +78,7 @@ def test_stop_start_and_delete_through_the_api(cast, lab, tpu_emulator):
         cast.admin, lab, vm_requests.VmSpec(name="tpu5", zone=ZONE, accelerator_type="v4-8",
                                             runtime_version="tpu-ubuntu2204-base"),
     )  # fmt: skip
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     admin, url = api(cast.admin), f"/api/v1/labs/{lab.slug}/vms/{vm.pk}"
     assert admin.post(f"{url}/start").json()["detail"].endswith("only a stopped VM starts.")

@@ -27,6 +27,7 @@ from tpus.services import (
     keep_alive,
     reconcile,
     sync,
+    vm_request_work,
     vm_requests,
 )
 from tpus.services.grants import grant_access
@@ -80,11 +81,11 @@ def test_a_queued_spot_pod_comes_up_on_fleet_hosts_connected_and_pinned(
         keep_alive=True,
     )
     made = vm_requests.request_vm(cast.admin, lab, spec)
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     assert VmRequest.objects.get(pk=made.pk).state == "waiting"
 
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", None)
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     workers = list(vm.workers.order_by("index"))
     assert sorted(w.external_ip for w in workers) == sorted(h.ip for h in hosts)
@@ -104,7 +105,7 @@ def test_a_queued_spot_pod_comes_up_on_fleet_hosts_connected_and_pinned(
     while tpu_emulator.controls.released_hosts() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not tpu_emulator.controls.released_hosts()
-    vm_requests.send(again.pk)
+    vm_request_work.send(again.pk)
     again.refresh_from_db()
     assert again.state == "ready"
     vm.refresh_from_db()
@@ -153,7 +154,7 @@ def test_a_preempted_pod_comes_back_with_its_disk_mounted_again_on_every_worker(
         provisioning="spot", queued=True, keep_alive=True,
     )  # fmt: skip
     made = vm_requests.request_vm(cast.admin, lab, spec)
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     tpu_emulator.controls.add_disk(PROJECT, ZONE, "scratch")
     disk = inventory.register_disk(
@@ -172,7 +173,7 @@ def test_a_preempted_pod_comes_back_with_its_disk_mounted_again_on_every_worker(
     deadline = time.monotonic() + 60
     while tpu_emulator.controls.released_hosts() and time.monotonic() < deadline:
         time.sleep(0.2)
-    vm_requests.send(again.pk)
+    vm_request_work.send(again.pk)
     again.refresh_from_db()
     assert again.state == "ready"
     # New machines: nothing mounted until the portal mounts it again.
@@ -218,7 +219,7 @@ def _remake_at_the_same_addresses(tpu_emulator, lab, hosts) -> None:
         NodeRequest(
             name="tpu5", zone=ZONE, accelerator_type="v4-32",
             runtime_version="tpu-ubuntu2204-base", provisioning="spot",
-            metadata=vm_requests.key_metadata(lab),
+            metadata=vm_request_work.key_metadata(lab),
         ),
     )  # fmt: skip
     assert sorted(w.external_ip for w in node.workers) == sorted(h.ip for h in hosts)
@@ -230,7 +231,7 @@ def test_a_pod_made_anew_at_the_same_addresses_is_restored_with_no_alarm_before_
 ):  # fmt: skip
     lab, hosts = scene
     made = vm_requests.request_vm(cast.admin, lab, _spot_pod())
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     assert _connected(vm).state == "connected"
     milo = _with_access(cast, lab, vm, fleet_username, tmp_path, django_capture_on_commit_callbacks)
@@ -277,7 +278,7 @@ def test_a_worker_of_a_node_not_made_anew_that_presents_another_key_stops_and_al
 ):  # fmt: skip
     lab, hosts = scene
     made = vm_requests.request_vm(cast.admin, lab, _spot_pod())
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     assert _connected(vm).state == "connected"
     _with_access(cast, lab, vm, fleet_username, tmp_path, django_capture_on_commit_callbacks)
@@ -324,7 +325,7 @@ def test_a_grant_on_a_vm_still_taking_the_lab_key_waits_for_it_with_no_alarm(
     )  # fmt: skip
     with django_capture_on_commit_callbacks(execute=False):
         made = vm_requests.request_vm(cast.admin, lab, spec)
-        vm_requests.send(made.pk)  # a direct create: the VM is in the lab, connecting
+        vm_request_work.send(made.pk)  # a direct create: the VM is in the lab, connecting
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     assert VmConnection.objects.get(vm=vm).state == "connecting"
     # Seconds later, a grant; the workers do not take the lab's key yet.

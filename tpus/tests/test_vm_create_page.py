@@ -83,13 +83,13 @@ def test_a_refused_form_shows_why_and_stores_nothing(
 
 
 def test_a_waiting_request_is_cancelled_from_the_page(client, cast, lab, tpu_emulator):
-    from tpus.services import vm_requests
+    from tpus.services import vm_request_work
 
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     client.force_login(cast.admin)
     client.post(reverse("vm_create", args=[lab.slug]), form())
     made = VmRequest.objects.get()
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     assert (
         "Waiting for resources"
         in client.get(reverse("vm_create", args=[lab.slug])).content.decode()

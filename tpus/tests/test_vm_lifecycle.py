@@ -11,7 +11,7 @@ from django.urls import reverse
 
 from portal.models import OutboxMessage
 from tpus.models import Grant, Job, LabAllowance, TpuVm, VmRequest
-from tpus.services import keep_alive, vm_lifecycle, vm_requests
+from tpus.services import keep_alive, vm_lifecycle, vm_request_work, vm_requests
 from tpus.services.vm_requests import VmSpec
 
 PROJECT = "vision-project"
@@ -32,7 +32,7 @@ def vm(cast, tpu_emulator):
             runtime_version="tpu-ubuntu2204-base", keep_alive=True,
         ),
     )  # fmt: skip
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     Grant.objects.create(user=cast.member, vm=vm, state="active")
     return vm

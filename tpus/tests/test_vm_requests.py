@@ -20,7 +20,7 @@ from tpus.models import (
     Worker,
     WorkerSync,
 )
-from tpus.services import allowances, keep_alive, reconcile, vm_requests
+from tpus.services import allowances, keep_alive, reconcile, vm_request_work, vm_requests
 from tpus.services.vm_requests import VmSpec
 
 PROJECT = "vision-project"
@@ -113,7 +113,7 @@ def test_only_the_labs_admins_may_ask(cast, lab, tpu_emulator):
 def test_a_direct_create_puts_the_vm_in_the_lab_connected_and_pinned(cast, lab, tpu_emulator):
     made = vm_requests.request_vm(cast.admin, lab, spec())
     assert made.state == "requested"
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
 
     made.refresh_from_db()
     assert made.state == "ready" and made.vm is not None
@@ -123,7 +123,7 @@ def test_a_direct_create_puts_the_vm_in_the_lab_connected_and_pinned(cast, lab, 
     assert VmConnection.objects.get(vm=vm).state == "connecting"
     # The lab's key line is in the node's metadata from its creation: no Connect step.
     metadata = tpu_emulator.controls.metadata("tpu5")
-    assert metadata["ssh-keys"] == vm_requests.key_metadata(lab)["ssh-keys"]
+    assert metadata["ssh-keys"] == vm_request_work.key_metadata(lab)["ssh-keys"]
     assert tpu_emulator.requests["UpdateNode"] == 0
     actions = list(AuditEvent.objects.filter(lab=lab).values_list("action", flat=True))
     assert "vm.requested" in actions and "vm.created" in actions
@@ -132,7 +132,7 @@ def test_a_direct_create_puts_the_vm_in_the_lab_connected_and_pinned(cast, lab, 
 def test_a_direct_create_in_a_stockout_fails_and_says_to_queue_it(cast, lab, tpu_emulator):
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec())
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     made.refresh_from_db()
     assert made.state == "failed" and made.error_code == "RESOURCE_EXHAUSTED"
     assert "Ask again as a queued request" in made.error
@@ -144,16 +144,16 @@ def test_a_queued_request_waits_in_a_stockout_and_the_vm_arrives_with_capacity(
 ):
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     made.refresh_from_db()
     assert made.state == "waiting" and made.waiting_since is not None
     assert made.cloud_id == f"tpu5-{made.pk}"
-    vm_requests.send(made.pk)  # another look: still waiting, nothing asked twice
+    vm_request_work.send(made.pk)  # another look: still waiting, nothing asked twice
     assert tpu_emulator.requests["CreateQueuedResource"] == 1
     assert not TpuVm.objects.filter(lab=lab).exists()
 
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", None)
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     made.refresh_from_db()
     assert made.state == "ready"
     assert TpuVm.objects.get(lab=lab, name="tpu5").source == "created"
@@ -162,12 +162,12 @@ def test_a_queued_request_waits_in_a_stockout_and_the_vm_arrives_with_capacity(
 def test_a_request_google_fails_shows_why(cast, lab, tpu_emulator):
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     made.refresh_from_db()
     tpu_emulator.controls.fail_request(
         made.cloud_id, "RESOURCE_EXHAUSTED", "Quota 'TPUV4sPodPerProjectPerZone' exceeded."
     )
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     made.refresh_from_db()
     assert made.state == "failed"
     assert made.error.startswith("tpu5 was not made: Google Cloud ran out of capacity or quota")
@@ -178,7 +178,7 @@ def test_a_request_google_fails_shows_why(cast, lab, tpu_emulator):
 def test_a_waiting_request_is_cancelled_at_google_too(cast, lab, tpu_emulator):
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm_requests.cancel_request(cast.admin, made)
     made.refresh_from_db()
     assert made.state == "cancelled"
@@ -196,7 +196,7 @@ def _kept_alive_vm(cast, lab, tpu_emulator):
     from tpus.models import Grant
 
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True, keep_alive=True))
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     Grant.objects.create(user=cast.member, vm=vm, state="active")
     return made, vm
@@ -213,14 +213,14 @@ def test_a_kept_alive_vm_that_google_preempts_comes_back_as_itself(cast, lab, tp
     vm.refresh_from_db()
     assert vm.state == "PREEMPTED"
 
-    vm_requests.follow_open()
+    vm_request_work.follow_open()
     again = VmRequest.objects.exclude(pk=made.pk).get()
     assert (again.name, again.queued, again.keep_alive, again.vm_id) == ("tpu5", True, True, vm.pk)
     assert again.requested_by is None  # the portal asked, not a person
-    vm_requests.follow_open()  # the next pass does not ask twice
+    vm_request_work.follow_open()  # the next pass does not ask twice
     assert VmRequest.objects.count() == 2
 
-    vm_requests.send(again.pk)
+    vm_request_work.send(again.pk)
     again.refresh_from_db()
     assert again.state == "ready"
     vm.refresh_from_db()
@@ -266,10 +266,10 @@ def test_the_admins_are_told_when_a_request_fails(cast, lab, tpu_emulator):
 
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     made.refresh_from_db()
     tpu_emulator.controls.fail_request(made.cloud_id, "RESOURCE_EXHAUSTED", "Quota exceeded.")
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     [message] = OutboxMessage.objects.filter(kind="vm_request_failed")
     assert message.to == cast.admin.email
     assert "Quota exceeded." in message.body
@@ -280,12 +280,12 @@ def test_a_request_still_waiting_well_past_its_window_is_failed_and_cancelled_by
 ):
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     # As if Google had kept it waiting although its window closed long ago.
     VmRequest.objects.filter(pk=made.pk).update(
-        valid_until=timezone.now() - vm_requests.WINDOW_GRACE - dt.timedelta(seconds=1)
+        valid_until=timezone.now() - vm_request_work.WINDOW_GRACE - dt.timedelta(seconds=1)
     )
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     made.refresh_from_db()
     assert made.state == "failed" and made.error_code == "DEADLINE_EXCEEDED"
     assert "capacity did not come before the end of its window" in made.error
@@ -297,12 +297,12 @@ def test_a_request_still_waiting_when_the_labs_grant_ends_is_withdrawn_and_makes
 ):
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     lab.grant_end_date = timezone.localdate() - dt.timedelta(days=1)
     lab.save()
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", None)  # capacity comes too late
 
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
 
     made.refresh_from_db()
     assert made.state == "failed" and made.error_code == "GRANT_ENDED"
@@ -349,8 +349,8 @@ def test_a_marked_job_lost_before_the_sync_saw_the_preemption_runs_again(cast, l
     )  # fmt: skip
     tpu_emulator.controls.preempt("tpu5")
     sync.sync_inventory([lab])
-    vm_requests.follow_open()
-    vm_requests.follow_open()
+    vm_request_work.follow_open()
+    vm_request_work.follow_open()
     [again] = Job.objects.filter(rerun_of__isnull=False)
     assert again.rerun_of_id == lost.pk and again.state == "queued"
     assert not Job.objects.filter(rerun_of=before).exists()  # lost in an earlier life
@@ -361,14 +361,14 @@ def test_a_failed_request_is_tried_again_as_a_new_one_and_an_open_one_is_not(
 ):
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True, keep_alive=True))
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     with pytest.raises(ValidationError, match="this one is waiting for resources"):
         vm_requests.retry_request(cast.admin, VmRequest.objects.get(pk=made.pk))
     with pytest.raises(PermissionDenied):
         vm_requests.retry_request(cast.member, made)
     made.refresh_from_db()
     tpu_emulator.controls.fail_request(made.cloud_id, "RESOURCE_EXHAUSTED", "No capacity.")
-    vm_requests.send(made.pk)
+    vm_request_work.send(made.pk)
     made.refresh_from_db()
     assert made.state == "failed"
 
@@ -378,7 +378,7 @@ def test_a_failed_request_is_tried_again_as_a_new_one_and_an_open_one_is_not(
     assert [getattr(again, f) for f in fields] == [getattr(made, f) for f in fields]
     assert (again.queued, again.keep_alive) == (True, True)
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", None)
-    vm_requests.send(again.pk)
+    vm_request_work.send(again.pk)
     again.refresh_from_db()
     assert again.state == "ready", again.error
     assert TpuVm.objects.filter(lab=lab, name="tpu5").exists()
@@ -413,7 +413,7 @@ def test_a_kept_alive_vm_comes_back_with_the_disks_it_had_in_their_modes(cast, l
     sync.sync_inventory([lab])
     [again] = keep_alive.bring_back()
     version = TpuVm.objects.get(pk=vm.pk).desired_version
-    vm_requests.send(again.pk)
+    vm_request_work.send(again.pk)
     again.refresh_from_db()
     assert again.state == "ready"
 
@@ -445,7 +445,7 @@ def test_a_vm_asked_for_again_whose_read_write_disk_another_vm_took_fails_with_w
     [again] = keep_alive.bring_back()
     tpu_emulator.controls.add_node(PROJECT, ZONE, "other", accelerator_type="v4-8")
     tpu_emulator.controls.attach("other", "scratch", "READ_WRITE")
-    vm_requests.send(again.pk)
+    vm_request_work.send(again.pk)
     again.refresh_from_db()
     assert again.state == "failed"
     assert "already being used by" in again.error
@@ -477,7 +477,7 @@ def _run_looks(queued, capture) -> list[float]:
         for args, countdown in due:
             time.sleep(countdown or 0)
             with capture(execute=True):
-                took.append(_timed(lambda args=args: vm_requests.send(*args)))
+                took.append(_timed(lambda args=args: vm_request_work.send(*args)))
     return took
 
 
@@ -489,13 +489,13 @@ def test_a_direct_create_sends_the_call_and_looks_again_instead_of_waiting_for_g
     queued_tasks.tasks.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
-        took = [_timed(lambda: vm_requests.send(made.pk))]
+        took = [_timed(lambda: vm_request_work.send(made.pk))]
     made.refresh_from_db()
     assert made.state == "requested" and made.sent_at is not None
     assert (bool(made.operation), made.operation_call) == (True, "CreateNode")
     [(args, countdown)] = [(a, c) for n, a, c in queued_tasks.tasks if n == SEND]
     assert args == (made.pk,) and countdown == 1.0  # the first look comes soon
-    vm_requests.send(made.pk)  # the pass, before the look is due: leaves it to the look
+    vm_request_work.send(made.pk)  # the pass, before the look is due: leaves it to the look
     assert tpu_emulator.requests["GetOperation"] == 0
 
     took += _run_looks(queued_tasks, django_capture_on_commit_callbacks)
@@ -518,16 +518,16 @@ def test_a_look_lost_with_its_task_is_taken_by_the_follow_pass(
     tpu_emulator.operation_delay = 0.5
     made = vm_requests.request_vm(cast.admin, lab, spec())
     with django_capture_on_commit_callbacks(execute=True):
-        vm_requests.send(made.pk)
+        vm_request_work.send(made.pk)
     queued_tasks.tasks.clear()  # the look's task is lost (a broker restart)
     time.sleep(1.1)
 
     with django_capture_on_commit_callbacks(execute=True):
-        vm_requests.follow_open()
+        vm_request_work.follow_open()
     [(args, countdown)] = queued_tasks.take(SEND)
     assert args == (made.pk,) and countdown is None
     with django_capture_on_commit_callbacks(execute=True):
-        vm_requests.send(made.pk)
+        vm_request_work.send(made.pk)
     made.refresh_from_db()
     assert made.state == "ready" and made.operation == ""
     assert tpu_emulator.requests["CreateNode"] == 1
@@ -542,11 +542,11 @@ def test_a_create_google_fails_after_taking_it_fails_as_a_refused_call_did(
     tpu_emulator.operation_delay = 30.0
     made = vm_requests.request_vm(cast.admin, lab, spec())
     with django_capture_on_commit_callbacks(execute=True):
-        vm_requests.send(made.pk)
+        vm_request_work.send(made.pk)
     time.sleep(1.1)
     queued_tasks.tasks.clear()
     with django_capture_on_commit_callbacks(execute=True):
-        vm_requests.send(made.pk)
+        vm_request_work.send(made.pk)
     made.refresh_from_db()
     # Past TPU_API_OPERATION_TIMEOUT, as the waiting call failed: retryable, so the
     # request stays asked for and the next pass sends it again.
@@ -560,7 +560,7 @@ def test_cancelling_answers_at_once_and_googles_deletion_is_followed_after(
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
     with django_capture_on_commit_callbacks(execute=True):
-        vm_requests.send(made.pk)
+        vm_request_work.send(made.pk)
     assert VmRequest.objects.get(pk=made.pk).state == "waiting"
     tpu_emulator.operation_delay = 3.0  # Google takes its time to delete it
     queued_tasks.tasks.clear()
@@ -587,7 +587,7 @@ def test_a_cancel_google_does_not_carry_out_is_shown_on_the_request(
     tpu_emulator.controls.set_capacity(ZONE, "v4-32", 0)
     made = vm_requests.request_vm(cast.admin, lab, spec(queued=True))
     with django_capture_on_commit_callbacks(execute=True):
-        vm_requests.send(made.pk)
+        vm_request_work.send(made.pk)
     settings.TPU_API_OPERATION_TIMEOUT = 1
     tpu_emulator.operation_delay = 30.0
     with django_capture_on_commit_callbacks(execute=True):
@@ -595,7 +595,7 @@ def test_a_cancel_google_does_not_carry_out_is_shown_on_the_request(
     time.sleep(1.1)
     queued_tasks.tasks.clear()
     with django_capture_on_commit_callbacks(execute=True):
-        vm_requests.send(made.pk)
+        vm_request_work.send(made.pk)
     made.refresh_from_db()
     assert made.state == "cancelled" and made.operation == ""
     assert made.error.startswith("Google Cloud did not cancel the request: ")
@@ -611,13 +611,13 @@ def test_a_kept_alive_vm_is_asked_for_again_with_no_task_waiting_for_its_leftove
     tpu_emulator.controls.preempt("tpu5")
     sync.sync_inventory([lab])
     with django_capture_on_commit_callbacks(execute=True):
-        vm_requests.follow_open()
+        vm_request_work.follow_open()
     again = VmRequest.objects.exclude(pk=made.pk).get()
     tpu_emulator.operation_delay = 2.0  # each deletion and the new request take Google 2 s
     queued_tasks.tasks.clear()
 
     with django_capture_on_commit_callbacks(execute=True):
-        took = [_timed(lambda: vm_requests.send(again.pk))]
+        took = [_timed(lambda: vm_request_work.send(again.pk))]
     again.refresh_from_db()
     # The queued resource of its first life goes first (with its node).
     assert (again.state, again.operation_call) == ("requested", "DeleteQueuedResource")
