@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cli_tests.test_ssh_files import KEY_B, Portal, answer
+from tests.requirements import need
 from tpu_cli import connections, sshfiles
 
 
@@ -73,8 +74,7 @@ def test_the_persons_own_connection_sharing_is_left_as_it_is(home):
 
 
 def test_a_socket_folder_someone_else_made_is_not_used(home):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make a folder that another user owns")
+    need(os.geteuid() == 0, "needs root to make a folder that another user owns")
     base = Path(os.environ["XDG_RUNTIME_DIR"]) / "tpu-portal"
     base.mkdir(mode=0o777)
     os.chown(base, 65534, 65534)
@@ -116,8 +116,7 @@ def test_a_runtime_folder_too_long_for_a_socket_falls_back_to_a_short_private_on
 def test_a_short_folder_someone_else_took_gives_way_to_a_random_one_kept_for_next_time(
     home, monkeypatch
 ):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make a folder that another user owns")
+    need(os.geteuid() == 0, "needs root to make a folder that another user owns")
     runtime = _long_runtime(monkeypatch)
     taken = connections.TMP / f"tpu-portal-{os.getuid()}"
     taken.mkdir(mode=0o777)
