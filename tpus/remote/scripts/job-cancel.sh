@@ -68,22 +68,23 @@ populated() {
 }
 kill_cgroup() {
     # A kernel may refuse the write to cgroup.kill for a cgroup busy with forks at its
-    # pids limit (EIO): then the freeze and the KILL of each process below do it.
+    # pids limit (EIO): then the freeze and the KILL of each process below do it. The
+    # supervisor removes the cgroup as soon as it empties, which may be at any step here:
+    # a cgroup that is gone has nothing left to kill or to thaw.
     if [ -f "$1/cgroup.kill" ] && { echo 1 >"$1/cgroup.kill"; } 2>/dev/null; then
         :
-    elif [ -f "$1/cgroup.freeze" ]; then
-        echo 1 >"$1/cgroup.freeze"
+    elif [ -f "$1/cgroup.freeze" ] && { echo 1 >"$1/cgroup.freeze"; } 2>/dev/null; then
         # Frozen, nothing forks between the list and the KILL (a second at most).
         frozen=0 tries=0
         while [ "$frozen" = 0 ] && [ "$tries" -lt 50 ]; do
-            while read -r key value; do
+            { while read -r key value; do
                 [ "$key" != frozen ] || frozen=$value
-            done <"$1/cgroup.events"
+            done <"$1/cgroup.events"; } 2>/dev/null || return 0
             tries=$((tries + 1))
             [ "$frozen" = 1 ] || sleep 0.02
         done
         xargs -r kill -KILL <"$1/cgroup.procs" 2>/dev/null || true
-        echo 0 >"$1/cgroup.freeze"
+        { echo 0 >"$1/cgroup.freeze"; } 2>/dev/null || true
     else
         xargs -r kill -KILL <"$1/cgroup.procs" 2>/dev/null || true
     fi
