@@ -44,6 +44,17 @@ def _fresh_cache():
 
 
 @pytest.fixture(autouse=True)
+def _no_kept_ssh_connections():
+    """The fleet's hosts and their keys outlive a test: each test starts with no SSH
+    connection kept open from another (``tpus.remote.kept``)."""
+    from tpus.remote.kept import kept
+
+    kept.clear()
+    yield
+    kept.clear()
+
+
+@pytest.fixture(autouse=True)
 def _outbox_first_attempts_unpaused(monkeypatch):
     """A failed first delivery attempt pauses the next ones in its process for a sweep
     interval (``portal.outbox``); each test starts with them tried at once."""

@@ -403,6 +403,10 @@ PORTAL_REMOTE_AUTH_TIMEOUT = env.integer("PORTAL_REMOTE_AUTH_TIMEOUT", 15, minim
 PORTAL_REMOTE_SCRIPT_TIMEOUT = env.integer("PORTAL_REMOTE_SCRIPT_TIMEOUT", 300, minimum=1)
 # Workers of one VM contacted at once (a v4-128 pod has 32).
 PORTAL_REMOTE_MAX_PARALLEL = env.integer("PORTAL_REMOTE_MAX_PARALLEL", 32, minimum=1)
+# Seconds a connection to a worker stays open unused after its last run, for the next
+# run to the same worker (address, port, login and pinned host keys alike) to use
+# instead of logging in again; 0 closes each when its runs are over.
+PORTAL_REMOTE_KEEP_SECONDS = env.integer("PORTAL_REMOTE_KEEP_SECONDS", 60, minimum=0)
 # Log what would run instead of connecting.
 PORTAL_REMOTE_DRY_RUN = env.boolean("PORTAL_REMOTE_DRY_RUN", False)
 

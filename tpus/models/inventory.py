@@ -189,6 +189,10 @@ class Worker(models.Model):
     published_host_keys = models.JSONField(default=list, blank=True)
     published_keys_checked_at = models.DateTimeField(null=True, blank=True)
     published_keys_recheck = models.BooleanField(default=False)
+    # Raised whenever the portal forgets how it reached the worker (Disconnect, a host
+    # key changed or forgotten): an SSH connection kept open from before is never used
+    # again (``tpus.remote.kept``).
+    ssh_generation = models.PositiveIntegerField(default=0)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["vm", "index"], name="one_worker_per_index")]

@@ -9,6 +9,7 @@ raises one error type, RemoteError, that says whether a retry can help.
 from tpus.remote.config import Login, site_login
 from tpus.remote.errors import HostKeyMismatch, RemoteError
 from tpus.remote.fanout import Held, Sessions, WorkerOutcome, run_on_workers, run_script
+from tpus.remote.kept import forget as forget_kept
 from tpus.remote.pins import HostKeyPins, InvalidHostKey
 from tpus.remote.scan import scan_host_keys
 from tpus.remote.scripts import Script
@@ -26,6 +27,7 @@ __all__ = [
     "Sessions",
     "Worker",
     "WorkerOutcome",
+    "forget_kept",
     "run_on_workers",
     "run_script",
     "scan_host_keys",

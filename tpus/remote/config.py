@@ -34,6 +34,7 @@ class RemoteConfig:
     script_timeout: float
     max_parallel: int
     dry_run: bool
+    keep_seconds: float = 0.0
 
 
 def current() -> RemoteConfig:
@@ -43,6 +44,7 @@ def current() -> RemoteConfig:
         script_timeout=float(settings.PORTAL_REMOTE_SCRIPT_TIMEOUT),
         max_parallel=int(settings.PORTAL_REMOTE_MAX_PARALLEL),
         dry_run=bool(settings.PORTAL_REMOTE_DRY_RUN),
+        keep_seconds=float(settings.PORTAL_REMOTE_KEEP_SECONDS),
     )
 
 

@@ -44,12 +44,13 @@ def run_on_workers(
     *,
     max_parallel: int | None = None,
     dry_run: bool | None = None,
+    keep: bool = True,
 ) -> list[WorkerOutcome]:
     """Run ``script`` on every worker in parallel (at most ``PORTAL_REMOTE_MAX_PARALLEL``
     at a time). ``data`` is the same for all, or a function of the worker. Outcomes come
     back in the order of ``workers``; nothing is retried here (callers decide, from
-    ``error.retryable``)."""
-    with Sessions(workers, max_parallel=max_parallel) as sessions:
+    ``error.retryable``). ``keep``: see ``Sessions``."""
+    with Sessions(workers, max_parallel=max_parallel, keep=keep) as sessions:
         return sessions.run(script, data, dry_run=dry_run)
 
 
@@ -57,11 +58,16 @@ class Sessions:
     """Every worker of a VM over one connection each, kept for several runs in parallel
     (a job's pre-flight on every worker, then its start on every worker): one login per
     worker instead of one per step. A connection that broke is made again by the next
-    run; all are closed on leaving the ``with`` block."""
+    run. Each is taken from those kept from earlier runs when there is one, and given
+    back to be kept on leaving the ``with`` block (``ssh.Connection``); ``keep=False``:
+    new connections only, closed on leaving (a check that the workers accept the login
+    now)."""
 
-    def __init__(self, workers: Sequence[Worker], *, max_parallel: int | None = None):
+    def __init__(
+        self, workers: Sequence[Worker], *, max_parallel: int | None = None, keep: bool = True
+    ):
         self.workers = list(workers)
-        self.connections = {id(w): ssh.Connection(w) for w in self.workers}
+        self.connections = {id(w): ssh.Connection(w, keep=keep) for w in self.workers}
         self.limit = max(
             1, min(max_parallel or settings.PORTAL_REMOTE_MAX_PARALLEL, len(workers) or 1)
         )

@@ -43,6 +43,7 @@ import paramiko
 from django.conf import settings
 
 from tpus.remote import config as remote_config
+from tpus.remote import kept
 from tpus.remote.errors import HostKeyMismatch, RemoteError
 from tpus.remote.pins import HostKeyPins
 from tpus.remote.scripts import Script
@@ -89,6 +90,9 @@ class Worker:
     name: str = ""
     # The lab's account and key; a worker without one is never contacted.
     login: remote_config.Login | None = None
+    # Raised by the portal whenever it forgets how it reached the worker (Disconnect,
+    # a host key changed or forgotten): a connection kept from before is never used.
+    generation: int = 0
 
     def __str__(self) -> str:
         return self.name or self.address
@@ -133,24 +137,35 @@ def _framed(body: bytes) -> bytes:
 
 
 def execute(
-    worker: Worker, script: Script, data: bytes = b"", *, dry_run: bool | None = None
+    worker: Worker,
+    script: Script,
+    data: bytes = b"",
+    *,
+    dry_run: bool | None = None,
+    keep: bool = True,
 ) -> ScriptResult:
-    """Connect to ``worker``, run ``script`` with ``data`` on stdin, return its answer.
+    """Connect to ``worker`` (or take a kept connection to it), run ``script`` with
+    ``data`` on stdin, return its answer.
 
     Raises RemoteError (HostKeyMismatch for a host key other than the pinned one)."""
-    with Connection(worker) as connection:
+    with Connection(worker, keep=keep) as connection:
         return connection.run(script, data, dry_run=dry_run)
 
 
 class Connection:
     """One SSH connection to a worker that runs scripts one after another (each in its
     own channel), for work with steps on every worker of a VM (a job's pre-flight, then
-    its start) that should log in once. Connects on the first run; every check of
-    ``execute`` applies."""
+    its start) that should log in once. Connects on the first run, or takes a connection
+    kept from an earlier run to the same worker (``kept``), and gives it back there when
+    closed; every check of ``execute`` applies. ``keep=False``: a connection of its own,
+    made and closed here (for a check that the worker accepts the login now)."""
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, *, keep: bool = True):
         self.worker = worker
+        self.keep = keep
         self.client: paramiko.SSHClient | None = None
+        # Whether ``client`` was kept from an earlier run (then it may have died idle).
+        self.reused = False
         # Set by ``interrupt``: a run still connecting stops before its exec.
         self.stopped = False
 
@@ -161,9 +176,34 @@ class Connection:
         self.close()
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        """Done with it: kept for the next run to this worker, or closed."""
+        client, self.client = self.client, None
+        if client is None:
+            return
+        if not self.keep:
+            client.close()
+            return
+        cfg = remote_config.current()
+        kept.kept.give_back(
+            self.key(), client, keep_seconds=cfg.keep_seconds, dead_after=cfg.connect_timeout
+        )
+
+    def drop(self) -> None:
+        """Close it for good (it broke, or a run on it failed midway)."""
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
+
+    def key(self) -> kept.Key:
+        worker = self.worker
+        return kept.Key(
+            address=worker.address,
+            port=worker.port,
+            user=worker.login.user,
+            login_key=worker.login.key.fingerprint,
+            pins=worker.pins.keys,
+            generation=worker.generation,
+        )
 
     def interrupt(self) -> None:
         """From another thread: end the run in progress (it raises RemoteError, and its
@@ -185,11 +225,11 @@ class Connection:
             return ScriptResult(self.worker, script.name, 0, dry_run=True)
         started = time.monotonic()
         try:
-            run = _Exec(self.client, command_for(script), cfg.script_timeout, self.worker)
+            run = self._exec(command_for(script), cfg)
             run.send(_framed(script.body) + data, last=True)
             status, out, err = run.finish()
         except RemoteError:
-            self.close()  # a broken connection is not used again
+            self.drop()  # a broken connection is not used again
             raise
         return _result(self.worker, script, status, out, err, time.monotonic() - started)
 
@@ -206,7 +246,7 @@ class Connection:
         started = time.monotonic()
         run = None
         try:
-            run = _Exec(self.client, command_for_two(first, then), cfg.script_timeout, self.worker)
+            run = self._exec(command_for_two(first, then), cfg)
             lengths = b"".join(f"{len(x):010d}".encode() for x in (first.body, then.body, data))
             run.send(lengths + first.body + then.body + data, last=False)
             if run.wait_for(_STEP_DONE):
@@ -217,7 +257,7 @@ class Connection:
         except RemoteError:
             if run is not None:
                 run.close()
-            self.close()
+            self.drop()
             raise
         result = _result(self.worker, first, status, out, err, time.monotonic() - started)
         return Step(self, run, result, then)
@@ -245,14 +285,49 @@ class Connection:
             )
         transport = self.client.get_transport() if self.client is not None else None
         if transport is None or not transport.is_active():
-            self.close()
-            self.client = _connect(worker, cfg)
+            self.drop()
+            self._obtain(cfg, take=self.keep)
+        self._go_on()
+        return cfg
+
+    def _obtain(self, cfg: remote_config.RemoteConfig, *, take: bool) -> None:
+        """A kept connection to the worker (``take``) or a new one."""
+        client = kept.kept.take(self.key()) if take else None
+        self.reused = client is not None
+        if client is None:
+            client = _connect(self.worker, cfg)
+            kept.kept.made()
+        self.client = client
+
+    def _go_on(self) -> None:
         if self.stopped:
             raise RemoteError(
                 "stopped before the script began", kind=RemoteError.DISCONNECTED,
-                retryable=True, worker=str(worker),
+                retryable=True, worker=str(self.worker),
             )  # fmt: skip
-        return cfg
+
+    def _exec(self, command: str, cfg: remote_config.RemoteConfig) -> _Exec:
+        """A channel running ``command``. On a kept connection the channel must open
+        within the connect timeout (an idle connection to a host that hangs can look
+        alive); one that fails before the command got a byte of its input is closed,
+        and unless it timed out (a new connection to a hung host would only hang as
+        long again) the command runs on a new connection instead, once. Nothing runs
+        twice: a command that got no input does nothing."""
+        if not self.reused:
+            return _Exec(self.client, command, cfg.script_timeout, self.worker)
+        try:
+            return _Exec(
+                self.client, command, cfg.script_timeout, self.worker,
+                open_within=cfg.connect_timeout,
+            )  # fmt: skip
+        except RemoteError as exc:
+            self.drop()
+            if exc.kind == RemoteError.TIMEOUT:
+                raise
+            log.info("kept connection to %s broke (%s); connecting anew", self.worker, exc)
+        self._obtain(cfg, take=False)
+        self._go_on()
+        return _Exec(self.client, command, cfg.script_timeout, self.worker)
 
 
 class Step:
@@ -282,7 +357,7 @@ class Step:
             run.send(b"go\n" + data, last=True)
             status, out, err = run.finish()
         except RemoteError:
-            self.connection.close()
+            self.connection.drop()
             raise
         return _result(worker, self.then, status, out, err, time.monotonic() - started)
 
@@ -472,7 +547,15 @@ class _Exec:
     so a chatty stderr cannot stall the window), wait for a marker line or the exit
     status, within ``timeout``. Every failure is a RemoteError."""
 
-    def __init__(self, client: paramiko.SSHClient, command: str, timeout: float, worker: Worker):
+    def __init__(
+        self,
+        client: paramiko.SSHClient,
+        command: str,
+        timeout: float,
+        worker: Worker,
+        *,
+        open_within: float | None = None,
+    ):
         self.worker = worker
         self.timeout = timeout
         self.out, self.err = bytearray(), bytearray()
@@ -484,7 +567,15 @@ class _Exec:
             transport = client.get_transport()
             if transport is None or not transport.is_active():
                 raise paramiko.SSHException("the connection closed before the script began")
-            self.channel = transport.open_session(timeout=self._left(1.0))
+            try:
+                self.channel = transport.open_session(timeout=open_within or self._left(1.0))
+            except paramiko.SSHException as exc:
+                if open_within is None or "Timeout" not in str(exc):
+                    raise
+                raise RemoteError(
+                    f"the host did not open a channel within {open_within:.0f} s",
+                    kind=RemoteError.TIMEOUT, retryable=True, worker=str(worker),
+                ) from None  # fmt: skip
             self.channel.settimeout(self._left(0.1))
             self.channel.exec_command(command)
 

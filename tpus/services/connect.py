@@ -23,11 +23,11 @@ from portal import audit
 from tpus import access, queue
 from tpus.cloud import CloudError, KeyLine, cloud_tpu
 from tpus.cloud.sshkeys import OSLOGIN, is_true
-from tpus.models import AuditAction, ConnectionState, Lab, TpuVm, VmConnection
+from tpus.models import AuditAction, ConnectionState, Lab, TpuVm, VmConnection, Worker
 from tpus.models.inventory import VmSource
 from tpus.remote import HostKeyPins, RemoteError, run_on_workers
 from tpus.remote import Worker as RemoteWorker
-from tpus.services.hosts import hosts_must_change
+from tpus.services.hosts import forget_connections, hosts_must_change
 from tpus.services.labkeys import lab_key, login_for
 
 WAITING, ACCEPTED, REFUSED = "waiting", "accepted", "refused"
@@ -199,6 +199,7 @@ def disconnect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:
         connection.finished_at = timezone.now()
         connection.attempt += 1  # a check still running stops writing
         connection.save()
+        forget_connections(Worker.objects.filter(vm=vm))
         audit.record(
             AuditAction.VM_DISCONNECTED,
             actor=admin,
@@ -343,7 +344,10 @@ def _look(connection: VmConnection) -> None:
         for row in rows
     ]
     stop = ""
-    for row, outcome in zip(rows, run_on_workers(remotes, "whoami.sh"), strict=True):
+    # New connections: whether each worker accepts the lab's key now, not whether one
+    # kept from before still works.
+    outcomes = run_on_workers(remotes, "whoami.sh", keep=False)
+    for row, outcome in zip(rows, outcomes, strict=True):
         if outcome.ok:
             workers[str(row.index)] = {"state": ACCEPTED, "detail": ""}
             continue

@@ -31,7 +31,7 @@ from django.utils import timezone
 from portal import audit
 from tpus.models import AuditAction, Worker
 from tpus.services import emails
-from tpus.services.hosts import hosts_must_change
+from tpus.services.hosts import forget_connections, hosts_must_change
 
 
 def raise_alarm(worker: Worker, presented: str, *, published: bool = False) -> bool:
@@ -66,6 +66,8 @@ def raise_alarm(worker: Worker, presented: str, *, published: bool = False) -> b
             presented_host_key=key,
             host_key_alarm_published=published,
         )
+        if not published:  # the address reaches another machine now
+            forget_connections(Worker.objects.filter(pk=worker.pk))
         how = "the Cloud TPU API publishes" if published else "it presented"
         audit.record(
             AuditAction.HOST_KEY_CHANGED,

@@ -18,7 +18,7 @@ from django.db.models import F, Q
 from tpus import queue
 from tpus.models import TpuVm, Worker
 from tpus.models.inventory import worker_alias
-from tpus.remote import HostKeyPins, Login
+from tpus.remote import HostKeyPins, Login, forget_kept
 from tpus.remote import Worker as RemoteWorker
 
 log = logging.getLogger(__name__)
@@ -85,4 +85,15 @@ def remote_worker(worker: Worker, login: Login) -> RemoteWorker:
         pins=HostKeyPins.parse(worker.host_keys),
         name=worker.alias,
         login=login,
+        generation=worker.ssh_generation,
     )
+
+
+def forget_connections(workers) -> None:
+    """The portal forgot how it reached these workers (a ``Worker`` queryset): an SSH
+    connection kept open to one of them is never used again, in any process (their
+    generation goes up), and this process closes its own now."""
+    addresses = [a for a in workers.values_list("external_ip", flat=True) if a]
+    workers.update(ssh_generation=F("ssh_generation") + 1)
+    for address in addresses:
+        forget_kept(address)

@@ -18,9 +18,10 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from portal import audit, secrets
-from tpus.models import AuditAction, Lab, LabKey
+from tpus.models import AuditAction, Lab, LabKey, Worker
 from tpus.remote import Login, site_login
 from tpus.remote.config import private_key_from_text
+from tpus.services.hosts import forget_connections
 
 
 def fingerprint(public_key: str) -> str:
@@ -82,6 +83,7 @@ def set_uses_site_key(site_admin, lab: Lab, on: bool, *, request=None) -> None:
     try:
         with transaction.atomic():
             Lab.objects.filter(pk=lab.pk).update(uses_site_key=on)
+            forget_connections(Worker.objects.filter(vm__lab=lab))
     except IntegrityError:
         raise LabKeyError(
             "Another lab already uses the site-wide SSH key; at most one may."

@@ -27,7 +27,7 @@ from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, ConnectionState, TpuVm, VmConnection, Worker
 from tpus.models.inventory import API_SOURCES, HostKeySource, NodeState
 from tpus.services import connect, inventory
-from tpus.services.hosts import hosts_must_change
+from tpus.services.hosts import forget_connections, hosts_must_change
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,7 @@ def pin_late_workers(vm: TpuVm, node: NodeInfo) -> bool:
 
 def forget_host_keys(vm: TpuVm) -> None:
     """Drop the pins (and any alarm) of every worker of a VM made anew."""
+    forget_connections(Worker.objects.filter(vm=vm))
     Worker.objects.filter(vm=vm).update(
         host_keys=[],
         host_keys_source=HostKeySource.NONE,
