@@ -47,7 +47,7 @@ def _accepts(worker, lab) -> bool:
         login=login_for(lab),
     )
     try:
-        run_script(remote, "whoami.sh")
+        run_script(remote, "whoami.sh", keep=False)  # a new login, as a person's
     except RemoteError as error:
         # The guest agent empties the key file, then takes the account out of
         # google-sudoers: a login that got in between the two finds sudo gone.

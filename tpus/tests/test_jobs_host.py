@@ -468,9 +468,9 @@ def test_one_status_exec_per_worker_returns_every_job_and_log_bytes_by_offset(po
     pod.start(running_id, ["sh", "-c", "echo alpha; exec sleep 300"], count=1)
     try:
         pod.wait_for(running_id, lambda s: s[0].log_size > 0, count=1)
-        before = pod.fleet.log(pod.hosts[0].name).count("Accepted publickey")
+        before = pod.fleet.log(pod.hosts[0].name).count("Starting session: command")
         report = pod.status({done_id: 4}, count=1)[0]  # the running job comes unasked
-        assert pod.fleet.log(pod.hosts[0].name).count("Accepted publickey") == before + 1
+        assert pod.fleet.log(pod.hosts[0].name).count("Starting session: command") == before + 1
         assert report.jobs[done_id].log == b"two\n" and report.jobs[done_id].log_offset == 4
         assert report.jobs[done_id].succeeded
         assert (
