@@ -339,3 +339,24 @@ def test_a_connection_whose_check_was_lost_is_checked_again(make_lab, settings):
     connecting("tpu11", attempt=1, started_at=now)
 
     assert connect.stalled_connections() == [(lost.pk, 3, 7), (earlier.pk, 2, 0)]
+
+
+def test_disconnect_closes_the_connections_kept_to_the_vms_workers_and_never_reuses_them(
+    scene, django_capture_on_commit_callbacks
+):
+    from tpus.remote.kept import kept
+    from tpus.services.hosts import remote_worker
+
+    emulator, admin, vm = scene
+    _connect(admin, vm, django_capture_on_commit_callbacks)  # and the reconcile after it
+    login = login_for(vm.lab)
+    before = [remote_worker(w, login) for w in vm.workers.order_by("index")]
+    for worker in before:
+        run_script(worker, "whoami.sh")
+    assert sorted(k.address for k in kept.idle()) == sorted(w.address for w in before)
+
+    connect.disconnect_vm(admin, vm)
+
+    assert kept.idle() == []
+    after = [remote_worker(w, login) for w in vm.workers.order_by("index")]
+    assert [w.generation for w in after] == [w.generation + 1 for w in before]
