@@ -63,6 +63,9 @@ class StartBench(Bench):
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=30,
         )
+        import logging
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         self.user_key = self.dir / f"id_bj{self.tag}"  # the person's own (bench.jobs)
 
     # --- the portal, through its API ---------------------------------------------------
@@ -196,7 +199,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.sizes = sorted({int(s) for s in args.sizes.split(",")})
     args.reps = max(1, min(args.reps, 20))
-    args.poll, args.grace = 5, 10  # what the shared scene sets; no beat runs here
+    args.poll, args.grace = 5, 1  # the shared scene's settings; no beat runs here
     if os.geteuid() != 0:
         print("the fleet needs root (network namespaces)", file=sys.stderr)
         return 2

@@ -364,13 +364,16 @@ def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, re
             failures.append((worker.index, "preflight", problem))
     judged = _judge(reports, workers)
     failures += judged
-    _record_holders(vm, reports)
+    holders = _holders(reports)
     rows.update(_rows(reports, judged))
     job.preflight = {str(i): rows[i] for i in sorted(rows)}
-    # A cancel asked for while the workers ran their checks: nothing starts. (The
-    # workers that had not answered were cut off by it: only the others' rows stay.)
-    if _ended_by_cancel(job, {str(i): rows[i] for i in sorted(reports)}, report):
-        return True
+    if failures:
+        _set_holders(vm, holders)
+        # A cancel asked for while the workers ran their checks: nothing starts. (The
+        # workers that had not answered were cut off by it: only the others' rows
+        # stay.) Where every worker passed, the start's own look below covers it.
+        if _ended_by_cancel(job, {str(i): rows[i] for i in sorted(reports)}, report):
+            return True
     if unreachable and len(unreachable) == len(failures):
         # Only workers that could not be reached: wait for them.
         worker, outcome = unreachable[0]
@@ -393,14 +396,23 @@ def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, re
             )
         _reject(job, f"The pre-flight failed on {text}", report)
         return True
+    # Every worker waits for the word: one transaction records what they found (and
+    # that the job is starting, before the word goes out) unless a cancel came.
     with transaction.atomic():
         current = Job.objects.select_for_update().get(pk=job.pk)
-        if _ended_by_cancel(current, job.preflight, report):
-            return True
-        current.state = JobState.STARTING
-        current.preflight = job.preflight
-        current.changed_at = timezone.now()
-        current.save(update_fields=["state", "preflight", "changed_at"])
+        if current.cancel_requested_at and not current.has_ended:
+            cancelled = True
+        else:
+            cancelled = False
+            _set_holders(vm, holders)
+            current.state = JobState.STARTING
+            current.preflight = job.preflight
+            current.changed_at = timezone.now()
+            current.save(update_fields=["state", "preflight", "changed_at"])
+    if cancelled:
+        _set_holders(vm, holders)
+        return _ended_by_cancel(current, job.preflight, report)
+    current.user = job.user  # loaded with the account before the pre-flight
     return _start(current, vm, workers, reports, report, hosts, held)
 
 
@@ -527,14 +539,14 @@ def _judge(reports: dict[int, wire.PreflightReport], workers) -> list[tuple[int,
     return failures
 
 
-def _record_holders(vm: TpuVm, reports) -> None:
-    """What the pre-flight found holding a chip is also the VM's "held outside" list."""
+def _holders(reports) -> list[dict]:
+    """What the pre-flight found holding a chip: also the VM's "held outside" list."""
     holders = []
     for index, report in sorted(reports.items()):
         for check in report.checks:
             if check.name == "chip_holder" and check.status == "fail":
                 holders.append({"worker": index, **_holder_fields(check.detail)})
-    _set_holders(vm, holders)
+    return holders
 
 
 def _holder_fields(detail: str) -> dict:
@@ -578,7 +590,11 @@ def _start(
 
     outcomes = held.go(hosts.payload(start))
     problems = []
+    # The workers' answers and the job's running state commit together: the API says
+    # running as soon as every worker's process is up, with their pids.
     with transaction.atomic():
+        locked = Job.objects.select_for_update(of=("self",)).select_related("vm__lab", "user")
+        job = locked.get(pk=job.pk)
         parts = {p.index: p for p in JobWorker.objects.select_for_update().filter(job=job)}
         for worker, outcome in zip(workers, outcomes, strict=True):
             part = parts[worker.index]
@@ -593,26 +609,27 @@ def _start(
                 part.boot_id = answer.boot_id or part.boot_id
                 if answer.started_at:
                     part.started_at = dt.datetime.fromtimestamp(answer.started_at, tz=dt.UTC)
-            part.save()
+        JobWorker.objects.bulk_update(
+            parts.values(), ["state", "error", "pid", "boot_id", "started_at"]
+        )
+        if not problems:
+            now = timezone.now()
+            job.started_at = now
+            job.changed_at = now
+            job.state = JobState.CANCELLING if job.cancel_requested_at else JobState.RUNNING
+            job.save()
+            audit.record(
+                AuditAction.JOB_STARTED,
+                lab=job.vm.lab,
+                target_user=job.user,
+                summary=f"job {job.pk} on {job.vm.name}, {len(workers)} worker(s)",
+                data={"job": job.pk, "vm": job.vm_id},
+            )
     if problems:
         _stop_parts(job, hosts, grace=0)
         _end(job, JobState.FAILED, "It could not start on " + "; ".join(problems))
         report.ended.append(job.pk)
         return True
-    with transaction.atomic():
-        job = Job.objects.select_for_update(of=("self",)).select_related("vm__lab").get(pk=job.pk)
-        now = timezone.now()
-        job.started_at = now
-        job.changed_at = now
-        job.state = JobState.CANCELLING if job.cancel_requested_at else JobState.RUNNING
-        job.save()
-        audit.record(
-            AuditAction.JOB_STARTED,
-            lab=job.vm.lab,
-            target_user=job.user,
-            summary=f"job {job.pk} on {job.vm.name}, {len(workers)} worker(s)",
-            data={"job": job.pk, "vm": job.vm_id},
-        )
     report.started.append(job.pk)
     return job.state == JobState.CANCELLING
 
