@@ -59,14 +59,18 @@ def _install_probes() -> None:
     with _patched:
         if _done:
             return
-        from tpus.remote import ssh
-        from tpus.services import reconcile
+        from tpus.remote import Held, ssh
+        from tpus.services import job_engine, reconcile
 
         _timed(ssh, "_connect", "connect", lambda worker, *_: {"worker": str(worker)})
         _timed(ssh.Connection, "run", "run", lambda conn, *_: {"worker": str(conn.worker)})
         _timed(reconcile, "run_on_workers", "fanout", lambda workers, *_: {"n": len(workers)})
         _timed(reconcile, "settle_grants", "settle", lambda vm_id, *_: {"vm": vm_id})
         _timed(reconcile, "_run_once", "run_once", lambda vm_id, *_: {"vm": vm_id})
+        # A job's start: every worker's pre-flight (until the last answered), then the
+        # word to start and the start answers (``bench/jobstart.py``).
+        _timed(job_engine._Hosts, "begin", "job_preflight", lambda hosts, *_: {"vm": hosts.vm.pk})
+        _timed(Held, "go", "job_go", lambda held, *_: {"n": len(held.first)})
         _done = True
 
 

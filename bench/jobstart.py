@@ -77,6 +77,7 @@ class StartBench(Bench):
         t0 = time.perf_counter()
         answer = self.http.post(f"/labs/{self.lab.slug}/vms/{vm.pk}/jobs", json=body)
         t1 = time.perf_counter()
+        wall = time.time()
         if answer.status_code != 201:
             raise RuntimeError(f"submit: {answer.status_code} {answer.text[:500]}")
         job_id = answer.json()["id"]
@@ -84,12 +85,33 @@ class StartBench(Bench):
             seen = self.http.get(f"/me/jobs/{job_id}").json()
             if seen["state"] == "running":
                 t2 = time.perf_counter()
+                self.phases.append(self._phases(vm.pk, wall, wall + (t2 - t1)))
                 break
             if seen["state"] in {"succeeded", "failed", "cancelled", "lost", "rejected"}:
                 raise RuntimeError(f"job {job_id} {seen['state']}: {seen.get('reason')}")
             time.sleep(POLL_SECONDS)
         self._after(size, job_id)
         return t2 - t1, t1 - t0
+
+    def _phases(self, vm_id: int, answered: float, seen: float) -> dict:
+        """Where the time from the submit's answer to the API's ``running`` went, from
+        the worker's probes (``bench.celeryapp``; wall clock, as this process's)."""
+        self.stack.events.wait_idle(timeout=10, settle=0.1)
+        events = [e for e in self.stack.events.all() if e.get("start", e.get("t", 0)) >= answered]
+        pre = next(e for e in events if e["kind"] == "job_preflight" and e["vm"] == vm_id)
+        task = [e for e in events if e["kind"] == "task_start" and e["args"] == [vm_id]
+                and e["t"] <= pre["start"]][-1]  # fmt: skip
+        go = next(e for e in events if e["kind"] == "job_go" and e["start"] >= pre["end"])
+        end = next(e for e in events if e["kind"] == "task_end" and e["id"] == task["id"])
+        return {
+            "pickup": task["t"] - answered,
+            "until pre-flight": pre["start"] - task["t"],
+            "pre-flight": pre["end"] - pre["start"],
+            "between": go["start"] - pre["end"],
+            "start": go["end"] - go["start"],
+            "commit": end["t"] - go["end"],
+            "seen": seen - end["t"],
+        }
 
     def _after(self, size: int, job_id: int) -> None:
         """Untimed: the last worker runs the job's process; cancel it and wait for its end."""
@@ -149,13 +171,15 @@ class StartBench(Bench):
     # --- the run ------------------------------------------------------------------------
 
     def run(self) -> None:
-        rows, detail = [], []
+        rows, detail, phases = [], [], []
+        self.phases = []
         for size in self.args.sizes:
             cold, _ = self.portal(size)
             self.portal(size)  # the other worker process's connections
             self.serial(size)
             self.parallel(size)
             portal, submits, serial, parallel = [], [], [], []
+            self.phases = []
             for rep in range(1, self.args.reps + 1):
                 took, submit = self.portal(size)
                 portal.append(took)
@@ -173,6 +197,8 @@ class StartBench(Bench):
             else:
                 verdict = "met" if p <= 0.1 * s and p < q else "MISSED"
             rows.append([size, p, min(portal), max(portal), s, q, p / s, p / q, verdict])
+            names = list(self.phases[0])
+            phases.append([size, *(median(x[n] for x in self.phases) for n in names)])
             detail.append([size, cold, median(submits)])
         print()
         print(f"machine: {machine()}")
@@ -190,6 +216,13 @@ class StartBench(Bench):
         print("targets: ≤ 1 s on 4 workers; on more, ≤ 0.1× serial ssh and below parallel ssh")
         print()
         print(table(["workers", "first start (cold, warm-up)", "the submit POST itself"], detail))
+        print()
+        print("where the portal's time went (medians, seconds, from the worker's probes): the "
+              "task's pickup, its pass until the pre-flight, the pre-flight until the last worker "
+              "answered, between that and the word to start, the start round, the pass's end "
+              "after it (commit), and the API's next answer after the pass ended")  # fmt: skip
+        print(table(["workers", "pickup", "→ pre-flight", "pre-flight", "between", "start",
+                     "commit", "seen"], phases))  # fmt: skip
 
 
 def main(argv=None) -> int:
