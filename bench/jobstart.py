@@ -74,6 +74,7 @@ class StartBench(Bench):
         """(submit's answer → API says running, the submit's own time)."""
         vm = self.vms[size]
         body = {"args": ["sleep", "600"], "python": "~/jax"}
+        sent = time.time()
         t0 = time.perf_counter()
         answer = self.http.post(f"/labs/{self.lab.slug}/vms/{vm.pk}/jobs", json=body)
         t1 = time.perf_counter()
@@ -85,7 +86,7 @@ class StartBench(Bench):
             seen = self.http.get(f"/me/jobs/{job_id}").json()
             if seen["state"] == "running":
                 t2 = time.perf_counter()
-                self.phases.append(self._phases(vm.pk, wall, wall + (t2 - t1)))
+                self.phases.append(self._phases(vm.pk, sent, wall, wall + (t2 - t1)))
                 break
             if seen["state"] in {"succeeded", "failed", "cancelled", "lost", "rejected"}:
                 raise RuntimeError(f"job {job_id} {seen['state']}: {seen.get('reason')}")
@@ -93,11 +94,12 @@ class StartBench(Bench):
         self._after(size, job_id)
         return t2 - t1, t1 - t0
 
-    def _phases(self, vm_id: int, answered: float, seen: float) -> dict:
+    def _phases(self, vm_id: int, sent: float, answered: float, seen: float) -> dict:
         """Where the time from the submit's answer to the API's ``running`` went, from
         the worker's probes (``bench.celeryapp``; wall clock, as this process's)."""
         self.stack.events.wait_idle(timeout=10, settle=0.1)
-        events = [e for e in self.stack.events.all() if e.get("start", e.get("t", 0)) >= answered]
+        # The task may start before the POST's answer is back (it is queued at commit).
+        events = [e for e in self.stack.events.all() if e.get("start", e.get("t", 0)) >= sent]
         pre = next(e for e in events if e["kind"] == "job_preflight" and e["vm"] == vm_id)
         task = [e for e in events if e["kind"] == "task_start" and e["args"] == [vm_id]
                 and e["t"] <= pre["start"]][-1]  # fmt: skip
