@@ -14,39 +14,40 @@ A VM is free for the pool when it is READY, listed by Google, not being set up a
 no job holds or waits for it, and the last look at its chips found nothing holding
 them outside the portal. A job goes only where its person has an active grant.
 
-Order: the kinds' lines are ordered by ``order_key`` (now first come, first served);
-a job that cannot go on any free VM (no grant there, the person's chip limit) lets the
-next one in line have it. Placement takes the lab's row lock for its few queries only,
+Order: a kind's line is served by fair share (``fair_share``): the jobs of the
+person with the least recent use for their share first, first come, first served
+within one person (``services.fair_share`` keeps the figures); a job that cannot go on
+any free VM (no grant there, the person's chip limit) lets the next one in line have
+it. Placement takes the lab's row lock for its few queries only,
 so two placements of one lab never give one VM two jobs; it never waits on a worker.
 """
 
 from __future__ import annotations
 
-import re
+import bisect
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.db import transaction
-from django.db.models import Case, Exists, IntegerField, OuterRef, Value, When
+from django.db.models import (
+    Case,
+    Exists,
+    FilteredRelation,
+    IntegerField,
+    OuterRef,
+    Q,
+    Value,
+    When,
+)
 from django.utils import timezone
 
 from tpus import queue
 from tpus.models import Grant, Job, Lab, TpuVm
 from tpus.models.grants import GrantState
+from tpus.models.inventory import chip_count
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
-
-
-def chip_count(accelerator_type: str, default: int = 1) -> int:
-    """How many chips a VM of the type has. v2, v3, v4 and v5p names count
-    TensorCores (two per chip); v5e (v5litepod) and v6e names count chips."""
-    match = re.fullmatch(r"(v[0-9]+[a-z]*?)(litepod)?-([0-9]+)", accelerator_type or "")
-    if not match:
-        return default
-    generation = match[1] + (match[2] or "")
-    size = int(match[3])
-    return size if generation in ("v5litepod", "v5e", "v6e") else max(1, size // 2)
-
+from tpus.services import fair_share
 
 # --- the snapshot --------------------------------------------------------------------
 
@@ -96,18 +97,29 @@ class Snapshot:
     jobs: list[JobRow]
     # (user id, VM id) of the active grants on ``vms``.
     grants: set[tuple[int, int]]
-    # Chips each person's jobs hold now (validating to cancelling), when the lab
-    # limits them.
+    # Chips each person's jobs hold now (validating to cancelling).
     chips_held: Counter = field(default_factory=Counter)
+    # Each waiting person's recent use (decayed chip-hours, as of when it was read)
+    # and share; someone missing has used nothing and has a share of 1.
+    use: dict[int, float] = field(default_factory=dict)
+    shares: dict[int, float] = field(default_factory=dict)
+
+    def use_per_share(self, user_id: int) -> float:
+        return self.use.get(user_id, 0.0) / self.shares.get(user_id, fair_share.DEFAULT_SHARE)
 
 
 def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = False) -> Snapshot:
     """What placement needs of the lab's pool (of one kind, or all), in at most five
-    queries whatever the number of VMs, jobs and grants: its free VMs of the kinds
-    jobs wait for, the jobs waiting for those kinds, the grants on those VMs, and what
-    each person holds when the lab limits it. With ``every_vm``, the busy VMs of those
-    kinds too, and every waiting job (``reasons`` says why each waits)."""
-    lab = Lab.objects.values_list("max_chips_per_person", flat=True).get(pk=lab_id)
+    queries whatever the number of VMs, jobs and grants: the lab's limit and
+    half-life; its free VMs of the kinds jobs wait for; the jobs waiting for those
+    kinds, each with its person's fair-share row (joined); the grants on those VMs;
+    and the waiting people's live jobs (what they hold now, and their use not in the
+    rows yet). With ``every_vm``, the busy VMs of those kinds too, and every waiting
+    job (``reasons`` says why each waits)."""
+    now = timezone.now()
+    lab, days = Lab.objects.values_list("max_chips_per_person", "fair_share_half_life_days").get(
+        pk=lab_id
+    )
     waiting = Job.objects.filter(lab_id=lab_id, vm__isnull=True, state__in=WAITING_STATES)
     if accelerator_type is not None:
         waiting = waiting.filter(accelerator_type=accelerator_type)
@@ -152,14 +164,27 @@ def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = F
         return Snapshot(lab_id, lab, [], [], set())
     if not every_vm:
         waiting = waiting.filter(accelerator_type__in={vm.accelerator_type for vm in rows})
-    jobs = [
-        JobRow(pk, user_id, kind, tuple(zones or ()), provisioning, seq)
-        for seq, (pk, user_id, kind, zones, provisioning) in enumerate(
-            waiting.order_by("queued_at", "id").values_list(
-                "id", "user_id", "accelerator_type", "zones", "provisioning"
-            )
+    half = fair_share.half_life(days)
+    jobs, stored, shares = [], {}, {}
+    standing = FilteredRelation("user__fair_shares", condition=Q(user__fair_shares__lab_id=lab_id))
+    for seq, (pk, user_id, kind, zones, provisioning, share, use, decayed_at) in enumerate(
+        waiting.annotate(standing=standing)
+        .order_by("queued_at", "id")
+        .values_list(
+            "id",
+            "user_id",
+            "accelerator_type",
+            "zones",
+            "provisioning",
+            "standing__share",
+            "standing__use",
+            "standing__decayed_at",
         )
-    ]
+    ):
+        jobs.append(JobRow(pk, user_id, kind, tuple(zones or ()), provisioning, seq))
+        if user_id not in shares:
+            shares[user_id] = float(share) if share is not None else fair_share.DEFAULT_SHARE
+            stored[user_id] = fair_share.decay(use, decayed_at, now, half) if use else 0.0
     if not jobs:
         return Snapshot(lab_id, lab, rows, [], set())
     grants = set(
@@ -167,14 +192,11 @@ def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = F
         .values_list("user_id", "vm_id")
         .order_by()
     )
-    held: Counter = Counter()
-    if lab:
-        people = {job.user_id for job in jobs}
-        for user_id, kind in Job.objects.filter(
-            vm__lab_id=lab_id, user_id__in=people, state__in=ACTIVE_STATES
-        ).values_list("user_id", "vm__accelerator_type"):
-            held[user_id] += chip_count(kind)
-    return Snapshot(lab_id, lab, rows, jobs, grants, held)
+    live_use, held = fair_share.live_figures(
+        (fair_share.LiveJob(*row) for row in fair_share.live_jobs(lab_id, shares)), now, half
+    )
+    use = {user_id: stored[user_id] + live_use.get(user_id, 0.0) for user_id in shares}
+    return Snapshot(lab_id, lab, rows, jobs, grants, held, use, shares)
 
 
 # What makes a VM free for the pool, as a filter (``VmRow.free`` says the same).
@@ -190,8 +212,15 @@ FREE = {
 
 
 def fifo(job: JobRow, snapshot: Snapshot):
-    """First come, first served: the order a kind's line is served in (a sort key)."""
+    """First come, first served (a sort key of a kind's line)."""
     return job.seq
+
+
+def fair_share_order(job: JobRow, snapshot: Snapshot):
+    """Fair share: the order a kind's line is served in (a sort key). The jobs of the
+    person with the least recent use for their share first; first come, first served
+    within one person and between equals."""
+    return (snapshot.use_per_share(job.user_id), job.seq)
 
 
 @dataclass(frozen=True)
@@ -201,7 +230,7 @@ class Placement:
 
 
 def decide(
-    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fifo
+    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fair_share_order
 ) -> list[Placement]:
     """For each free VM, the next job of its kind that may go there: in the order of
     ``order_key``, each job on the first free VM (by name) it fits, whose person has
@@ -230,11 +259,15 @@ def decide(
 
 
 def reasons(
-    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fifo
+    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fair_share_order
 ) -> dict[int, str]:
     """Why each waiting pool job of the snapshot still waits, in words: "All 12 v4-8
-    you may use are busy; 3 jobs before yours." Pure, like ``decide``."""
+    you may use are busy; 3 jobs before yours.", and when jobs submitted after it go
+    first, that its person's recent use is above their share. Pure, like ``decide``."""
     ahead: Counter = Counter()
+    # The submission places (``seq``) of the jobs ahead, per kind, sorted: those after
+    # a job's own were put ahead of it by fair share.
+    seqs_ahead: dict[str, list[int]] = defaultdict(list)
     out = {}
     limit = snapshot.max_chips_per_person
     by_kind: dict[str, list[VmRow]] = defaultdict(list)
@@ -243,6 +276,9 @@ def reasons(
     for job in sorted(snapshot.jobs, key=lambda j: order_key(j, snapshot)):
         before = ahead[job.accelerator_type]
         ahead[job.accelerator_type] += 1
+        seqs = seqs_ahead[job.accelerator_type]
+        overtaken = len(seqs) - bisect.bisect_right(seqs, job.seq)
+        bisect.insort(seqs, job.seq)
         line = f"{before} job{'s' if before != 1 else ''} before yours."
         usable = [
             vm
@@ -263,10 +299,18 @@ def reasons(
             count = len(usable)
             verb = "are" if count != 1 else "is"
             text = f"All {count} {job_text(job)} you may use {verb} busy;"
+            if overtaken:
+                text += f" {above_share(snapshot, job.user_id)}, so others' jobs go first;"
             out[job.id] = f"{text} {line}"
             continue
         out[job.id] = f"{text} {line[:1].upper()}{line[1:]}"
     return out
+
+
+def above_share(snapshot: Snapshot, user_id: int) -> str:
+    use = snapshot.use.get(user_id, 0.0)
+    share = snapshot.shares.get(user_id, fair_share.DEFAULT_SHARE)
+    return f"your recent use is above your share ({use:.1f} chip-hours for a share of {share:g})"
 
 
 def why_they_wait(lab_id: int, accelerator_type: str | None = None) -> dict[int, str]:
