@@ -258,12 +258,27 @@ def decide(
     return placements
 
 
+@dataclass(frozen=True)
+class Line:
+    """A waiting pool job's place in its kind's line (1: next) and why it waits."""
+
+    place: int
+    reason: str
+
+
 def reasons(
     snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fair_share_order
 ) -> dict[int, str]:
     """Why each waiting pool job of the snapshot still waits, in words: "All 12 v4-8
     you may use are busy; 3 jobs before yours.", and when jobs submitted after it go
     first, that its person's recent use is above their share. Pure, like ``decide``."""
+    return {pk: line.reason for pk, line in lines(snapshot, order_key=order_key).items()}
+
+
+def lines(
+    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fair_share_order
+) -> dict[int, Line]:
+    """Each waiting pool job's ``Line``: its place and ``reasons``'s words. Pure."""
     ahead: Counter = Counter()
     # The submission places (``seq``) of the jobs ahead, per kind, sorted: those after
     # a job's own were put ahead of it by fair share.
@@ -301,9 +316,9 @@ def reasons(
             text = f"All {count} {job_text(job)} you may use {verb} busy;"
             if overtaken:
                 text += f" {above_share(snapshot, job.user_id)}, so others' jobs go first;"
-            out[job.id] = f"{text} {line}"
+            out[job.id] = Line(before + 1, f"{text} {line}")
             continue
-        out[job.id] = f"{text} {line[:1].upper()}{line[1:]}"
+        out[job.id] = Line(before + 1, f"{text} {line[:1].upper()}{line[1:]}")
     return out
 
 
@@ -317,6 +332,12 @@ def why_they_wait(lab_id: int, accelerator_type: str | None = None) -> dict[int,
     """``reasons`` for the lab's waiting pool jobs (of one kind, or all), read in a
     constant number of queries."""
     return reasons(load(lab_id, accelerator_type, every_vm=True))
+
+
+def waiting_lines(lab_id: int, accelerator_type: str | None = None) -> dict[int, Line]:
+    """``lines`` of the lab's waiting pool jobs (of one kind, or all), read in a
+    constant number of queries."""
+    return lines(load(lab_id, accelerator_type, every_vm=True))
 
 
 def job_text(job: JobRow) -> str:
