@@ -32,6 +32,7 @@ from tpus.models.inventory import chip_count
 from tpus.models.jobs import ACTIVE_STATES
 
 DEFAULT_SHARE = 1.0
+CENTS = Decimal("0.01")
 
 
 class ShareError(ValueError):
@@ -213,9 +214,9 @@ def clean_share(value) -> Decimal:
         raise ShareError("A share is a number, such as 1, 2 or 0.5.") from None
     if not share.is_finite() or not MIN_SHARE <= share <= MAX_SHARE:
         raise ShareError(f"A share is from {MIN_SHARE} to {MAX_SHARE:.0f}.")
-    if share != share.quantize(Decimal("0.01")):
+    if share != share.quantize(CENTS):
         raise ShareError("A share has at most two decimals.")
-    return share
+    return share.quantize(CENTS)
 
 
 @transaction.atomic
@@ -228,7 +229,7 @@ def set_share(admin, membership, value, *, request=None) -> FairShare:
     )
     if row.share == share:
         return row
-    old = row.share
+    old = Decimal(row.share).quantize(CENTS)
     FairShare.objects.filter(pk=row.pk).update(share=share)
     row.share = share
     audit.record(
