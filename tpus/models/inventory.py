@@ -3,6 +3,7 @@ refreshed from the Cloud TPU API (or entered by an admin for VMs it cannot see).
 
 from __future__ import annotations
 
+import functools
 import re
 
 from django.core.exceptions import ValidationError
@@ -27,6 +28,7 @@ validate_accelerator_type = RegexValidator(
 )
 
 
+@functools.lru_cache(maxsize=256)
 def chip_count(accelerator_type: str, default: int = 1) -> int:
     """How many chips a VM of the type has. v2, v3, v4 and v5p names count
     TensorCores (two per chip); v5e (v5litepod) and v6e names count chips."""

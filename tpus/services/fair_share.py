@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from django.db import transaction
-from django.db.models import Q, QuerySet
+from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet, Value
 from django.utils import timezone
 
 from portal import audit
@@ -76,46 +76,41 @@ def job_use(
     return chips * hours / math.log(2) * 2 ** (-since_end) * -math.expm1(-length * math.log(2))
 
 
-@dataclass(frozen=True)
-class LiveJob:
-    """A job not in the rows yet: running, or ended since the last count."""
-
-    user_id: int
-    accelerator_type: str
-    state: str
-    started_at: dt.datetime | None
-    ended_at: dt.datetime | None
-
-
-def live_figures(
-    jobs: Iterable[LiveJob], now: dt.datetime, half: dt.timedelta
-) -> tuple[dict[int, float], Counter]:
-    """(decayed chip-hours per person, chips held now per person) of ``jobs``."""
+def live_figures(jobs: Iterable[tuple], now: dt.datetime, half: dt.timedelta):
+    """(decayed chip-hours per person, chips held now per person) of ``jobs``, rows of
+    ``live_jobs`` read as of ``now``: those not in the rows yet."""
     use: dict[int, float] = defaultdict(float)
     held: Counter = Counter()
-    for job in jobs:
-        chips = chip_count(job.accelerator_type)
-        if job.state in ACTIVE_STATES:
-            held[job.user_id] += chips
-        if job.started_at is not None:
-            use[job.user_id] += job_use(chips, job.started_at, job.ended_at, now, half)
+    for user_id, accelerator_type, state, started_ago, ended_ago in jobs:
+        chips = chip_count(accelerator_type)
+        if state in ACTIVE_STATES:
+            held[user_id] += chips
+        if started_ago is not None:
+            ended = now - ended_ago if ended_ago is not None else None
+            use[user_id] += job_use(chips, now - started_ago, ended, now, half)
     return dict(use), held
 
 
 # --- reading -------------------------------------------------------------------------
 
-LIVE_FIELDS = ("user_id", "vm__accelerator_type", "state", "started_at", "ended_at")
 
-
-def live_jobs(lab_id: int, user_ids: Iterable[int]) -> QuerySet:
+def live_jobs(lab_id: int, user_ids: Iterable[int], now: dt.datetime) -> QuerySet:
     """The jobs of ``user_ids`` on the lab's VMs that hold chips now or whose use is
     not in the rows yet: running ones and those ended since the last count, a few per
-    VM at most. Rows of ``LIVE_FIELDS``, for ``LiveJob``."""
+    VM at most. Rows of (user id, the VM's accelerator type, state, how long ago it
+    started and ended as of ``now``), for ``live_figures``. (Durations rather than
+    times: the database's answer is read faster.)"""
     return (
         Job.objects.filter(vm__lab_id=lab_id, user_id__in=list(user_ids))
         .filter(Q(state__in=ACTIVE_STATES) | Q(started_at__isnull=False, usage_counted=False))
         .order_by()
-        .values_list(*LIVE_FIELDS)
+        .values_list(
+            "user_id",
+            "vm__accelerator_type",
+            "state",
+            ExpressionWrapper(Value(now) - F("started_at"), DurationField()),
+            ExpressionWrapper(Value(now) - F("ended_at"), DurationField()),
+        )
     )
 
 
@@ -146,7 +141,7 @@ def standings(lab: Lab, user_ids: Iterable[int], now: dt.datetime | None = None)
             lab=lab, user_id__in=user_ids
         ).values_list("user_id", "share", "use", "decayed_at")
     }
-    live_use, held = live_figures((LiveJob(*row) for row in live_jobs(lab.pk, user_ids)), now, half)
+    live_use, held = live_figures(live_jobs(lab.pk, user_ids, now), now, half)
     found = {}
     for user_id in user_ids:
         share, use = rows.get(user_id, (DEFAULT_SHARE, 0.0))

@@ -32,18 +32,19 @@ from dataclasses import dataclass, field
 from django.db import transaction
 from django.db.models import (
     Case,
+    DateTimeField,
+    DecimalField,
     Exists,
-    FilteredRelation,
+    FloatField,
     IntegerField,
     OuterRef,
-    Q,
     Value,
     When,
 )
 from django.utils import timezone
 
 from tpus import queue
-from tpus.models import Grant, Job, Lab, TpuVm
+from tpus.models import FairShare, Grant, Job, Lab, TpuVm
 from tpus.models.grants import GrantState
 from tpus.models.inventory import chip_count
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
@@ -110,16 +111,13 @@ class Snapshot:
 
 def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = False) -> Snapshot:
     """What placement needs of the lab's pool (of one kind, or all), in at most five
-    queries whatever the number of VMs, jobs and grants: the lab's limit and
-    half-life; its free VMs of the kinds jobs wait for; the jobs waiting for those
-    kinds, each with its person's fair-share row (joined); the grants on those VMs;
+    queries whatever the number of VMs, jobs and grants: its free VMs of the kinds
+    jobs wait for; the jobs waiting for those kinds; the lab's limit and half-life with
+    the fair-share rows of the people waiting (one row each); the grants on those VMs;
     and the waiting people's live jobs (what they hold now, and their use not in the
     rows yet). With ``every_vm``, the busy VMs of those kinds too, and every waiting
     job (``reasons`` says why each waits)."""
     now = timezone.now()
-    lab, days = Lab.objects.values_list("max_chips_per_person", "fair_share_half_life_days").get(
-        pk=lab_id
-    )
     waiting = Job.objects.filter(lab_id=lab_id, vm__isnull=True, state__in=WAITING_STATES)
     if accelerator_type is not None:
         waiting = waiting.filter(accelerator_type=accelerator_type)
@@ -161,42 +159,74 @@ def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = F
         )
     ]
     if not rows and not every_vm:
-        return Snapshot(lab_id, lab, [], [], set())
+        return Snapshot(lab_id, 0, [], [], set())
     if not every_vm:
         waiting = waiting.filter(accelerator_type__in={vm.accelerator_type for vm in rows})
-    half = fair_share.half_life(days)
-    jobs, stored, shares = [], {}, {}
-    standing = FilteredRelation("user__fair_shares", condition=Q(user__fair_shares__lab_id=lab_id))
-    for seq, (pk, user_id, kind, zones, provisioning, share, use, decayed_at) in enumerate(
-        waiting.annotate(standing=standing)
-        .order_by("queued_at", "id")
-        .values_list(
-            "id",
-            "user_id",
-            "accelerator_type",
-            "zones",
-            "provisioning",
-            "standing__share",
-            "standing__use",
-            "standing__decayed_at",
+    jobs = [
+        JobRow(pk, user_id, kind, tuple(zones or ()), provisioning, seq)
+        for seq, (pk, user_id, kind, zones, provisioning) in enumerate(
+            waiting.order_by("queued_at", "id").values_list(
+                "id", "user_id", "accelerator_type", "zones", "provisioning"
+            )
         )
-    ):
-        jobs.append(JobRow(pk, user_id, kind, tuple(zones or ()), provisioning, seq))
-        if user_id not in shares:
-            shares[user_id] = float(share) if share is not None else fair_share.DEFAULT_SHARE
-            stored[user_id] = fair_share.decay(use, decayed_at, now, half) if use else 0.0
+    ]
     if not jobs:
-        return Snapshot(lab_id, lab, rows, [], set())
+        return Snapshot(lab_id, 0, rows, [], set())
+    people = {job.user_id for job in jobs}
+    lab, half, stored, shares = _lab_and_standings(lab_id, people, now)
     grants = set(
         Grant.objects.filter(vm_id__in=[vm.id for vm in rows], state=GrantState.ACTIVE)
         .values_list("user_id", "vm_id")
         .order_by()
     )
-    live_use, held = fair_share.live_figures(
-        (fair_share.LiveJob(*row) for row in fair_share.live_jobs(lab_id, shares)), now, half
-    )
-    use = {user_id: stored[user_id] + live_use.get(user_id, 0.0) for user_id in shares}
+    live_use, held = fair_share.live_figures(fair_share.live_jobs(lab_id, people, now), now, half)
+    use = {user_id: stored.get(user_id, 0.0) + live_use.get(user_id, 0.0) for user_id in people}
     return Snapshot(lab_id, lab, rows, jobs, grants, held, use, shares)
+
+
+def _lab_and_standings(lab_id: int, people: set[int], now):
+    """(the lab's chip limit, its half-life, recent use and share of each of ``people``
+    who has a fair-share row): one query, the lab's row and those rows in one result."""
+    nothing = [Value(None, output_field=f) for f in _STANDING_FIELDS]
+    lab = (
+        Lab.objects.filter(pk=lab_id)
+        .order_by()
+        .values_list("max_chips_per_person", "fair_share_half_life_days", *nothing)
+    )
+    standings = (
+        FairShare.objects.filter(lab_id=lab_id, user_id__in=sorted(people))
+        .order_by()
+        .values_list(
+            Value(None, output_field=IntegerField()),
+            Value(None, output_field=DecimalField(max_digits=5, decimal_places=2)),
+            "user_id",
+            "share",
+            "use",
+            "decayed_at",
+        )
+    )
+    limit = days = None
+    stored, shares, found = {}, {}, []
+    for row in lab.union(standings, all=True):
+        if row[2] is None:
+            limit, days = row[:2]
+        else:
+            found.append(row[2:])
+    if days is None:
+        raise Lab.DoesNotExist(f"No lab {lab_id}.")
+    half = fair_share.half_life(days)
+    for user_id, share, use, decayed_at in found:
+        shares[user_id] = float(share)
+        stored[user_id] = fair_share.decay(use, decayed_at, now, half)
+    return limit, half, stored, shares
+
+
+_STANDING_FIELDS = (
+    IntegerField(),
+    DecimalField(max_digits=7, decimal_places=2),
+    FloatField(),
+    DateTimeField(),
+)
 
 
 # What makes a VM free for the pool, as a filter (``VmRow.free`` says the same).
