@@ -25,6 +25,8 @@ so two placements of one lab never give one VM two jobs; it never waits on a wor
 from __future__ import annotations
 
 import bisect
+import functools
+import json
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,9 +40,11 @@ from django.db.models import (
     FloatField,
     IntegerField,
     OuterRef,
+    TextField,
     Value,
     When,
 )
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from tpus import queue
@@ -108,6 +112,11 @@ class Snapshot:
     def use_per_share(self, user_id: int) -> float:
         return self.use.get(user_id, 0.0) / self.shares.get(user_id, fair_share.DEFAULT_SHARE)
 
+    @functools.cached_property
+    def per_share(self) -> dict[int, float]:
+        """``use_per_share`` of each waiting person, worked out once."""
+        return {job.user_id: self.use_per_share(job.user_id) for job in self.jobs}
+
 
 def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = False) -> Snapshot:
     """What placement needs of the lab's pool (of one kind, or all), in at most five
@@ -163,10 +172,10 @@ def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = F
     if not every_vm:
         waiting = waiting.filter(accelerator_type__in={vm.accelerator_type for vm in rows})
     jobs = [
-        JobRow(pk, user_id, kind, tuple(zones or ()), provisioning, seq)
+        JobRow(pk, user_id, kind, _zones(zones), provisioning, seq)
         for seq, (pk, user_id, kind, zones, provisioning) in enumerate(
             waiting.order_by("queued_at", "id").values_list(
-                "id", "user_id", "accelerator_type", "zones", "provisioning"
+                "id", "user_id", "accelerator_type", Cast("zones", TextField()), "provisioning"
             )
         )
     ]
@@ -182,6 +191,14 @@ def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = F
     live_use, held = fair_share.live_figures(fair_share.live_jobs(lab_id, people, now), now, half)
     use = {user_id: stored.get(user_id, 0.0) + live_use.get(user_id, 0.0) for user_id in people}
     return Snapshot(lab_id, lab, rows, jobs, grants, held, use, shares)
+
+
+def _zones(text: str | None) -> tuple[str, ...]:
+    """A waiting job's zones from their JSON text: most jobs name none, and reading
+    2,000 JSON values one by one was a third of the snapshot's time."""
+    if not text or text == "[]":
+        return ()
+    return tuple(json.loads(text))
 
 
 def _lab_and_standings(lab_id: int, people: set[int], now):
@@ -250,7 +267,7 @@ def fair_share_order(job: JobRow, snapshot: Snapshot):
     """Fair share: the order a kind's line is served in (a sort key). The jobs of the
     person with the least recent use for their share first; first come, first served
     within one person and between equals."""
-    return (snapshot.use_per_share(job.user_id), job.seq)
+    return (snapshot.per_share[job.user_id], job.seq)
 
 
 @dataclass(frozen=True)
