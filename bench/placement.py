@@ -6,8 +6,9 @@
 A lab of rows only (nothing on hosts, no Celery process): 500 READY VMs of 50
 accelerator types (10 of each), 100 people with an active grant on every VM of ten
 kinds each, one running job on nine VMs in ten (one of each kind is
-free), and 2,000 jobs
-waiting for a kind (40 per kind, in order of submission). Measured in this process on
+free), an ended job not yet counted into usage on every VM, a fair-share row (share
+and recent use) for every person, and 2,000 jobs waiting for a kind (40 per kind, in
+order of submission), served by fair share. Measured in this process on
 PostgreSQL, with the queries counted by CaptureQueriesContext:
 
 - the decision: ``scheduler.load`` (the snapshot) and ``scheduler.decide``, as
@@ -30,7 +31,7 @@ VMS, KINDS, JOBS, PEOPLE = 500, 50, 2000, 100
 
 def build():
     from accounts.models import UnixAccount, User
-    from tpus.models import Grant, Job, Lab, TpuVm
+    from tpus.models import FairShare, Grant, Job, Lab, TpuVm
 
     lab = Lab.objects.create(name="Pool Lab", slug="pool", gcp_project_id="pool-lab-1")
     kinds = [f"v{2 + k % 5}-{8 * (1 + k // 5)}" for k in range(KINDS)]
@@ -64,6 +65,23 @@ def build():
         if (n // KINDS) % 10  # the first VM of each kind is free
     ]
     Job.objects.bulk_create(running)
+    # What fair share reads besides the rows: the ended jobs usage has not counted yet.
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    now = timezone.now()
+    ended = [
+        Job(vm=vm, lab=lab, user=people[(n + 1) % PEOPLE], host_id=f"e{n}", state="succeeded",
+            args=["x"], started_at=now - timedelta(hours=2), ended_at=now - timedelta(hours=1),
+            worker_count=1)
+        for n, vm in enumerate(vms)
+    ]  # fmt: skip
+    Job.objects.bulk_create(ended)
+    FairShare.objects.bulk_create(
+        FairShare(lab=lab, user=u, use=float(n * 7 % 300), share=1 + n % 3)
+        for n, u in enumerate(people)
+    )
     waiting = [
         Job(
             lab=lab,

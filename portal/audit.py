@@ -26,6 +26,7 @@ class AuditAction(models.TextChoices):
     MEMBERSHIP_REJECTED = "membership.rejected", "Membership rejected"
     MEMBERSHIP_REMOVED = "membership.removed", "Member removed"
     ROLE_CHANGED = "membership.role_changed", "Role changed"
+    SHARE_SET = "membership.share_set", "Share of the pool set"
     POLICY_ACCEPTED = "policy.accepted", "Policy accepted"
     INVITE_CREATED = "invite.created", "Invite created"
     INVITE_REVOKED = "invite.revoked", "Invite revoked"

@@ -29,6 +29,11 @@ urlpatterns = [
         name="membership_role",
     ),
     path(
+        "labs/<slug:slug>/memberships/<int:membership_id>/share/",
+        labs.membership_share,
+        name="membership_share",
+    ),
+    path(
         "labs/<slug:slug>/memberships/<int:membership_id>/remove/",
         labs.membership_remove,
         name="membership_remove",

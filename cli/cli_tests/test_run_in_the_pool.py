@@ -80,3 +80,17 @@ def test_tpu_jobs_lists_a_job_waiting_for_any_v4_8_and_why(lab, capsys):
     assert ended.value.code == 0
     assert "vision/any v4-8" in out
     assert f"Job 7 (any v4-8): {WAITING['reason']}" in out
+
+
+def test_a_job_past_the_labs_waiting_limit_is_refused_in_the_portals_words(lab, capsys):
+    words = (
+        "You already have 3 jobs waiting in Vision Lab; this lab allows 3 waiting at once "
+        "per person. Cancel one or wait for one to start."
+    )
+    lab.on("POST", "/labs/vision/jobs", {"detail": words, "errors": {}}, status=400)
+
+    code, err = _run(capsys, "run", "--type", "v4-8", "--detach", "--", "python3", "train.py")
+
+    assert code != 0 and words in err
+    assert "queued" not in err
+    assert not [a for a in lab.asked if a[0] == "GET" and a[1].startswith("/api/v1/labs/")]

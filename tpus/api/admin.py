@@ -96,6 +96,11 @@ class LabSettingsOut(Schema):
     # The pool (jobs for any free VM of a kind): chips one person's jobs may hold at
     # once; 0: no limit.
     max_chips_per_person: int
+    # Jobs one person may have waiting in the lab at once; 0: no limit.
+    max_waiting_jobs_per_person: int
+    # Fair share: a chip-hour used this many days ago counts half in the order of the
+    # pool's waiting jobs.
+    fair_share_half_life_days: float
     # API tokens its members make expire after this many days (the shortest of their labs').
     token_lifetime_days: int
 
@@ -117,6 +122,8 @@ class LabSettingsIn(StrictIn):
     job_memory_max_mb: int = None
     job_log_max_mb: int = None
     max_chips_per_person: int = None
+    max_waiting_jobs_per_person: int = None
+    fair_share_half_life_days: float = None
     token_lifetime_days: int = None
 
 

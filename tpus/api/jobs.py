@@ -115,7 +115,8 @@ class JobSummaryOut(Schema):
     @staticmethod
     def resolve_reason(obj, context):
         if obj.vm_id is None and obj.is_waiting:
-            return _pool_reasons(context, obj.lab_id).get(obj.pk) or obj.reason
+            line = _pool_lines(context, obj.lab_id).get(obj.pk)
+            return line.reason if line else obj.reason
         return obj.reason
 
     @staticmethod
@@ -136,12 +137,13 @@ class JobSummaryOut(Schema):
         return _sees_all_of(obj, context) or obj.program == obj.argv
 
 
-def _pool_reasons(context, lab_id: int) -> dict[int, str]:
-    """Why each of the lab's pool jobs waits, read once per lab and request."""
+def _pool_lines(context, lab_id: int) -> dict[int, scheduler.Line]:
+    """Each of the lab's waiting pool jobs' place in line and why it waits, read once
+    per lab and request."""
     request = context["request"]
-    cache = request.__dict__.setdefault("_pool_reasons", {})
+    cache = request.__dict__.setdefault("_pool_lines", {})
     if lab_id not in cache:
-        cache[lab_id] = scheduler.why_they_wait(lab_id)
+        cache[lab_id] = scheduler.waiting_lines(lab_id)
     return cache[lab_id]
 
 
@@ -258,7 +260,8 @@ class JobOut(JobSummaryOut):
     @staticmethod
     def resolve_reason(obj, context):
         if obj.vm_id is None and obj.is_waiting:
-            return _pool_reasons(context, obj.lab_id).get(obj.pk) or obj.reason
+            line = _pool_lines(context, obj.lab_id).get(obj.pk)
+            return line.reason if line else obj.reason
         return obj.reason
 
     @staticmethod
@@ -266,7 +269,11 @@ class JobOut(JobSummaryOut):
         return obj.rerun_of_id
 
     @staticmethod
-    def resolve_position(obj):
+    def resolve_position(obj, context):
+        if obj.vm_id is None and obj.is_waiting:
+            # The pool's line goes by fair share, as placement serves it.
+            line = _pool_lines(context, obj.lab_id).get(obj.pk)
+            return line.place if line else None
         return usage.position(obj)
 
     @staticmethod

@@ -22,6 +22,7 @@ from tpus.api.jobs import (
 from tpus.models import Job
 from tpus.models.jobs import WAITING_STATES
 from tpus.services import jobs as job_services
+from tpus.services import scheduler
 from tpus.services.jobs import Kind
 
 router = Router(tags=["jobs"])
@@ -87,9 +88,10 @@ def validate_pool_job(request, slug: str, payload: PoolJobIn):
     "/labs/{slug}/jobs",
     response=list[JobSummaryOut],
     summary="The jobs waiting for a VM of the lab's pool",
-    description="Jobs submitted to a kind that no VM has taken yet, first in line first, "
-    "each with why it waits. The lab's admins see everyone's; others their own and the "
-    "others' that wait for a kind they asked for too.",
+    description="Jobs submitted to a kind that no VM has taken yet, per kind, first in line "
+    "first (placement serves each kind's line by fair share), each with why it waits. "
+    "The lab's admins see everyone's; others their own and the others' that wait for a "
+    "kind they asked for too.",
 )
 def list_pool_jobs(request, slug: str):
     lab = access.get_member_lab(request.user, slug)
@@ -99,7 +101,17 @@ def list_pool_jobs(request, slug: str):
     if not is_admin:
         mine = jobs.filter(user=request.user).values("accelerator_type")
         jobs = jobs.filter(Q(user=request.user) | Q(accelerator_type__in=mine))
-    return jobs.select_related("user__unix_account").order_by("queued_at", "id")[:1000]
+    jobs = list(jobs.select_related("user__unix_account").order_by("queued_at", "id")[:1000])
+    # In the order placement serves them (fair share), read once for the whole list.
+    lines = request.__dict__.setdefault("_pool_lines", {})
+    lines[lab.pk] = scheduler.waiting_lines(lab.pk)
+    far = len(jobs) + 1
+    return sorted(jobs, key=lambda job: (job.accelerator_type, _place(lines[lab.pk], job, far)))
+
+
+def _place(lines: dict, job: Job, far: int) -> int:
+    line = lines.get(job.pk)
+    return line.place if line else far
 
 
 @router.get(

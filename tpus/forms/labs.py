@@ -9,6 +9,7 @@ from django.core.exceptions import ValidationError
 from portal.validators import validate_multiline_text, validate_plain_text
 from portal.widgets import PlainSelect
 from tpus.models import Lab
+from tpus.models.fair_share import MAX_SHARE, MIN_SHARE
 from tpus.models.labs import MembershipState, Role, validate_zones
 from tpus.services.labs import PURPOSE_MAX, SITE_ADMIN_FIELDS
 
@@ -43,6 +44,19 @@ class RejectForm(forms.Form):
 
 class RoleForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices)
+
+
+class ShareForm(forms.Form):
+    """A person's share of the lab's pool."""
+
+    share = forms.DecimalField(
+        min_value=MIN_SHARE,
+        max_value=MAX_SHARE,
+        max_digits=7,
+        decimal_places=2,
+        help_text="1 unless set. Their waiting jobs go in the order of recent use divided by "
+        "the share: with 2, they may use twice the chip-hours of someone with 1.",
+    )
 
 
 class InviteForm(forms.Form):
@@ -84,6 +98,8 @@ class LabSettingsForm(forms.ModelForm):
             "job_memory_max_mb",
             "job_log_max_mb",
             "max_chips_per_person",
+            "max_waiting_jobs_per_person",
+            "fair_share_half_life_days",
             "token_lifetime_days",
         ]
         widgets = {"grant_end_date": forms.DateInput(attrs={"type": "date"})}
@@ -95,6 +111,8 @@ class LabSettingsForm(forms.ModelForm):
         "job_memory_max_mb",
         "job_log_max_mb",
         "max_chips_per_person",
+        "max_waiting_jobs_per_person",
+        "fair_share_half_life_days",
         "token_lifetime_days",
     )
 

@@ -1,6 +1,7 @@
 from tpus.models.audit import AuditAction, AuditEvent
 from tpus.models.changes import VmChange
 from tpus.models.connections import ConnectionState, VmConnection
+from tpus.models.fair_share import FairShare
 from tpus.models.grants import Grant, WorkerSync
 from tpus.models.inventory import DataDisk, DiskAttachment, HostKeyScan, TpuVm, Worker
 from tpus.models.jobs import Job, JobState, JobWorker
@@ -23,6 +24,7 @@ __all__ = [
     "ConnectionState",
     "DataDisk",
     "DiskAttachment",
+    "FairShare",
     "HostKeyScan",
     "Grant",
     "Invite",

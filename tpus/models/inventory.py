@@ -3,6 +3,9 @@ refreshed from the Cloud TPU API (or entered by an admin for VMs it cannot see).
 
 from __future__ import annotations
 
+import functools
+import re
+
 from django.core.exceptions import ValidationError
 from django.core.validators import RegexValidator
 from django.db import models
@@ -23,6 +26,18 @@ validate_disk_name = RegexValidator(
 validate_accelerator_type = RegexValidator(
     r"^v[0-9]+[a-z]*(?:litepod)?-[0-9]+\Z", "An accelerator type looks like v4-32 or v5litepod-8."
 )
+
+
+@functools.lru_cache(maxsize=256)
+def chip_count(accelerator_type: str, default: int = 1) -> int:
+    """How many chips a VM of the type has. v2, v3, v4 and v5p names count
+    TensorCores (two per chip); v5e (v5litepod) and v6e names count chips."""
+    match = re.fullmatch(r"(v[0-9]+[a-z]*?)(litepod)?-([0-9]+)", accelerator_type or "")
+    if not match:
+        return default
+    generation = match[1] + (match[2] or "")
+    size = int(match[3])
+    return size if generation in ("v5litepod", "v5e", "v6e") else max(1, size // 2)
 
 
 def validate_mount_point(value: str) -> None:

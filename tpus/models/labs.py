@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from decimal import Decimal
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -108,6 +109,24 @@ class Lab(models.Model):
         default=0,
         help_text="How many TPU chips one person's jobs may hold at once when jobs are "
         "placed on any free VM of a kind; 0: no limit.",
+    )
+    # Fair share: waiting pool jobs go in the order of their people's recent use (chip-
+    # hours, halved every half-life) divided by their shares (``services.fair_share``).
+    fair_share_half_life_days = models.DecimalField(
+        "half-life of recent use (days)",
+        max_digits=5,
+        decimal_places=2,
+        default=Decimal(7),
+        validators=[MinValueValidator(Decimal("0.1")), MaxValueValidator(Decimal(365))],
+        help_text="Waiting jobs go first for the people with the least recent use for their "
+        "share; a chip-hour used this long ago counts half, twice as long ago a quarter.",
+    )
+    max_waiting_jobs_per_person = models.PositiveIntegerField(
+        "jobs waiting at once per person",
+        default=0,
+        validators=[MaxValueValidator(100_000)],
+        help_text="How many jobs one person may have waiting in the lab at once (for one VM "
+        "or for any VM of a kind); a job past it is refused. 0: no limit.",
     )
     # Each job's cgroup on each worker (docs/jobs-host.md): what one job may take there.
     job_tasks_max = models.PositiveIntegerField(

@@ -226,6 +226,7 @@ def submit_job(
             )
         if vm.is_missing:
             raise ValidationError(f"{vm.name} is no longer listed by Google Cloud.")
+        check_waiting_limit(user, vm.lab)
         limit = vm.lab.max_queued_jobs
         waiting = Job.objects.filter(vm=vm, user=user, state__in=WAITING_STATES).count()
         if limit and waiting >= limit:
@@ -348,6 +349,7 @@ def submit_pool_job(
                 f"You have active access to no {what} of {lab.name}, so no job of yours "
                 "can run on one; ask a lab admin."
             )
+        check_waiting_limit(user, lab, locked=True)
         limit = lab.max_queued_jobs
         waiting = Job.objects.filter(
             lab=lab,
@@ -385,6 +387,25 @@ def submit_pool_job(
         # A free VM of the kind takes it at once: its pass is queued with the commit.
         scheduler.place(lab.pk, kind.accelerator_type)
     return job
+
+
+def check_waiting_limit(user, lab: Lab, *, locked: bool = False) -> None:
+    """Refuse a job past the lab's limit of jobs one person may have waiting at once
+    (for one VM or for any of a kind): ValidationError with the numbers. In the
+    submit's transaction, with the lab's row locked (``locked``: already), so two
+    submits at once cannot both pass it."""
+    limit = lab.max_waiting_jobs_per_person
+    if not limit:
+        return
+    if not locked:
+        Lab.objects.select_for_update().filter(pk=lab.pk).exists()
+    waiting = Job.objects.filter(lab=lab, user=user, state__in=WAITING_STATES).count()
+    if waiting >= limit:
+        raise ValidationError(
+            f"You already have {waiting} job{'s' if waiting != 1 else ''} waiting in "
+            f"{lab.name}; this lab allows {limit} waiting at once per person. Cancel one or "
+            "wait for one to start."
+        )
 
 
 def _kind_words(kind: Kind) -> str:

@@ -14,39 +14,45 @@ A VM is free for the pool when it is READY, listed by Google, not being set up a
 no job holds or waits for it, and the last look at its chips found nothing holding
 them outside the portal. A job goes only where its person has an active grant.
 
-Order: the kinds' lines are ordered by ``order_key`` (now first come, first served);
-a job that cannot go on any free VM (no grant there, the person's chip limit) lets the
-next one in line have it. Placement takes the lab's row lock for its few queries only,
+Order: a kind's line is served by fair share (``fair_share``): the jobs of the
+person with the least recent use for their share first, first come, first served
+within one person (``services.fair_share`` keeps the figures); a job that cannot go on
+any free VM (no grant there, the person's chip limit) lets the next one in line have
+it. Placement takes the lab's row lock for its few queries only,
 so two placements of one lab never give one VM two jobs; it never waits on a worker.
 """
 
 from __future__ import annotations
 
-import re
+import bisect
+import functools
+import json
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.db import transaction
-from django.db.models import Case, Exists, IntegerField, OuterRef, Value, When
+from django.db.models import (
+    Case,
+    DateTimeField,
+    DecimalField,
+    Exists,
+    FloatField,
+    IntegerField,
+    OuterRef,
+    TextField,
+    Value,
+    When,
+)
+from django.db.models.functions import Cast
 from django.utils import timezone
 
 from tpus import queue
-from tpus.models import Grant, Job, Lab, TpuVm
+from tpus.models import FairShare, Grant, Job, Lab, TpuVm
 from tpus.models.grants import GrantState
+from tpus.models.inventory import chip_count
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
-
-
-def chip_count(accelerator_type: str, default: int = 1) -> int:
-    """How many chips a VM of the type has. v2, v3, v4 and v5p names count
-    TensorCores (two per chip); v5e (v5litepod) and v6e names count chips."""
-    match = re.fullmatch(r"(v[0-9]+[a-z]*?)(litepod)?-([0-9]+)", accelerator_type or "")
-    if not match:
-        return default
-    generation = match[1] + (match[2] or "")
-    size = int(match[3])
-    return size if generation in ("v5litepod", "v5e", "v6e") else max(1, size // 2)
-
+from tpus.services import fair_share
 
 # --- the snapshot --------------------------------------------------------------------
 
@@ -96,18 +102,31 @@ class Snapshot:
     jobs: list[JobRow]
     # (user id, VM id) of the active grants on ``vms``.
     grants: set[tuple[int, int]]
-    # Chips each person's jobs hold now (validating to cancelling), when the lab
-    # limits them.
+    # Chips each person's jobs hold now (validating to cancelling).
     chips_held: Counter = field(default_factory=Counter)
+    # Each waiting person's recent use (decayed chip-hours, as of when it was read)
+    # and share; someone missing has used nothing and has a share of 1.
+    use: dict[int, float] = field(default_factory=dict)
+    shares: dict[int, float] = field(default_factory=dict)
+
+    def use_per_share(self, user_id: int) -> float:
+        return self.use.get(user_id, 0.0) / self.shares.get(user_id, fair_share.DEFAULT_SHARE)
+
+    @functools.cached_property
+    def per_share(self) -> dict[int, float]:
+        """``use_per_share`` of each waiting person, worked out once."""
+        return {job.user_id: self.use_per_share(job.user_id) for job in self.jobs}
 
 
 def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = False) -> Snapshot:
     """What placement needs of the lab's pool (of one kind, or all), in at most five
     queries whatever the number of VMs, jobs and grants: its free VMs of the kinds
-    jobs wait for, the jobs waiting for those kinds, the grants on those VMs, and what
-    each person holds when the lab limits it. With ``every_vm``, the busy VMs of those
-    kinds too, and every waiting job (``reasons`` says why each waits)."""
-    lab = Lab.objects.values_list("max_chips_per_person", flat=True).get(pk=lab_id)
+    jobs wait for; the jobs waiting for those kinds; the lab's limit and half-life with
+    the fair-share rows of the people waiting (one row each); the grants on those VMs;
+    and the waiting people's live jobs (what they hold now, and their use not in the
+    rows yet). With ``every_vm``, the busy VMs of those kinds too, and every waiting
+    job (``reasons`` says why each waits)."""
+    now = timezone.now()
     waiting = Job.objects.filter(lab_id=lab_id, vm__isnull=True, state__in=WAITING_STATES)
     if accelerator_type is not None:
         waiting = waiting.filter(accelerator_type=accelerator_type)
@@ -149,32 +168,82 @@ def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = F
         )
     ]
     if not rows and not every_vm:
-        return Snapshot(lab_id, lab, [], [], set())
+        return Snapshot(lab_id, 0, [], [], set())
     if not every_vm:
         waiting = waiting.filter(accelerator_type__in={vm.accelerator_type for vm in rows})
     jobs = [
-        JobRow(pk, user_id, kind, tuple(zones or ()), provisioning, seq)
+        JobRow(pk, user_id, kind, _zones(zones), provisioning, seq)
         for seq, (pk, user_id, kind, zones, provisioning) in enumerate(
             waiting.order_by("queued_at", "id").values_list(
-                "id", "user_id", "accelerator_type", "zones", "provisioning"
+                "id", "user_id", "accelerator_type", Cast("zones", TextField()), "provisioning"
             )
         )
     ]
     if not jobs:
-        return Snapshot(lab_id, lab, rows, [], set())
+        return Snapshot(lab_id, 0, rows, [], set())
+    people = {job.user_id for job in jobs}
+    lab, half, stored, shares = _lab_and_standings(lab_id, people, now)
     grants = set(
         Grant.objects.filter(vm_id__in=[vm.id for vm in rows], state=GrantState.ACTIVE)
         .values_list("user_id", "vm_id")
         .order_by()
     )
-    held: Counter = Counter()
-    if lab:
-        people = {job.user_id for job in jobs}
-        for user_id, kind in Job.objects.filter(
-            vm__lab_id=lab_id, user_id__in=people, state__in=ACTIVE_STATES
-        ).values_list("user_id", "vm__accelerator_type"):
-            held[user_id] += chip_count(kind)
-    return Snapshot(lab_id, lab, rows, jobs, grants, held)
+    live_use, held = fair_share.live_figures(fair_share.live_jobs(lab_id, people, now), now, half)
+    use = {user_id: stored.get(user_id, 0.0) + live_use.get(user_id, 0.0) for user_id in people}
+    return Snapshot(lab_id, lab, rows, jobs, grants, held, use, shares)
+
+
+def _zones(text: str | None) -> tuple[str, ...]:
+    """A waiting job's zones from their JSON text: most jobs name none, and reading
+    2,000 JSON values one by one was a third of the snapshot's time."""
+    if not text or text == "[]":
+        return ()
+    return tuple(json.loads(text))
+
+
+def _lab_and_standings(lab_id: int, people: set[int], now):
+    """(the lab's chip limit, its half-life, recent use and share of each of ``people``
+    who has a fair-share row): one query, the lab's row and those rows in one result."""
+    nothing = [Value(None, output_field=f) for f in _STANDING_FIELDS]
+    lab = (
+        Lab.objects.filter(pk=lab_id)
+        .order_by()
+        .values_list("max_chips_per_person", "fair_share_half_life_days", *nothing)
+    )
+    standings = (
+        FairShare.objects.filter(lab_id=lab_id, user_id__in=sorted(people))
+        .order_by()
+        .values_list(
+            Value(None, output_field=IntegerField()),
+            Value(None, output_field=DecimalField(max_digits=5, decimal_places=2)),
+            "user_id",
+            "share",
+            "use",
+            "decayed_at",
+        )
+    )
+    limit = days = None
+    stored, shares, found = {}, {}, []
+    for row in lab.union(standings, all=True):
+        if row[2] is None:
+            limit, days = row[:2]
+        else:
+            found.append(row[2:])
+    if days is None:
+        raise Lab.DoesNotExist(f"No lab {lab_id}.")
+    half = fair_share.half_life(days)
+    for user_id, share, use, decayed_at in found:
+        shares[user_id] = float(share)
+        stored[user_id] = fair_share.decay(use, decayed_at, now, half)
+    return limit, half, stored, shares
+
+
+_STANDING_FIELDS = (
+    IntegerField(),
+    DecimalField(max_digits=7, decimal_places=2),
+    FloatField(),
+    DateTimeField(),
+)
 
 
 # What makes a VM free for the pool, as a filter (``VmRow.free`` says the same).
@@ -190,8 +259,15 @@ FREE = {
 
 
 def fifo(job: JobRow, snapshot: Snapshot):
-    """First come, first served: the order a kind's line is served in (a sort key)."""
+    """First come, first served (a sort key of a kind's line)."""
     return job.seq
+
+
+def fair_share_order(job: JobRow, snapshot: Snapshot):
+    """Fair share: the order a kind's line is served in (a sort key). The jobs of the
+    person with the least recent use for their share first; first come, first served
+    within one person and between equals."""
+    return (snapshot.per_share[job.user_id], job.seq)
 
 
 @dataclass(frozen=True)
@@ -201,7 +277,7 @@ class Placement:
 
 
 def decide(
-    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fifo
+    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fair_share_order
 ) -> list[Placement]:
     """For each free VM, the next job of its kind that may go there: in the order of
     ``order_key``, each job on the first free VM (by name) it fits, whose person has
@@ -229,12 +305,31 @@ def decide(
     return placements
 
 
+@dataclass(frozen=True)
+class Line:
+    """A waiting pool job's place in its kind's line (1: next) and why it waits."""
+
+    place: int
+    reason: str
+
+
 def reasons(
-    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fifo
+    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fair_share_order
 ) -> dict[int, str]:
     """Why each waiting pool job of the snapshot still waits, in words: "All 12 v4-8
-    you may use are busy; 3 jobs before yours." Pure, like ``decide``."""
+    you may use are busy; 3 jobs before yours.", and when jobs submitted after it go
+    first, that its person's recent use is above their share. Pure, like ``decide``."""
+    return {pk: line.reason for pk, line in lines(snapshot, order_key=order_key).items()}
+
+
+def lines(
+    snapshot: Snapshot, *, order_key: Callable[[JobRow, Snapshot], object] = fair_share_order
+) -> dict[int, Line]:
+    """Each waiting pool job's ``Line``: its place and ``reasons``'s words. Pure."""
     ahead: Counter = Counter()
+    # The submission places (``seq``) of the jobs ahead, per kind, sorted: those after
+    # a job's own were put ahead of it by fair share.
+    seqs_ahead: dict[str, list[int]] = defaultdict(list)
     out = {}
     limit = snapshot.max_chips_per_person
     by_kind: dict[str, list[VmRow]] = defaultdict(list)
@@ -243,6 +338,9 @@ def reasons(
     for job in sorted(snapshot.jobs, key=lambda j: order_key(j, snapshot)):
         before = ahead[job.accelerator_type]
         ahead[job.accelerator_type] += 1
+        seqs = seqs_ahead[job.accelerator_type]
+        overtaken = len(seqs) - bisect.bisect_right(seqs, job.seq)
+        bisect.insort(seqs, job.seq)
         line = f"{before} job{'s' if before != 1 else ''} before yours."
         usable = [
             vm
@@ -263,16 +361,30 @@ def reasons(
             count = len(usable)
             verb = "are" if count != 1 else "is"
             text = f"All {count} {job_text(job)} you may use {verb} busy;"
-            out[job.id] = f"{text} {line}"
+            if overtaken:
+                text += f" {above_share(snapshot, job.user_id)}, so others' jobs go first;"
+            out[job.id] = Line(before + 1, f"{text} {line}")
             continue
-        out[job.id] = f"{text} {line[:1].upper()}{line[1:]}"
+        out[job.id] = Line(before + 1, f"{text} {line[:1].upper()}{line[1:]}")
     return out
+
+
+def above_share(snapshot: Snapshot, user_id: int) -> str:
+    use = snapshot.use.get(user_id, 0.0)
+    share = snapshot.shares.get(user_id, fair_share.DEFAULT_SHARE)
+    return f"your recent use is above your share ({use:.1f} chip-hours for a share of {share:g})"
 
 
 def why_they_wait(lab_id: int, accelerator_type: str | None = None) -> dict[int, str]:
     """``reasons`` for the lab's waiting pool jobs (of one kind, or all), read in a
     constant number of queries."""
     return reasons(load(lab_id, accelerator_type, every_vm=True))
+
+
+def waiting_lines(lab_id: int, accelerator_type: str | None = None) -> dict[int, Line]:
+    """``lines`` of the lab's waiting pool jobs (of one kind, or all), read in a
+    constant number of queries."""
+    return lines(load(lab_id, accelerator_type, every_vm=True))
 
 
 def job_text(job: JobRow) -> str:

@@ -35,6 +35,7 @@ from django.utils import timezone
 from accounts.models import User
 from tpus.models import Job, Lab, TpuVm, UsageDay
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
+from tpus.services import fair_share
 
 WORKER_HOURS = (
     "Worker-hours: for each job, the time it ran (from when it had started on every "
@@ -535,15 +536,16 @@ class _Raced(Exception):
 
 
 def count_ended_jobs(limit: int = COUNT_BATCH) -> int:
-    """Add up to ``limit`` ended jobs not counted yet to the per-day rows, and mark
-    them counted, in one transaction; returns how many. A job whose end is not after
-    its start (never seen) stays read one by one, as it always counts the same."""
+    """Add up to ``limit`` ended jobs not counted yet to the per-day rows and to their
+    people's recent use (``fair_share``), and mark them counted, in one transaction;
+    returns how many. A job whose end is not after its start (never seen) stays read
+    one by one, as it always counts the same."""
     try:
         with transaction.atomic():
             jobs = list(
                 Job.objects.select_for_update(skip_locked=True, of=("self",))
                 .filter(started_at__isnull=False, usage_counted=False, ended_at__gt=F("started_at"))
-                .annotate(vm_lab_id=F("vm__lab_id"))
+                .annotate(vm_lab_id=F("vm__lab_id"), vm_accelerator_type=F("vm__accelerator_type"))
                 .only("pk", "user_id", "vm_id", "started_at", "ended_at", "worker_count")
                 .order_by("pk")[:limit]
             )
@@ -555,6 +557,8 @@ def count_ended_jobs(limit: int = COUNT_BATCH) -> int:
             ) != len(ids):
                 raise _Raced
             _add_to_days(jobs)
+            # The same jobs, once, in their people's recent use (the pool's fair share).
+            fair_share.count_ended(jobs, timezone.now())
             # Now for this transaction's own reads, and again once it commits, so that
             # figures cached meanwhile from the rows before it are not kept.
             labs = {job.vm_lab_id for job in jobs}
@@ -574,11 +578,12 @@ def count_all_ended_jobs() -> int:
 
 
 def recount_all() -> int:
-    """The per-day rows made again from every job: after TIME_ZONE changed (a day is a
-    day in the portal's time zone)."""
+    """The per-day rows (and everyone's recent use) made again from every job: after
+    TIME_ZONE changed (a day is a day in the portal's time zone)."""
     with transaction.atomic():
         labs = set(UsageDay.objects.values_list("lab_id", flat=True).distinct())
         UsageDay.objects.all().delete()
+        fair_share.forget_use()
         Job.objects.filter(usage_counted=True).update(usage_counted=False)
         _new_versions(labs)
         transaction.on_commit(lambda: _new_versions(labs))

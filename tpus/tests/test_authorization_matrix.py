@@ -130,6 +130,12 @@ def _urls(cast):
             [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
         ),
         (
+            "membership_share",
+            "post",
+            reverse("membership_share", args=[lab, cast.member_membership.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
+        (
             "membership_remove",
             "post",
             reverse("membership_remove", args=[lab, cast.member_membership.pk]),

@@ -17,8 +17,9 @@ from django.views.decorators.http import require_POST
 from portal.paging import page_of
 from tpus import access
 from tpus.forms.grants import GrantForm, MemberGrantForm
+from tpus.forms.labs import ShareForm
 from tpus.models.grants import GrantState
-from tpus.services import directory, disk_mounts, leases
+from tpus.services import directory, disk_mounts, fair_share, leases
 from tpus.services import grants as grant_services
 from tpus.services.grants import GrantError
 
@@ -287,11 +288,16 @@ def member_grant(request, slug, membership_id):
             messages.success(request, f"Giving {membership.user.email} access to {vm.name}…")
             return redirect("member_grant", lab.slug, membership.pk)
     grants = membership.user.grants.filter(vm__lab=lab).select_related("vm").order_by("vm__name")
-    return render(
-        request,
-        "tpus/member_grant.html",
-        {"lab": lab, "membership": membership, "form": form, "page": page_of(request, grants)},
-    )
+    standing = fair_share.standings(lab, [membership.user_id])[membership.user_id]
+    context = {
+        "lab": lab,
+        "membership": membership,
+        "form": form,
+        "page": page_of(request, grants),
+        "standing": standing,
+        "share_form": ShareForm(initial={"share": f"{standing.share:g}"}),
+    }
+    return render(request, "tpus/member_grant.html", context)
 
 
 @login_required

@@ -26,12 +26,13 @@ from tpus.forms.labs import (
     MemberFilterForm,
     RejectForm,
     RoleForm,
+    ShareForm,
     SiteLabSettingsForm,
 )
 from tpus.models import Worker
 from tpus.models.grants import GrantState
 from tpus.models.labs import Membership, MembershipState, Role
-from tpus.services import allowances, directory, sync_health
+from tpus.services import allowances, directory, fair_share, sync_health
 from tpus.services import labs as lab_services
 from tpus.services.hosts import STOPPED
 from tpus.services.labs import LabError
@@ -183,11 +184,22 @@ def _member_rows(memberships):
         "role",
         "state",
         "policy_version_accepted",
+        "user_id",
         email=F("user__email"),
         full_name=F("user__full_name"),
         username=F("user__unix_account__username"),
         since=Coalesce("decided_at", "requested_at"),
     )
+
+
+def _with_standings(lab, page):
+    """The page's members with ``standing``: their share of the pool, recent use and
+    running chips (``fair_share.standings``: two queries for the page)."""
+    page.object_list = rows = list(page.object_list)
+    found = fair_share.standings(lab, {row["user_id"] for row in rows})
+    for row in rows:
+        row["standing"] = found[row["user_id"]]
+    return page
 
 
 @login_required
@@ -200,7 +212,7 @@ def lab_admin(request, slug):
     chosen = filters.filters()
     members = _member_rows(directory.memberships(lab, **chosen))
     if is_htmx(request):
-        page = page_of(request, members, size=MEMBERS_PAGE_SIZE)
+        page = _with_standings(lab, page_of(request, members, size=MEMBERS_PAGE_SIZE))
         return render(request, "tpus/_members.html", {"lab": lab, "page": page})
     counts = lab.memberships.aggregate(
         everyone=Count("pk"), waiting=Count("pk", filter=Q(state=MembershipState.REQUESTED))
@@ -222,11 +234,14 @@ def lab_admin(request, slug):
             "pending_count": counts["waiting"],
             "filters": filters,
             # Unfiltered, the list is every membership of the lab: counted above.
-            "page": page_of(
-                request,
-                members,
-                size=MEMBERS_PAGE_SIZE,
-                count=None if chosen else lambda: counts["everyone"],
+            "page": _with_standings(
+                lab,
+                page_of(
+                    request,
+                    members,
+                    size=MEMBERS_PAGE_SIZE,
+                    count=None if chosen else lambda: counts["everyone"],
+                ),
             ),
             "invites": lab.invites.filter(used_at=None, revoked_at=None),
             "invite_form": InviteForm(),
@@ -312,6 +327,25 @@ def membership_role(request, slug, membership_id):
         lab_services.set_role(request.user, membership, form.cleaned_data["role"], request=request)
     except LabError as exc:
         messages.error(request, str(exc))
+    return redirect("member_grant", lab.slug, membership.pk)
+
+
+@login_required
+@require_POST
+def membership_share(request, slug, membership_id):
+    """A lab admin sets a member's share of the lab's pool."""
+    lab = access.get_admin_lab(request.user, slug)
+    membership = access.get_membership_for_admin(request.user, lab, membership_id)
+    form = ShareForm(request.POST)
+    try:
+        if not form.is_valid():
+            raise fair_share.ShareError(" ".join(form.errors["share"]))
+        fair_share.set_share(request.user, membership, form.cleaned_data["share"], request=request)
+    except fair_share.ShareError as exc:
+        messages.error(request, f"The share was not changed: {exc}")
+    else:
+        share = form.cleaned_data["share"]
+        messages.success(request, f"{membership.user.email}'s share of the pool is {share:g}.")
     return redirect("member_grant", lab.slug, membership.pk)
 
 

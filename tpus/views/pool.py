@@ -11,7 +11,7 @@ from django.views.decorators.http import require_POST
 
 from tpus import access
 from tpus.services import jobs as job_services
-from tpus.services import scheduler, usage
+from tpus.services import scheduler
 
 
 @login_required
@@ -22,14 +22,15 @@ def lab_job(request, slug, job_id):
     job = access.get_lab_job_for_viewer(request.user, lab, job_id)
     if job.vm_id is not None:
         return redirect("job_detail", lab.slug, job.vm_id, job.pk)
-    reason = job.reason
+    reason, position = job.reason, None
     if job.is_waiting:
-        reason = scheduler.why_they_wait(lab.pk, job.accelerator_type).get(job.pk, "")
+        line = scheduler.waiting_lines(lab.pk, job.accelerator_type).get(job.pk)
+        reason, position = (line.reason, line.place) if line else ("", None)
     context = {
         "lab": lab,
         "job": job,
         "reason": reason,
-        "position": usage.position(job),
+        "position": position,
         "may_cancel": access.may_cancel_job(request.user, job) and job.can_cancel,
     }
     return render(request, "tpus/pool_job.html", context)
