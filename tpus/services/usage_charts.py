@@ -1,0 +1,528 @@
+"""Charts of a lab's TPU usage over a period, drawn on the server as inline SVG:
+worker-hours per person per day (stacked), the share of each day a portal job held
+each TPU VM, and how long jobs waited to start.
+
+Each chart is made by a pure function from its series to a ``Chart``: the shapes to
+draw, in the drawing's own units (a viewBox, so it scales to its box), and the rows of
+the table that holds the same figures. ``Chart.svg`` writes the shapes out, every text
+escaped. ``for_usage`` reads the series from ``services.usage`` in a fixed number of
+queries, whatever the number of jobs or people."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import statistics
+from dataclasses import dataclass, field
+from html import escape
+
+from django.utils.safestring import SafeString, mark_safe
+
+from tpus.services import usage
+
+WIDTH = 360  # the drawing's width, in its own units
+FONT = 12
+LEFT = 40  # room for the value axis's labels
+NAMES = 100  # room for a TPU VM's name at the left of its row
+RIGHT = 6
+TOP = 8
+BOTTOM = 22  # room for the days under the bars
+PLOT_HEIGHT = 150
+ROW = 24  # one TPU VM's row in the chart of time held
+DAILY_UP_TO = 62  # a longer period is drawn a week a bar
+TOP_PEOPLE = 5
+HELD_VMS = 20
+TEXT = "#5b6577"  # 5.8:1 on white
+GRID = "#dde1ea"
+
+HELD = (
+    "Time held: the share of the time a job the portal started was running on the TPU VM "
+    "(a running job holds every chip of it). How busy the chips were inside the job (their "
+    "duty cycle) is not read yet, and a process outside the portal is seen only when the "
+    "portal looks, so neither is in this chart."
+)
+WAITED = (
+    "A job's wait: from when it was submitted until it ran on every worker, on the day it "
+    "started. Jobs that have not started are not in it."
+)
+
+# Fills with at least 3:1 contrast on white (WCAG 1.4.11), each with its own pattern
+# as well, so that no series is told from its neighbour by colour alone.
+STYLES = [
+    ("#1f5fd6", "solid"),
+    ("#b3261e", "stripes"),
+    ("#176b32", "dots"),
+    ("#8a5100", "cross"),
+    ("#6b3fa0", "rows"),
+    ("#5b6577", "columns"),
+]
+
+
+# --- days and bars ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bin:
+    """The days one bar stands for: one day, or a week of a long period."""
+
+    first: dt.date
+    last: dt.date
+
+    @property
+    def days(self) -> list[dt.date]:
+        return [self.first + dt.timedelta(days=n) for n in range((self.last - self.first).days + 1)]
+
+    @property
+    def short(self) -> str:
+        return f"{self.first.day} {self.first:%b}"
+
+    @property
+    def label(self) -> str:
+        if self.first == self.last:
+            return f"{self.first.day} {self.first:%b %Y}"
+        return f"{self.first.day} {self.first:%b} – {self.last.day} {self.last:%b %Y}"
+
+
+def bins(first: dt.date, last: dt.date) -> list[Bin]:
+    """A bar per day from ``first`` to ``last``, or per week (the last one shorter)
+    when there are more than ``DAILY_UP_TO`` days."""
+    step = 1 if (last - first).days + 1 <= DAILY_UP_TO else 7
+    found, day = [], first
+    while day <= last:
+        end = min(day + dt.timedelta(days=step - 1), last)
+        found.append(Bin(day, end))
+        day = end + dt.timedelta(days=1)
+    return found
+
+
+def _bin_word(bars: list[Bin]) -> str:
+    return "Day" if all(b.first == b.last for b in bars) else "Week"
+
+
+# --- what a chart is -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Series:
+    label: str
+    colour: str
+    pattern: str
+
+
+@dataclass(frozen=True)
+class Rect:
+    x: float
+    y: float
+    width: float
+    height: float
+    series: int  # index into Chart.series
+    value: float  # what its height stands for, in the chart's unit
+
+
+@dataclass(frozen=True)
+class Text:
+    x: float
+    y: float
+    text: str
+    anchor: str = "middle"
+
+
+@dataclass
+class Chart:
+    """One chart: its shapes (in a ``WIDTH`` by ``height`` drawing) and its table
+    (``head``; ``rows``, each a row header and its cells)."""
+
+    id: str
+    title: str
+    description: str
+    height: float
+    series: list[Series]
+    rects: list[Rect] = field(default_factory=list)
+    texts: list[Text] = field(default_factory=list)
+    grid: list[float] = field(default_factory=list)  # y of each horizontal line
+    left: float = LEFT  # where the plot (and its lines) begins
+    head: list[str] = field(default_factory=list)
+    rows: list[list[str]] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def legend(self) -> list[tuple[str, Series]]:
+        """(pattern id, series) of each series, for the legend beside the drawing."""
+        return [(f"{self.id}-s{n}", s) for n, s in enumerate(self.series)]
+
+    @property
+    def svg(self) -> SafeString:
+        return render(self)
+
+
+def _styled(labels: list[str]) -> list[Series]:
+    return [Series(label, *STYLES[n % len(STYLES)]) for n, label in enumerate(labels)]
+
+
+def _scale(top: float, ticks: int = 4) -> float:
+    """A round step (1, 2, 2.5 or 5 times a power of ten) for ``ticks`` lines that
+    reach ``top``."""
+    if top <= 0:
+        return 1.0
+    raw = top / ticks
+    power = 10 ** math.floor(math.log10(raw))
+    return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw * (1 - 1e-9))
+
+
+def _number(value: float) -> str:
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+def _axes(chart: Chart, bars: list[Bin], left: float, top_value: float, step: float) -> float:
+    """The value axis's lines and labels, and the bars' labels under the plot; returns
+    the width of one bar's slot."""
+    slot = (WIDTH - left - RIGHT) / len(bars)
+    base = TOP + PLOT_HEIGHT
+    for n in range(round(top_value / step) + 1):
+        y = base - n * step * PLOT_HEIGHT / top_value
+        chart.grid.append(y)
+        chart.texts.append(Text(left - 4, y + FONT / 3, _number(n * step), "end"))
+    every = math.ceil(len(bars) / 6)
+    for n in range(0, len(bars), every):
+        chart.texts.append(Text(left + (n + 0.5) * slot, base + FONT + 4, bars[n].short))
+    return slot
+
+
+# --- worker-hours per person per day ---------------------------------------------------
+
+
+def people_chart(
+    bars: list[Bin],
+    people: list[tuple[int, str]],
+    per_day: dict[dt.date, dict],
+    *,
+    everyone: bool,
+) -> Chart:
+    """Stacked bars of worker-hours per bar of days: one part per person of ``people``
+    (id, name: the most used first) and, when ``everyone`` was counted, one for the
+    rest of the lab. ``per_day``: ``Usage.per_day("user", ...)``."""
+    labels = [name for _, name in people]
+    values = [[_hours(per_day, b, ident) for b in bars] for ident, _ in people]
+    if everyone:
+        rest = [
+            max(_hours(per_day, b, None) - sum(v[n] for v in values), 0.0)
+            for n, b in enumerate(bars)
+        ]
+        if any(v > 0.005 for v in rest):
+            labels.append("Everyone else")
+            values.append(rest)
+    word = _bin_word(bars)
+    chart = Chart(
+        id="chart-people",
+        title=f"Worker-hours per person, a bar per {word.lower()}",
+        description="",
+        height=TOP + PLOT_HEIGHT + BOTTOM,
+        series=_styled(labels),
+        head=[word, *labels, "Total"],
+    )
+    totals = _stack(chart, bars, values)
+    for n, (b, total) in enumerate(zip(bars, totals, strict=True)):
+        chart.rows.append([b.label, *(f"{v[n]:.2f}" for v in values), f"{total:.2f}"])
+    busiest = max(range(len(bars)), key=lambda n: totals[n]) if bars else None
+    chart.description = (
+        f"Stacked bars from {bars[0].label} to {bars[-1].label}, worker-hours of "
+        + (", ".join(labels) if labels else "no one")
+        + (
+            f". The largest bar is {bars[busiest].label}: {totals[busiest]:.2f} worker-hours"
+            if busiest is not None and totals[busiest] > 0
+            else ". No job ran"
+        )
+        + ". The table below the chart has every figure."
+    )
+    return chart
+
+
+def _hours(per_day: dict[dt.date, dict], b: Bin, ident) -> float:
+    return sum(
+        (per_day.get(day, {}).get(ident) or dt.timedelta()).total_seconds() / 3600 for day in b.days
+    )
+
+
+def _stack(chart: Chart, bars: list[Bin], values: list[list[float]]) -> list[float]:
+    """One rectangle per series and bar, stacked; returns each bar's total."""
+    totals = [sum(v[n] for v in values) for n in range(len(bars))]
+    step = _scale(max(totals, default=0))
+    top_value = step * max(1, math.ceil(max(totals, default=0) / step - 1e-9))
+    slot = _axes(chart, bars, LEFT, top_value, step)
+    width = max(slot * 0.75, 0.5)
+    for n in range(len(bars)):
+        x = LEFT + n * slot + (slot - width) / 2
+        y = TOP + PLOT_HEIGHT
+        for s, series in enumerate(values):
+            if series[n] <= 0:
+                continue
+            height = series[n] * PLOT_HEIGHT / top_value
+            y -= height
+            chart.rects.append(Rect(x, y, width, height, s, series[n]))
+    return totals
+
+
+# --- time held per TPU VM --------------------------------------------------------------
+
+
+def day_lengths(bars: list[Bin], now: dt.datetime) -> dict[dt.date, dt.timedelta]:
+    """How much of each day had passed at ``now`` (a whole day for a past one)."""
+    found = {}
+    for b in bars:
+        for day in b.days:
+            whole = usage.Period(day, day)
+            found[day] = max(min(whole.end, now) - whole.start, dt.timedelta())
+    return found
+
+
+def held_chart(
+    bars: list[Bin],
+    vms: list[tuple[int, str]],
+    per_day: dict[dt.date, dict],
+    workers: dict[int, int],
+    lengths: dict[dt.date, dt.timedelta],
+    *,
+    whose: str = "a portal job",
+) -> Chart:
+    """A row per TPU VM of ``vms`` (id, name), a bar per bar of days: the share of
+    that time a portal job held the VM's chips. A job runs on every worker of its VM
+    at once, so its worker-time over the VM's ``workers`` is its time.
+
+    Each row can hold more than one series side by side (``series``); what holds a
+    chip outside the portal is seen only at a look, not over time, so is not in it."""
+    series = _styled(["Time held"])
+    rows = [[_held(per_day, b, ident, workers.get(ident) or 1, lengths) for b in bars]
+            for ident, _ in vms]  # fmt: skip
+    chart = _rows_chart(
+        "chart-held",
+        f"Share of each {_bin_word(bars).lower()} {whose} held each TPU VM",
+        bars,
+        [name for _, name in vms],
+        series,
+        [[row] for row in rows],
+        overall=[
+            _held_over(per_day, bars, ident, workers.get(ident) or 1, lengths) for ident, _ in vms
+        ],
+    )
+    chart.note = HELD
+    return chart
+
+
+def _held(per_day, b: Bin, ident: int, workers: int, lengths) -> float | None:
+    passed = sum((lengths[day] for day in b.days), dt.timedelta())
+    if not passed:
+        return None  # not begun yet
+    held = sum((per_day.get(day, {}).get(ident) or dt.timedelta() for day in b.days),
+               dt.timedelta()) / workers  # fmt: skip
+    return min(held / passed, 1.0)
+
+
+def _held_over(per_day, bars: list[Bin], ident: int, workers: int, lengths) -> float | None:
+    return _held(per_day, Bin(bars[0].first, bars[-1].last), ident, workers, lengths)
+
+
+def _rows_chart(
+    chart_id: str,
+    title: str,
+    bars: list[Bin],
+    names: list[str],
+    series: list[Series],
+    values: list[list[list[float | None]]],  # per row, per series, per bar: 0 to 1
+    *,
+    overall: list[float | None],
+) -> Chart:
+    chart = Chart(
+        id=chart_id,
+        title=title,
+        description="",
+        height=TOP + ROW * max(len(names), 1) + BOTTOM,
+        series=series,
+        head=["TPU VM", "Whole period", *(b.label for b in bars)],
+        left=NAMES,
+    )
+    slot = (WIDTH - NAMES - RIGHT) / len(bars)
+    band = ROW - 6
+    for r, name in enumerate(names):
+        base = TOP + (r + 1) * ROW - 3
+        chart.grid.append(base)
+        chart.texts.append(Text(NAMES - 4, base - band / 2 + FONT / 3, _short(name), "end"))
+        width = max(slot * 0.8 / len(series), 0.5)
+        for s, per_bar in enumerate(values[r]):
+            for n, value in enumerate(per_bar):
+                if not value:
+                    continue
+                x = NAMES + n * slot + slot * 0.1 + s * width
+                chart.rects.append(Rect(x, base - value * band, width, value * band, s, value))
+        cells = [_percent(v) for v in values[r][0]]
+        chart.rows.append([name, _percent(overall[r]), *cells])
+    every = math.ceil(len(bars) / 5)
+    for n in range(0, len(bars), every):
+        chart.texts.append(Text(NAMES + (n + 0.5) * slot, chart.height - 6, bars[n].short))
+    chart.description = (
+        f"A row per TPU VM ({len(names)}), a bar per {_bin_word(bars).lower()} from "
+        f"{bars[0].label} to {bars[-1].label}; a full-height bar is the whole of that time. "
+        + (
+            "; ".join(
+                f"{n}: {_percent(o)} of the period" for n, o in zip(names, overall, strict=True)
+            )
+            if names
+            else "No TPU VM was used"
+        )
+        + ". The table below the chart has every figure."
+    )
+    return chart
+
+
+def _short(name: str, size: int = 15) -> str:
+    return name if len(name) <= size else name[: size - 1] + "…"
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.0f} %"
+
+
+# --- waiting to start ------------------------------------------------------------------
+
+
+def wait_chart(bars: list[Bin], waits: dict[dt.date, list[int]]) -> Chart:
+    """A bar per bar of days: the longest wait of the jobs that started then, and in
+    front of it their median wait (from being submitted until running on every
+    worker). ``waits``: ``Usage.waits()``."""
+    per_bar = [sorted(w for day in b.days for w in waits.get(day, [])) for b in bars]
+    longest = [w[-1] if w else 0 for w in per_bar]
+    median = [statistics.median(w) if w else 0 for w in per_bar]
+    top = max(longest, default=0)
+    unit, size = ("minutes", 60) if top < 3 * 3600 else ("hours", 3600)
+    word = _bin_word(bars)
+    chart = Chart(
+        id="chart-waits",
+        title=f"Waiting to start, in {unit}: the longest and the median wait each {word.lower()}",
+        description="",
+        height=TOP + PLOT_HEIGHT + BOTTOM,
+        series=[
+            Series("Longest wait", "#5b6577", "stripes"),
+            Series("Median wait", "#1f5fd6", "solid"),
+        ],
+        head=[word, "Jobs started", "Median wait", "Longest wait"],
+    )
+    step = _scale(top / size)
+    top_value = step * max(1, math.ceil(top / size / step - 1e-9))
+    slot = _axes(chart, bars, LEFT, top_value, step)
+    base = TOP + PLOT_HEIGHT
+    for n in range(len(bars)):
+        for s, (value, share) in enumerate(((longest[n], 0.75), (median[n], 0.4))):
+            if value <= 0:
+                continue
+            width = max(slot * share, 0.5)
+            height = value / size * PLOT_HEIGHT / top_value
+            x = LEFT + n * slot + (slot - width) / 2
+            chart.rects.append(Rect(x, base - height, width, height, s, value / size))
+    for b, jobs, m, most in zip(bars, per_bar, median, longest, strict=True):
+        chart.rows.append(
+            [b.label, str(len(jobs)), *((_wait(m), _wait(most)) if jobs else ("–", "–"))]
+        )
+    chart.note = WAITED
+    started = sum(len(w) for w in per_bar)
+    chart.description = (
+        f"A bar per {word.lower()} from {bars[0].label} to {bars[-1].label}: the longest wait "
+        f"of the jobs that started then, with their median wait in front of it. {started} "
+        f"job{'s' if started != 1 else ''} started"
+        + (f"; the longest waited {_wait(top)}" if started else "")
+        + ". The table below the chart has every figure."
+    )
+    return chart
+
+
+def _wait(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+
+
+# --- drawing ---------------------------------------------------------------------------
+
+
+def _pattern(pid: str, colour: str, kind: str) -> str:
+    """A fill: the colour, with white marks of its own kind over it."""
+    marks = {
+        "solid": "",
+        "stripes": '<path d="M0 0V6" stroke="#fff" stroke-width="2"/>',
+        "dots": '<circle cx="3" cy="3" r="1.3" fill="#fff"/>',
+        "cross": '<path d="M0 3H6M3 0V6" stroke="#fff" stroke-width="1"/>',
+        "rows": '<path d="M0 3H6" stroke="#fff" stroke-width="1.5"/>',
+        "columns": '<path d="M3 0V6" stroke="#fff" stroke-width="1.5"/>',
+    }[kind]
+    turn = ' patternTransform="rotate(45)"' if kind == "stripes" else ""
+    return (
+        f'<pattern id="{pid}" width="6" height="6" patternUnits="userSpaceOnUse"{turn}>'
+        f'<rect width="6" height="6" fill="{colour}"/>{marks}</pattern>'
+    )
+
+
+def render(chart: Chart) -> SafeString:
+    """The chart as an inline ``<svg role="img">`` named by its title and description;
+    every text in it escaped."""
+    cid = escape(chart.id)
+    out = [
+        f'<svg class="chart" role="img" viewBox="0 0 {WIDTH} {chart.height:.0f}" '
+        f'aria-labelledby="{cid}-title {cid}-desc" font-size="{FONT}" '
+        f'font-family="system-ui, sans-serif" xmlns="http://www.w3.org/2000/svg">',
+        f'<title id="{cid}-title">{escape(chart.title)}</title>',
+        f'<desc id="{cid}-desc">{escape(chart.description)}</desc><defs>',
+        *(_pattern(pid, s.colour, s.pattern) for pid, s in chart.legend),
+        "</defs>",
+    ]
+    if chart.grid:
+        lines = "".join(f"M{chart.left} {y:.1f}H{WIDTH - RIGHT}" for y in chart.grid)
+        out.append(f'<path d="{lines}" stroke="{GRID}" stroke-width="0.75" fill="none"/>')
+    fills = [f"url(#{cid}-s{n})" for n in range(len(chart.series))]
+    out.append('<g stroke="#fff" stroke-width="0.5">')
+    out.extend(
+        f'<rect x="{r.x:.1f}" y="{r.y:.1f}" width="{r.width:.1f}" height="{r.height:.1f}" '
+        f'fill="{fills[r.series]}"/>'
+        for r in chart.rects
+    )
+    out.append(f'</g><g fill="{TEXT}">')
+    out.extend(
+        f'<text x="{t.x:.1f}" y="{t.y:.1f}" text-anchor="{t.anchor}">{escape(t.text)}</text>'
+        for t in chart.texts
+    )
+    out.append("</g></svg>")
+    return mark_safe("".join(out))  # noqa: S308 (every text above is escaped)
+
+
+# --- the usage page's charts -----------------------------------------------------------
+
+
+def for_usage(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) -> list[Chart]:
+    """The usage page's charts of ``figures``' period: the most used people's
+    worker-hours per day, the time held of the TPU VMs of ``vm_rows`` (a page of
+    ``usage.MostUsedFirst``, named; its first ``HELD_VMS``), and the waits. Six
+    queries at most, most of them kept in the cache until more jobs are counted."""
+    period = figures.period
+    bars = bins(period.first, period.last)
+    top = usage.name_people(figures.ranked("user", 0, TOP_PEOPLE))
+    people = [(row["id"], row["username"] or row["email"]) for row in top]
+    vms = [(row["id"], row["vm_name"]) for row in vm_rows[:HELD_VMS]]
+    held = held_chart(
+        bars,
+        vms,
+        figures.per_day("vm", [ident for ident, _ in vms]),
+        usage.worker_counts(ident for ident, _ in vms),
+        day_lengths(bars, figures.now),
+        whose="a portal job" if everyone else "your jobs",
+    )
+    if len(vm_rows) > HELD_VMS:
+        held.note += f" The {HELD_VMS} TPU VMs of this page of “Per TPU VM” used the most."
+    return [
+        people_chart(
+            bars, people, figures.per_day("user", [i for i, _ in people]), everyone=everyone
+        ),
+        held,
+        wait_chart(bars, figures.waits()),
+    ]
