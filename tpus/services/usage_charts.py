@@ -23,12 +23,12 @@ from tpus.services import usage
 WIDTH = 360  # the drawing's width, in its own units
 FONT = 12
 LEFT = 40  # room for the value axis's labels
-NAMES = 100  # room for a TPU VM's name at the left of its row
-RIGHT = 6
+NAMES = 110  # room for a TPU VM's name at the left of its row
+RIGHT = 20  # room for half of the last bar's label
 TOP = 8
 BOTTOM = 22  # room for the days under the bars
 PLOT_HEIGHT = 150
-ROW = 24  # one TPU VM's row in the chart of time held
+ROW = 30  # one TPU VM's row in the chart of time held
 DAILY_UP_TO = 62  # a longer period is drawn a week a bar
 TOP_PEOPLE = 5
 HELD_VMS = 20
@@ -141,6 +141,7 @@ class Chart:
     texts: list[Text] = field(default_factory=list)
     grid: list[float] = field(default_factory=list)  # y of each horizontal line
     left: float = LEFT  # where the plot (and its lines) begins
+    guides: list[float] = field(default_factory=list)  # y of each dotted line
     head: list[str] = field(default_factory=list)
     rows: list[list[str]] = field(default_factory=list)
     note: str = ""
@@ -345,6 +346,7 @@ def _rows_chart(
     for r, name in enumerate(names):
         base = TOP + (r + 1) * ROW - 3
         chart.grid.append(base)
+        chart.guides.append(base - band)  # a full bar's top
         chart.texts.append(Text(NAMES - 4, base - band / 2 + FONT / 3, _short(name), "end"))
         width = max(slot * 0.8 / len(series), 0.5)
         for s, per_bar in enumerate(values[r]):
@@ -373,7 +375,7 @@ def _rows_chart(
     return chart
 
 
-def _short(name: str, size: int = 15) -> str:
+def _short(name: str, size: int = 14) -> str:
     return name if len(name) <= size else name[: size - 1] + "…"
 
 
@@ -480,6 +482,12 @@ def render(chart: Chart) -> SafeString:
     if chart.grid:
         lines = "".join(f"M{chart.left} {y:.1f}H{WIDTH - RIGHT}" for y in chart.grid)
         out.append(f'<path d="{lines}" stroke="{GRID}" stroke-width="0.75" fill="none"/>')
+    if chart.guides:
+        lines = "".join(f"M{chart.left} {y:.1f}H{WIDTH - RIGHT}" for y in chart.guides)
+        out.append(
+            f'<path d="{lines}" stroke="{GRID}" stroke-width="0.75" stroke-dasharray="2 2" '
+            'fill="none"/>'
+        )
     fills = [f"url(#{cid}-s{n})" for n in range(len(chart.series))]
     out.append('<g stroke="#fff" stroke-width="0.5">')
     out.extend(

@@ -258,13 +258,17 @@ def test_many_people_on_the_page_are_the_five_most_used_and_everyone_else(client
     ]  # fmt: skip
 
 
-def test_another_labs_usage_and_its_charts_are_not_found(client, scene, make_lab):
-    other = make_lab("Elsewhere", slug="elsewhere")
-    make_vm(other, "theirs")
-    client.force_login(scene.milo)
-    response = client.get(reverse("lab_usage", args=["elsewhere"]) + PERIOD)
-    assert response.status_code == 404
-    assert b"chart-people" not in response.content
+def test_another_labs_usage_and_its_charts_are_not_found(client, scene, cast):
+    theirs = make_vm(cast.other_lab, "theirs")
+    make_job(theirs, cast.outsider, "succeeded", started_at=at(10, 1), ended_at=at(10, 2))
+    for who in (scene.milo, scene.admin):
+        client.force_login(who)
+        response = client.get(reverse("lab_usage", args=["other"]) + PERIOD)
+        assert response.status_code == 404
+        assert b"chart-people" not in response.content
+    client.force_login(cast.outsider)
+    body = client.get(reverse("lab_usage", args=["other"]) + PERIOD).content.decode()
+    assert _chart_table(body, "chart-held") == [["theirs", "2 %", "4 %", "0 %"]]
 
 
 def _queries(client, url) -> int:
