@@ -16,6 +16,7 @@ import statistics
 from dataclasses import dataclass, field
 from html import escape
 
+from django.utils import timezone
 from django.utils.safestring import SafeString, mark_safe
 
 from tpus.services import usage
@@ -203,11 +204,12 @@ def people_chart(
     (id, name: the most used first) and, when ``everyone`` was counted, one for the
     rest of the lab. ``per_day``: ``Usage.per_day("user", ...)``."""
     labels = [name for _, name in people]
-    values = [[_hours(per_day, b, ident) for b in bars] for ident, _ in people]
+    sums = per_bar(bars, per_day, [ident for ident, _ in people] + [None])
+    values = [[t.total_seconds() / 3600 for t in sums[ident]] for ident, _ in people]
     if everyone:
         rest = [
-            max(_hours(per_day, b, None) - sum(v[n] for v in values), 0.0)
-            for n, b in enumerate(bars)
+            max(t.total_seconds() / 3600 - sum(v[n] for v in values), 0.0)
+            for n, t in enumerate(sums[None])
         ]
         if any(v > 0.005 for v in rest):
             labels.append("Everyone else")
@@ -238,10 +240,19 @@ def people_chart(
     return chart
 
 
-def _hours(per_day: dict[dt.date, dict], b: Bin, ident) -> float:
-    return sum(
-        (per_day.get(day, {}).get(ident) or dt.timedelta()).total_seconds() / 3600 for day in b.days
-    )
+def per_bar(bars: list[Bin], per_day: dict[dt.date, dict], idents) -> dict:
+    """Each of ``idents``' time (``Usage.per_day``) summed per bar: one pass over
+    the days that have any."""
+    bar_of = {day: n for n, b in enumerate(bars) for day in b.days}
+    found = {ident: [dt.timedelta()] * len(bars) for ident in idents}
+    for day, sums in per_day.items():
+        n = bar_of.get(day)
+        if n is None:
+            continue
+        for ident, time in sums.items():
+            if ident in found and time:
+                found[ident][n] += time
+    return found
 
 
 def _stack(chart: Chart, bars: list[Bin], values: list[list[float]]) -> list[float]:
@@ -268,12 +279,19 @@ def _stack(chart: Chart, bars: list[Bin], values: list[list[float]]) -> list[flo
 
 def day_lengths(bars: list[Bin], now: dt.datetime) -> dict[dt.date, dt.timedelta]:
     """How much of each day had passed at ``now`` (a whole day for a past one)."""
-    found = {}
-    for b in bars:
-        for day in b.days:
-            whole = usage.Period(day, day)
-            found[day] = max(min(whole.end, now) - whole.start, dt.timedelta())
-    return found
+    zone = timezone.get_current_timezone()
+    days = [day for b in bars for day in b.days]
+    # Instants as timestamps: two aware times of one zone subtract as wall-clock
+    # times, which would make every day 24 hours long, DST or not.
+    ends = [
+        dt.datetime.combine(day, dt.time(), tzinfo=zone).timestamp()
+        for day in (*days, days[-1] + dt.timedelta(days=1))
+    ]
+    now_ts = now.timestamp()
+    return {
+        day: dt.timedelta(seconds=max(min(ends[n + 1], now_ts) - ends[n], 0))
+        for n, day in enumerate(days)
+    }
 
 
 def held_chart(
@@ -292,8 +310,13 @@ def held_chart(
     Each row can hold more than one series side by side (``series``); what holds a
     chip outside the portal is seen only at a look, not over time, so is not in it."""
     series = _styled(["Time held"])
-    rows = [[_held(per_day, b, ident, workers.get(ident) or 1, lengths) for b in bars]
-            for ident, _ in vms]  # fmt: skip
+    passed = per_bar(bars, {day: {None: time} for day, time in lengths.items()}, [None])[None]
+    held = per_bar(bars, per_day, [ident for ident, _ in vms])
+    rows, overall = [], []
+    for ident, _ in vms:
+        times = [time / (workers.get(ident) or 1) for time in held[ident]]
+        rows.append([_share(t, p) for t, p in zip(times, passed, strict=True)])
+        overall.append(_share(sum(times, dt.timedelta()), sum(passed, dt.timedelta())))
     chart = _rows_chart(
         "chart-held",
         f"Share of each {_bin_word(bars).lower()} {whose} held each TPU VM",
@@ -301,25 +324,15 @@ def held_chart(
         [name for _, name in vms],
         series,
         [[row] for row in rows],
-        overall=[
-            _held_over(per_day, bars, ident, workers.get(ident) or 1, lengths) for ident, _ in vms
-        ],
+        overall=overall,
     )
     chart.note = HELD
     return chart
 
 
-def _held(per_day, b: Bin, ident: int, workers: int, lengths) -> float | None:
-    passed = sum((lengths[day] for day in b.days), dt.timedelta())
-    if not passed:
-        return None  # not begun yet
-    held = sum((per_day.get(day, {}).get(ident) or dt.timedelta() for day in b.days),
-               dt.timedelta()) / workers  # fmt: skip
-    return min(held / passed, 1.0)
-
-
-def _held_over(per_day, bars: list[Bin], ident: int, workers: int, lengths) -> float | None:
-    return _held(per_day, Bin(bars[0].first, bars[-1].last), ident, workers, lengths)
+def _share(held: dt.timedelta, passed: dt.timedelta) -> float | None:
+    """``held`` of ``passed``; None for time that has not begun yet."""
+    return min(held / passed, 1.0) if passed else None
 
 
 def _rows_chart(

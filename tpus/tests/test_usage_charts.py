@@ -124,6 +124,17 @@ def test_time_held_is_a_jobs_worker_time_over_the_vms_workers_and_the_time_passe
     assert "duty cycle" in chart.note and "outside the portal" in chart.note
 
 
+def test_the_day_the_clocks_go_forward_is_23_hours_long():
+    import zoneinfo
+
+    from django.utils import timezone
+
+    days = bins(dt.date(2026, 3, 28), dt.date(2026, 3, 30))
+    with timezone.override(zoneinfo.ZoneInfo("Europe/Berlin")):
+        lengths = usage_charts.day_lengths(days, dt.datetime(2026, 4, 1, tzinfo=dt.UTC))
+    assert [lengths[b.first] for b in days] == [24 * H, 23 * H, 24 * H]
+
+
 def test_a_day_that_has_not_begun_is_no_bar_and_a_dash():
     days = bins(JAN[0], JAN[1])
     lengths = usage_charts.day_lengths(days, dt.datetime(2026, 1, 1, 6, tzinfo=dt.UTC))
