@@ -9,8 +9,9 @@ import bisect
 import datetime as dt
 import functools
 import hashlib
+import itertools
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.core.cache import cache
 from django.db import IntegrityError, transaction
@@ -22,6 +23,7 @@ from django.db.models import (
     ExpressionWrapper,
     F,
     IntegerField,
+    Max,
     OuterRef,
     Q,
     QuerySet,
@@ -482,13 +484,13 @@ class Usage:
             if self.period.first <= day <= self.period.last and time
         }
 
-    def waits(self) -> dict[dt.date, list[int]]:
-        """Per day of the period, the seconds each job that started that day waited,
-        from being submitted until it ran on every worker, shortest first. The counted
-        jobs' in one query (kept in the cache until more are counted), the others from
-        the jobs read one by one anyway."""
+    def waits(self) -> dict[dt.date, Waits]:
+        """How long the jobs that started on each day of the period waited, from being
+        submitted until they ran on every worker (``Waits``). The counted jobs' counted
+        per day in one query (kept in the cache until more are counted), the others
+        from the jobs read one by one anyway."""
 
-        def read() -> dict[dt.date, list[int]]:
+        def read() -> dict[dt.date, Waits]:
             jobs = Job.objects.filter(
                 vm__lab=self.lab,
                 usage_counted=True,
@@ -497,25 +499,55 @@ class Usage:
             )
             if self.user is not None:
                 jobs = jobs.filter(user=self.user)
-            found: dict[dt.date, list[int]] = {}
-            for day, wait in (
+            edges = [dt.timedelta(seconds=edge) for edge in WAIT_EDGES]
+            spans = [Q(wait__lt=edges[0])]
+            spans += [Q(wait__gte=low, wait__lt=high) for low, high in itertools.pairwise(edges)]
+            spans += [Q(wait__gte=edges[-1])]
+            rows = (
                 jobs.annotate(
                     day=TruncDate("started_at"),
                     wait=ExpressionWrapper(F("started_at") - F("queued_at"), DurationField()),
                 )
-                .order_by("day", "wait")
-                .values_list("day", "wait")
-            ):
-                found.setdefault(day, []).append(max(round(wait.total_seconds()), 0))
-            return found
+                .values("day")
+                .annotate(
+                    longest=Max("wait"),
+                    **{f"span_{n}": Count("pk", filter=span) for n, span in enumerate(spans)},
+                )
+                .order_by()
+            )
+            return {
+                row["day"]: Waits(
+                    [row[f"span_{n}"] for n in range(len(spans))],
+                    max(round(row["longest"].total_seconds()), 0),
+                )
+                for row in rows
+            }
 
         found = self._cached("waits", read) if self.period.start < self.now else {}
         for job in self._live:
             day = timezone.localtime(job["started_at"]).date()
             if self.period.first <= day <= self.period.last:
-                wait = round((job["started_at"] - job["queued_at"]).total_seconds())
-                bisect.insort(found.setdefault(day, []), max(wait, 0))
+                waited = (job["started_at"] - job["queued_at"]).total_seconds()
+                found.setdefault(day, Waits()).add(waited)
         return found
+
+
+# How long jobs waited to start, in spans: under a minute, to ten minutes, to an hour,
+# to six hours, and longer (seconds).
+WAIT_EDGES = (60, 600, 3600, 6 * 3600)
+
+
+@dataclass
+class Waits:
+    """The jobs that started on one day: how many waited within each span of
+    ``WAIT_EDGES`` (``counts``), and the longest wait in seconds."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_EDGES) + 1))
+    longest: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.counts[bisect.bisect_right(WAIT_EDGES, seconds)] += 1
+        self.longest = max(self.longest, round(seconds))
 
 
 def worker_counts(vm_ids) -> dict[int, int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import statistics
 from dataclasses import dataclass, field
 from html import escape
 
@@ -43,8 +42,8 @@ HELD = (
     "portal looks, so neither is in this chart."
 )
 WAITED = (
-    "A job's wait: from when it was submitted until it ran on every worker, on the day it "
-    "started. Jobs that have not started are not in it."
+    "A job's wait: from when it was submitted until it ran on every worker, counted on the "
+    "day it started. Jobs that have not started are not in it."
 )
 
 # Fills with at least 3:1 contrast on white (WCAG 1.4.11), each with its own pattern
@@ -81,7 +80,8 @@ class Bin:
     def label(self) -> str:
         if self.first == self.last:
             return f"{self.first.day} {self.first:%b %Y}"
-        return f"{self.first.day} {self.first:%b} – {self.last.day} {self.last:%b %Y}"
+        first = f"{self.first:%b}" if self.first.year == self.last.year else f"{self.first:%b %Y}"
+        return f"{self.first.day} {first} – {self.last.day} {self.last:%b %Y}"
 
 
 def bins(first: dt.date, last: dt.date) -> list[Bin]:
@@ -161,14 +161,18 @@ def _styled(labels: list[str]) -> list[Series]:
     return [Series(label, *STYLES[n % len(STYLES)]) for n, label in enumerate(labels)]
 
 
-def _scale(top: float, ticks: int = 4) -> float:
-    """A round step (1, 2, 2.5 or 5 times a power of ten) for ``ticks`` lines that
-    reach ``top``."""
+def _scale(top: float, ticks: int = 4, *, whole: bool = False) -> float:
+    """A round step (1, 2, 2.5 or 5 times a power of ten; a whole number when
+    ``whole``) for ``ticks`` lines that reach ``top``."""
     if top <= 0:
         return 1.0
     raw = top / ticks
     power = 10 ** math.floor(math.log10(raw))
-    return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw * (1 - 1e-9))
+    steps = [m * power for m in (1, 2, 2.5, 5, 10)]
+    if whole:
+        steps = [max(round(step), 1) for step in steps if step >= 1 and step == round(step)]
+        steps = steps or [1]
+    return next((step for step in steps if step >= raw * (1 - 1e-9)), steps[-1])
 
 
 def _number(value: float) -> str:
@@ -255,10 +259,13 @@ def per_bar(bars: list[Bin], per_day: dict[dt.date, dict], idents) -> dict:
     return found
 
 
-def _stack(chart: Chart, bars: list[Bin], values: list[list[float]]) -> list[float]:
-    """One rectangle per series and bar, stacked; returns each bar's total."""
+def _stack(
+    chart: Chart, bars: list[Bin], values: list[list[float]], *, whole: bool = False
+) -> list[float]:
+    """One rectangle per series and bar, stacked; returns each bar's total. ``whole``:
+    the values count things, so the axis's steps are whole numbers."""
     totals = [sum(v[n] for v in values) for n in range(len(bars))]
-    step = _scale(max(totals, default=0))
+    step = _scale(max(totals, default=0), whole=whole)
     top_value = step * max(1, math.ceil(max(totals, default=0) / step - 1e-9))
     slot = _axes(chart, bars, LEFT, top_value, step)
     width = max(slot * 0.75, 0.5)
@@ -399,50 +406,56 @@ def _percent(value: float | None) -> str:
 # --- waiting to start ------------------------------------------------------------------
 
 
-def wait_chart(bars: list[Bin], waits: dict[dt.date, list[int]]) -> Chart:
-    """A bar per bar of days: the longest wait of the jobs that started then, and in
-    front of it their median wait (from being submitted until running on every
-    worker). ``waits``: ``Usage.waits()``."""
-    per_bar = [sorted(w for day in b.days for w in waits.get(day, [])) for b in bars]
-    longest = [w[-1] if w else 0 for w in per_bar]
-    median = [statistics.median(w) if w else 0 for w in per_bar]
-    top = max(longest, default=0)
-    unit, size = ("minutes", 60) if top < 3 * 3600 else ("hours", 3600)
+# The spans of ``usage.WAIT_EDGES``, shortest first, each with its own colour and
+# pattern (green for the shortest, through to red and purple for the longest).
+WAIT_SPANS = [
+    Series("under 1 min", "#176b32", "solid"),
+    Series("1–10 min", "#1f5fd6", "stripes"),
+    Series("10 min–1 h", "#8a5100", "dots"),
+    Series("1–6 h", "#b3261e", "cross"),
+    Series("6 h or more", "#6b3fa0", "rows"),
+]
+
+
+def wait_chart(bars: list[Bin], waits: dict[dt.date, usage.Waits]) -> Chart:
+    """A bar per bar of days: the jobs that started then, stacked by how long they
+    waited (from being submitted until running on every worker), and in the table
+    the longest wait. ``waits``: ``Usage.waits()``."""
+    per_bar = [usage.Waits() for _ in bars]
+    bar_of = {day: n for n, b in enumerate(bars) for day in b.days}
+    for day, found in waits.items():
+        if day in bar_of:
+            into = per_bar[bar_of[day]]
+            into.counts = [a + b for a, b in zip(into.counts, found.counts, strict=True)]
+            into.longest = max(into.longest, found.longest)
     word = _bin_word(bars)
     chart = Chart(
         id="chart-waits",
-        title=f"Waiting to start, in {unit}: the longest and the median wait each {word.lower()}",
+        title=f"Jobs that started each {word.lower()}, by how long they waited",
         description="",
         height=TOP + PLOT_HEIGHT + BOTTOM,
-        series=[
-            Series("Longest wait", "#5b6577", "stripes"),
-            Series("Median wait", "#1f5fd6", "solid"),
-        ],
-        head=[word, "Jobs started", "Median wait", "Longest wait"],
+        series=WAIT_SPANS,
+        head=[word, "Jobs started", *(f"Waited {s.label}" for s in WAIT_SPANS), "Longest wait"],
+        note=WAITED,
     )
-    step = _scale(top / size)
-    top_value = step * max(1, math.ceil(top / size / step - 1e-9))
-    slot = _axes(chart, bars, LEFT, top_value, step)
-    base = TOP + PLOT_HEIGHT
-    for n in range(len(bars)):
-        for s, (value, share) in enumerate(((longest[n], 0.75), (median[n], 0.4))):
-            if value <= 0:
-                continue
-            width = max(slot * share, 0.5)
-            height = value / size * PLOT_HEIGHT / top_value
-            x = LEFT + n * slot + (slot - width) / 2
-            chart.rects.append(Rect(x, base - height, width, height, s, value / size))
-    for b, jobs, m, most in zip(bars, per_bar, median, longest, strict=True):
-        chart.rows.append(
-            [b.label, str(len(jobs)), *((_wait(m), _wait(most)) if jobs else ("–", "–"))]
-        )
-    chart.note = WAITED
-    started = sum(len(w) for w in per_bar)
+    values = [[float(w.counts[s]) for w in per_bar] for s in range(len(WAIT_SPANS))]
+    totals = _stack(chart, bars, values, whole=True)
+    for b, w, total in zip(bars, per_bar, totals, strict=True):
+        longest = _wait(w.longest) if total else "–"
+        chart.rows.append([b.label, str(round(total)), *map(str, w.counts), longest])
+    started = round(sum(totals))
+    longest = max((w.longest for w in per_bar if sum(w.counts)), default=None)
+    spans = [(sum(w.counts[s] for w in per_bar), span) for s, span in enumerate(WAIT_SPANS)]
     chart.description = (
-        f"A bar per {word.lower()} from {bars[0].label} to {bars[-1].label}: the longest wait "
-        f"of the jobs that started then, with their median wait in front of it. {started} "
-        f"job{'s' if started != 1 else ''} started"
-        + (f"; the longest waited {_wait(top)}" if started else "")
+        f"Stacked bars from {bars[0].label} to {bars[-1].label}: the jobs that started, "
+        f"by how long they waited. {started} job{'s' if started != 1 else ''} started"
+        + (
+            ": "
+            + ", ".join(f"{n} waited {s.label}" for n, s in spans if n)
+            + f"; the longest waited {_wait(longest)}"
+            if started
+            else ""
+        )
         + ". The table below the chart has every figure."
     )
     return chart

@@ -142,18 +142,32 @@ def test_a_day_that_has_not_begun_is_no_bar_and_a_dash():
     assert chart.rows == [["pod", "50 %", "50 %", "–"]]
 
 
-def test_the_wait_chart_shows_the_median_and_the_longest_wait_of_each_day():
-    waits = {JAN[0]: [60, 120, 1200], JAN[3]: [30]}
+def _waits(*seconds) -> usage.Waits:
+    found = usage.Waits()
+    for wait in seconds:
+        found.add(wait)
+    return found
+
+
+def test_the_wait_chart_stacks_each_days_jobs_by_how_long_they_waited():
+    waits = {JAN[0]: _waits(59, 60, 120, 1200, 4 * 3600), JAN[3]: _waits(30), JAN[4]: _waits()}
     chart = wait_chart(_week(), waits)
+    assert chart.head == [
+        "Day", "Jobs started", "Waited under 1 min", "Waited 1–10 min", "Waited 10 min–1 h",
+        "Waited 1–6 h", "Waited 6 h or more", "Longest wait",
+    ]  # fmt: skip
     rows = {row[0]: row[1:] for row in chart.rows}
-    assert rows["1 Jan 2026"] == ["3", "2 min", "20 min"]
-    assert rows["4 Jan 2026"] == ["1", "30 s", "30 s"]
-    assert rows["2 Jan 2026"] == ["0", "–", "–"]
-    assert "minutes" in chart.title
-    first = _stacks(chart)[0]
-    assert sorted(r.value for r in first) == [2, 20]  # in minutes: median in front of longest
-    longest, median = sorted(first, key=lambda r: -r.height)
-    assert longest.width > median.width and longest.series == 0 and median.series == 1
+    assert rows["1 Jan 2026"] == ["5", "1", "2", "1", "1", "0", "4 h"]
+    assert rows["4 Jan 2026"] == ["1", "1", "0", "0", "0", "0", "30 s"]
+    assert rows["2 Jan 2026"] == rows["5 Jan 2026"] == ["0", "0", "0", "0", "0", "0", "–"]
+    stacks = _stacks(chart)
+    assert [sorted((r.series, r.value) for r in stack) for stack in stacks.values()] == [
+        [(0, 1), (1, 2), (2, 1), (3, 1)],
+        [(0, 1)],
+    ]
+    # Counted jobs: the axis steps by whole jobs.
+    assert [t.text for t in chart.texts if t.anchor == "end"] == ["0", "2", "4", "6"]
+    assert "4 h" in chart.description and "2 waited 1–10 min" in chart.description
 
 
 def test_every_text_in_the_drawing_is_escaped_and_it_is_named_by_its_title():
@@ -229,14 +243,18 @@ def test_the_waits_are_from_submission_to_start_on_the_day_it_started(client, sc
     )
     make_job(vm, scene.milo, "queued", queued_at=at(10, 1))  # not started: not in it
     client.force_login(scene.admin)
-    expected = [["10 Jan 2026", "3", "1 h 30 min", "2 h"], ["11 Jan 2026", "1", "40 s", "40 s"]]
+    # 2 h, 5 min and 1 h 30 min on the 10th; 40 s on the 11th.
+    expected = [
+        ["10 Jan 2026", "3", "0", "1", "0", "2", "0", "2 h"],
+        ["11 Jan 2026", "1", "1", "0", "0", "0", "0", "40 s"],
+    ]
     assert _chart_table(_usage(client), "chart-waits") == expected
     usage.count_all_ended_jobs()
     assert _chart_table(_usage(client), "chart-waits") == expected
     client.force_login(scene.milo)
     assert _chart_table(_usage(client), "chart-waits") == [
-        ["10 Jan 2026", "1", "2 h", "2 h"],
-        ["11 Jan 2026", "0", "–", "–"],
+        ["10 Jan 2026", "1", "0", "0", "0", "1", "0", "2 h"],
+        ["11 Jan 2026", "0", "0", "0", "0", "0", "0", "–"],
     ]
 
 
