@@ -10,7 +10,8 @@ usage page as the lab's admin and as a member, for the last 30 days and for a ye
 with ``usage_charts.for_usage`` returning none), alternately, so both see the same
 machine. "Cold" deletes the lab's usage version first (every sum is read from the
 database again, as after jobs were counted); "warm" reads the sums from the cache.
-Then the charts alone: ``for_usage`` (reading and shapes) and writing the SVG.
+Then the charts alone, part by part: reading their series, drawing them (shapes and
+tables), writing the SVG, and their template.
 
     .venv/bin/python -m bench.charts                # full scale, ~2 min
     .venv/bin/python -m bench.charts --scale 0.05   # a quick check
@@ -125,8 +126,12 @@ def measure(lab: dict, reps: int) -> list[list]:
 
 
 def charts_alone(lab: dict, reps: int) -> list[list]:
-    """``for_usage`` (its reads and shapes) and the SVG of its charts, cold and warm."""
+    """The charts' parts, as the lab's admin sees them: reading their series
+    (``read_series``: queries, or the cache), drawing them (``draw``: the shapes and
+    tables), writing the SVG, and the template of the charts with their tables; and
+    the CPU time of this thread over all four (what the load of others does not add)."""
     from django.core.cache import cache
+    from django.template.loader import render_to_string
     from django.utils import timezone
 
     from tpus.services import usage, usage_charts
@@ -138,24 +143,37 @@ def charts_alone(lab: dict, reps: int) -> list[list]:
         ("a year", usage.Period(today - dt.timedelta(days=365), today)),
     ):
         for cold in (True, False):
-            build, draw = [], []
+            times: dict[str, list[float]] = {"read": [], "draw": [], "svg": [], "html": []}
+            cpu: list[float] = []
             for _ in range(reps + 1):
                 if cold:
                     cache.delete(f"tpu-portal:usage-version:{lab['lab'].pk}")
-                started = time.perf_counter()
                 figures = usage.Usage(lab["lab"], period)
                 vms = usage.name_vms(figures.ranked("vm", 0, 50))
-                charts = usage_charts.for_usage(figures, vms, everyone=True)
-                built = time.perf_counter()
-                svgs = [str(c.svg) for c in charts]
+                figures.summary()  # what the page reads before the charts
+                began, cpu_began = time.perf_counter(), time.thread_time()
+                series = usage_charts.read_series(figures, vms, everyone=True)
+                read = time.perf_counter()
+                charts = usage_charts.draw(series)
                 drawn = time.perf_counter()
-                build.append((built - started) * 1000)
-                draw.append((drawn - built) * 1000)
-            shapes = sum(len(c.rects) for c in charts)
-            rows.append([name, "cold" if cold else "warm",
-                         round(statistics.median(build[1:]), 1),
-                         round(statistics.median(draw[1:]), 2), shapes,
-                         sum(len(s) for s in svgs)])  # fmt: skip
+                svgs = [str(c.svg) for c in charts]
+                written = time.perf_counter()
+                html = render_to_string("tpus/_usage_charts.html", {"charts": charts})
+                done = time.perf_counter()
+                cpu.append((time.thread_time() - cpu_began) * 1000)
+                for part, (a, b) in {
+                    "read": (began, read),
+                    "draw": (read, drawn),
+                    "svg": (drawn, written),
+                    "html": (written, done),
+                }.items():
+                    times[part].append((b - a) * 1000)  # fmt: skip
+            med = {part: statistics.median(t[1:]) for part, t in times.items()}
+            rows.append([name, "cold" if cold else "warm", round(med["read"], 1),
+                         round(med["draw"], 2), round(med["svg"], 2), round(med["html"], 1),
+                         round(sum(med.values()), 1), round(statistics.median(cpu[1:]), 1),
+                         sum(len(c.rects) for c in charts),
+                         sum(len(s) for s in svgs), len(html)])  # fmt: skip
     return rows
 
 
@@ -177,8 +195,9 @@ def main() -> None:
 
         print(
             f"Added {more} jobs that waited in the queue (counted in {seconds:.1f} s): "
-            f"{Job.objects.filter(vm__lab=lab['lab']).count()} jobs in the lab.\n{machine()}\n"
+            f"{Job.objects.filter(vm__lab=lab['lab']).count()} jobs in the lab.\n"
         )
+        print(f"{machine()}\n")
         print(
             f"The usage page in this process (Django test client, PostgreSQL, Redis cache), "
             f"median of {args.reps} per cell, with and without charts alternately:\n"
@@ -202,13 +221,29 @@ def main() -> None:
                 measure(lab, args.reps),
             )  # fmt: skip
         )
-        print("\nThe charts alone (the lab's admin): usage_charts.for_usage, then the SVG:\n")
+        print(
+            "\nThe charts alone (the lab's admin; after the page's own reads): reading the "
+            "series, drawing them, writing the SVG, the template with the tables:\n"
+        )
         print(
             table(
-                ["period", "sums", "for_usage ms", "svg ms", "rectangles", "svg bytes"],
+                [
+                    "period",
+                    "sums",
+                    "read ms",
+                    "draw ms",
+                    "svg ms",
+                    "template ms",
+                    "total ms",
+                    "total cpu ms",
+                    "rectangles",
+                    "svg bytes",
+                    "html bytes",
+                ],  # fmt: skip
                 charts_alone(lab, args.reps),
             )
         )
+        print(f"\nAfterwards: {machine()}")
     finally:
         stack.close()
 

@@ -156,6 +156,10 @@ class Chart:
     def svg(self) -> SafeString:
         return render(self)
 
+    @property
+    def table(self) -> SafeString:
+        return render_table(self)
+
 
 def _styled(labels: list[str]) -> list[Series]:
     return [Series(label, *STYLES[n % len(STYLES)]) for n, label in enumerate(labels)]
@@ -530,33 +534,86 @@ def render(chart: Chart) -> SafeString:
     return mark_safe("".join(out))  # noqa: S308 (every text above is escaped)
 
 
+def render_table(chart: Chart) -> SafeString:
+    """The chart's figures as a ``<table>``: a header per column, each row's first cell
+    its header; every text escaped. (Written here rather than in a template: a year of
+    a page of TPU VMs is a thousand cells.)"""
+    cid = escape(chart.id)
+    head = "".join(f'<th scope="col">{escape(cell)}</th>' for cell in chart.head)
+    body = "".join(
+        f'<tr><th scope="row">{escape(row[0])}</th>'
+        + "".join(f"<td>{escape(cell)}</td>" for cell in row[1:])
+        + "</tr>"
+        for row in chart.rows
+    )
+    return mark_safe(  # noqa: S308 (every text above is escaped)
+        f'<table id="{cid}-table"><caption class="visually-hidden">{escape(chart.title)}'
+        f"</caption><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    )
+
+
 # --- the usage page's charts -----------------------------------------------------------
 
 
-def for_usage(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) -> list[Chart]:
-    """The usage page's charts of ``figures``' period: the most used people's
-    worker-hours per day, the time held of the TPU VMs of ``vm_rows`` (a page of
-    ``usage.MostUsedFirst``, named; its first ``HELD_VMS``), and the waits. Six
-    queries at most, most of them kept in the cache until more jobs are counted."""
+@dataclass
+class UsageSeries:
+    """What the usage page's charts are drawn from (``read_series``)."""
+
+    bars: list[Bin]
+    everyone: bool
+    people: list[tuple[int, str]]
+    people_days: dict[dt.date, dict]
+    vms: list[tuple[int, str]]
+    more_vms: bool  # the page of VMs has more than the chart shows
+    vm_days: dict[dt.date, dict]
+    workers: dict[int, int]
+    lengths: dict[dt.date, dt.timedelta]
+    waits: dict[dt.date, usage.Waits]
+
+
+def read_series(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) -> UsageSeries:
+    """The series of ``figures``' period: the most used people's worker-time per day,
+    that of the TPU VMs of ``vm_rows`` (a page of ``usage.MostUsedFirst``, named; its
+    first ``HELD_VMS``) and their workers, and the waits. Six queries at most, four of
+    them kept in the cache until more jobs are counted."""
     period = figures.period
     bars = bins(period.first, period.last)
     top = usage.name_people(figures.ranked("user", 0, TOP_PEOPLE))
     people = [(row["id"], row["username"] or row["email"]) for row in top]
     vms = [(row["id"], row["vm_name"]) for row in vm_rows[:HELD_VMS]]
-    held = held_chart(
-        bars,
-        vms,
-        figures.per_day("vm", [ident for ident, _ in vms]),
-        usage.worker_counts(ident for ident, _ in vms),
-        day_lengths(bars, figures.now),
-        whose="a portal job" if everyone else "your jobs",
+    return UsageSeries(
+        bars=bars,
+        everyone=everyone,
+        people=people,
+        people_days=figures.per_day("user", [ident for ident, _ in people]),
+        vms=vms,
+        more_vms=len(vm_rows) > HELD_VMS,
+        vm_days=figures.per_day("vm", [ident for ident, _ in vms]),
+        workers=usage.worker_counts(ident for ident, _ in vms),
+        lengths=day_lengths(bars, figures.now),
+        waits=figures.waits(),
     )
-    if len(vm_rows) > HELD_VMS:
+
+
+def draw(series: UsageSeries) -> list[Chart]:
+    """The usage page's three charts of ``series``; no query."""
+    held = held_chart(
+        series.bars,
+        series.vms,
+        series.vm_days,
+        series.workers,
+        series.lengths,
+        whose="a portal job" if series.everyone else "your jobs",
+    )
+    if series.more_vms:
         held.note += f" The {HELD_VMS} TPU VMs of this page of “Per TPU VM” used the most."
     return [
-        people_chart(
-            bars, people, figures.per_day("user", [i for i, _ in people]), everyone=everyone
-        ),
+        people_chart(series.bars, series.people, series.people_days, everyone=series.everyone),
         held,
-        wait_chart(bars, figures.waits()),
+        wait_chart(series.bars, series.waits),
     ]
+
+
+def for_usage(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) -> list[Chart]:
+    """The usage page's charts (``read_series``, then ``draw``)."""
+    return draw(read_series(figures, vm_rows, everyone=everyone))

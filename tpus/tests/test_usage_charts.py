@@ -179,6 +179,9 @@ def test_every_text_in_the_drawing_is_escaped_and_it_is_named_by_its_title():
     assert 'aria-labelledby="chart-people-title chart-people-desc"' in svg
     assert '<title id="chart-people-title">' in svg and '<desc id="chart-people-desc">' in svg
     assert 'fill="url(#chart-people-s0)"' in svg and '<pattern id="chart-people-s0"' in svg
+    table = str(chart.table)
+    assert "<script>" not in table
+    assert '<th scope="col">&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;&amp;</th>' in table
 
 
 # --- the page --------------------------------------------------------------------------
