@@ -22,4 +22,6 @@
   document.addEventListener("DOMContentLoaded", mark);
   window.addEventListener("resize", mark);
   document.addEventListener("htmx:afterSettle", mark);
+  // A table under a chart (in a <details>) may make its card wider once opened.
+  document.addEventListener("toggle", mark, true);
 })();

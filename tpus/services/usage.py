@@ -5,11 +5,13 @@ of jobs; ``count_ended_jobs`` keeps the per-day rows the figures are summed from
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 import functools
 import hashlib
+import itertools
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.core.cache import cache
 from django.db import IntegrityError, transaction
@@ -21,6 +23,7 @@ from django.db.models import (
     ExpressionWrapper,
     F,
     IntegerField,
+    Max,
     OuterRef,
     Q,
     QuerySet,
@@ -29,11 +32,11 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Coalesce, Greatest, Least
+from django.db.models.functions import Coalesce, Greatest, Least, TruncDate
 from django.utils import timezone
 
 from accounts.models import User
-from tpus.models import Job, Lab, TpuVm, UsageDay
+from tpus.models import Job, Lab, TpuVm, UsageDay, Worker
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
 from tpus.services import fair_share
 
@@ -46,6 +49,10 @@ WORKER_HOURS = (
 DEFAULT_DAYS = 30
 MAX_DAYS = 366
 QUEUE_SHOWN = 50
+# What is read of each job not in the per-day rows yet (``Usage._live``).
+LIVE_FIELDS = (
+    "user", "vm", "worker_time", "worker_count", "queued_at", "started_at", "ended_at",
+)  # fmt: skip
 
 
 # --- now -------------------------------------------------------------------------------
@@ -299,14 +306,12 @@ class Usage:
 
     @functools.cached_property
     def _live(self) -> list[dict]:
-        """The period's jobs whose time is not in the per-day rows: ``user``, ``vm``
-        and ``worker_time`` of each."""
+        """The period's jobs whose time is not in the per-day rows: ``user``, ``vm``,
+        ``worker_time`` and the times of each (``LIVE_FIELDS``)."""
         jobs = Job.objects.filter(vm__lab=self.lab, usage_counted=False)
         if self.user is not None:
             jobs = jobs.filter(user=self.user)
-        return list(
-            worker_time(jobs, self.period, self.now).order_by().values("user", "vm", "worker_time")
-        )
+        return list(worker_time(jobs, self.period, self.now).order_by().values(*LIVE_FIELDS))
 
     def _live_by(self, key: str) -> dict[int, Figures]:
         found: dict[int, Figures] = {}
@@ -439,6 +444,122 @@ class Usage:
         for live in self._live:
             found.setdefault((live["user"], live["vm"]), Figures()).add(1, live["worker_time"])
         return found
+
+    # --- per day, for the charts (``services.usage_charts``) ---
+
+    def per_day(self, key: str, ids) -> dict[dt.date, dict]:
+        """Worker-time on each day of the period that has any: of each of ``ids``
+        (``key``: ``user`` or ``vm``) that used it, and of everyone under ``None``. One
+        query grouped by day, kept in the cache like the other sums, plus the jobs not
+        counted yet, each cut at midnights as counting would."""
+        ids = sorted(ids)
+
+        def read() -> list[tuple]:
+            of = {f"of_{i}": Sum("worker_time", filter=Q(**{key: i})) for i in ids}
+            rows = self._days().values("day").annotate(all=Sum("worker_time"), **of).order_by()
+            return [
+                (
+                    row["day"],
+                    {None: row["all"], **{i: row[f"of_{i}"] for i in ids if row[f"of_{i}"]}},
+                )
+                for row in rows
+            ]
+
+        found = dict(self._cached(f"{key}:days:{_digest(ids)}", read))
+        wanted = set(ids)
+        for job in self._live:
+            for day, time in self._live_days(job).items():
+                sums = found.setdefault(day, {None: dt.timedelta()})
+                sums[None] += time
+                if job[key] in wanted:
+                    sums[job[key]] = sums.get(job[key], dt.timedelta()) + time
+        return found
+
+    def _live_days(self, job: dict) -> dict[dt.date, dt.timedelta]:
+        """A job not counted yet cut into the period's days (until now while it runs)."""
+        ended = job["ended_at"] or self.now  # as ``worker_time`` takes it
+        pieces = day_pieces(job["started_at"], ended, job["worker_count"])
+        return {
+            day: time
+            for day, (_, _, time) in pieces.items()
+            if self.period.first <= day <= self.period.last and time
+        }
+
+    def waits(self) -> dict[dt.date, Waits]:
+        """How long the jobs that started on each day of the period waited, from being
+        submitted until they ran on every worker (``Waits``). The counted jobs' counted
+        per day in one query (kept in the cache until more are counted), the others
+        from the jobs read one by one anyway."""
+
+        def read() -> dict[dt.date, Waits]:
+            jobs = Job.objects.filter(
+                vm__lab=self.lab,
+                usage_counted=True,
+                started_at__gte=self.period.start,
+                started_at__lt=self.period.end,
+            )
+            if self.user is not None:
+                jobs = jobs.filter(user=self.user)
+            edges = [dt.timedelta(seconds=edge) for edge in WAIT_EDGES]
+            spans = [Q(wait__lt=edges[0])]
+            spans += [Q(wait__gte=low, wait__lt=high) for low, high in itertools.pairwise(edges)]
+            spans += [Q(wait__gte=edges[-1])]
+            rows = (
+                jobs.annotate(
+                    day=TruncDate("started_at"),
+                    wait=ExpressionWrapper(F("started_at") - F("queued_at"), DurationField()),
+                )
+                .values("day")
+                .annotate(
+                    longest=Max("wait"),
+                    **{f"span_{n}": Count("pk", filter=span) for n, span in enumerate(spans)},
+                )
+                .order_by()
+            )
+            return {
+                row["day"]: Waits(
+                    [row[f"span_{n}"] for n in range(len(spans))],
+                    max(round(row["longest"].total_seconds()), 0),
+                )
+                for row in rows
+            }
+
+        found = self._cached("waits", read) if self.period.start < self.now else {}
+        for job in self._live:
+            day = timezone.localtime(job["started_at"]).date()
+            if self.period.first <= day <= self.period.last:
+                waited = (job["started_at"] - job["queued_at"]).total_seconds()
+                found.setdefault(day, Waits()).add(waited)
+        return found
+
+
+# How long jobs waited to start, in spans: under a minute, to ten minutes, to an hour,
+# to six hours, and longer (seconds).
+WAIT_EDGES = (60, 600, 3600, 6 * 3600)
+
+
+@dataclass
+class Waits:
+    """The jobs that started on one day: how many waited within each span of
+    ``WAIT_EDGES`` (``counts``), and the longest wait in seconds."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_EDGES) + 1))
+    longest: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.counts[bisect.bisect_right(WAIT_EDGES, seconds)] += 1
+        self.longest = max(self.longest, round(seconds))
+
+
+def worker_counts(vm_ids) -> dict[int, int]:
+    """How many workers each of ``vm_ids`` has: one query."""
+    return dict(
+        Worker.objects.filter(vm_id__in=list(vm_ids))
+        .order_by()
+        .values("vm")
+        .annotate(n=Count("pk"))
+        .values_list("vm", "n")
+    )
 
 
 def _rank(row: dict) -> tuple:

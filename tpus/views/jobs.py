@@ -21,7 +21,7 @@ from tpus import access
 from tpus.forms.jobs import JobForm, PeriodForm
 from tpus.models import Job
 from tpus.models.jobs import JobState, JobWorkerState
-from tpus.services import holders, job_logs, sshconfig, usage
+from tpus.services import holders, job_logs, sshconfig, usage, usage_charts
 from tpus.services import jobs as job_services
 
 RECENT_JOBS = 10
@@ -323,7 +323,8 @@ def lab_usage(request, slug):
         per_vm = page_of(request, usage.MostUsedFirst(figures, "vm", totals["vms"]), param="per_vm")
         usage.name_people(people.object_list)
         usage.name_vms(per_vm.object_list)
-        context.update(people=people, per_vm=per_vm, totals=totals)
+        charts = usage_charts.for_usage(figures, per_vm.object_list, everyone=is_admin)
+        context.update(people=people, per_vm=per_vm, totals=totals, charts=charts)
     return render(request, "tpus/lab_usage.html", context)
 
 

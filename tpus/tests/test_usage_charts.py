@@ -1,0 +1,332 @@
+"""The usage page's charts: worker-hours per person per day, the time a portal job held
+each TPU VM, and how long jobs waited to start. Their shapes add up to the figures of
+the tables under them, they show one's own jobs only to a member, and they cost a
+fixed number of queries."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+
+from tpus.models import Grant
+from tpus.services import usage, usage_charts
+from tpus.services.usage_charts import Bin, bins, held_chart, people_chart, wait_chart
+from tpus.tests import jobs_support, test_jobs_usage
+from tpus.tests.jobs_support import account, make_job, make_vm
+from tpus.tests.test_jobs_usage import PERIOD, at
+
+pytestmark = pytest.mark.django_db
+scene = jobs_support.scene
+history = test_jobs_usage.history
+
+H = dt.timedelta(hours=1)
+JAN = [dt.date(2026, 1, d) for d in range(1, 32)]
+
+
+def _week() -> list[Bin]:
+    return bins(JAN[0], JAN[6])
+
+
+def _stacks(chart) -> dict[int, list]:
+    """The chart's rectangles by the bar they stand in (by their middle)."""
+    found: dict[float, list] = {}
+    for rect in chart.rects:
+        found.setdefault(round(rect.x + rect.width / 2, 3), []).append(rect)
+    return {n: found[x] for n, x in enumerate(sorted(found))}
+
+
+# --- the shapes ------------------------------------------------------------------------
+
+
+def test_each_stacked_bar_adds_up_to_the_total_in_its_tables_row():
+    per_day = {
+        JAN[0]: {None: 7 * H, 1: 4 * H, 2: 2 * H},
+        JAN[2]: {None: 30 * H, 1: 30 * H},
+        JAN[3]: {None: 1.5 * H, 2: 0.25 * H},
+    }
+    chart = people_chart(_week(), [(1, "ann"), (2, "milo")], per_day, everyone=True)
+    assert chart.head == ["Day", "ann", "milo", "Everyone else", "Total"]
+    rows = {row[0]: row[1:] for row in chart.rows}
+    assert rows["1 Jan 2026"] == ["4.00", "2.00", "1.00", "7.00"]
+    assert rows["3 Jan 2026"] == ["30.00", "0.00", "0.00", "30.00"]
+    assert rows["4 Jan 2026"] == ["0.00", "0.25", "1.25", "1.50"]
+    stacks = _stacks(chart)
+    used = [row for row in chart.rows if row[-1] != "0.00"]
+    assert len(stacks) == len(used) == 3
+    for stack, row in zip(stacks.values(), used, strict=True):
+        assert f"{sum(r.value for r in stack):.2f}" == row[-1]
+        for rect in stack:
+            assert f"{rect.value:.2f}" == row[1 + rect.series]
+    # Heights are to one scale: the 30-hour bar is twenty times the 1.5-hour one.
+    height = {n: sum(r.height for r in stack) for n, stack in stacks.items()}
+    assert height[1] == pytest.approx(20 * height[2])
+
+
+def test_a_day_with_no_use_has_no_bar_and_zeros_in_the_table():
+    chart = people_chart(_week(), [(1, "ann")], {JAN[1]: {None: 3 * H, 1: 3 * H}}, everyone=True)
+    assert len(chart.rects) == 1
+    assert [row for row in chart.rows if row[0] == "5 Jan 2026"] == [["5 Jan 2026", "0.00", "0.00"]]
+    empty = people_chart(_week(), [], {}, everyone=True)
+    assert empty.rects == [] and empty.head == ["Day", "Total"]
+    assert all(row[1:] == ["0.00"] for row in empty.rows) and len(empty.rows) == 7
+    assert "No job ran" in empty.description
+
+
+def test_one_person_is_one_series_without_everyone_else():
+    chart = people_chart(_week(), [(1, "milo")], {JAN[0]: {None: 2 * H, 1: 2 * H}}, everyone=False)
+    assert [s.label for s in chart.series] == ["milo"]
+    assert chart.head == ["Day", "milo", "Total"]
+
+
+def test_people_after_the_first_ones_are_summed_as_everyone_else():
+    per_day = {JAN[0]: {None: sum((n * H for n in range(1, 9)), dt.timedelta())}}
+    for n in range(1, 9):
+        per_day[JAN[0]][n] = n * H
+    top = [(n, f"p{n}") for n in range(8, 3, -1)]  # the five who used the most
+    chart = people_chart(_week(), top, per_day, everyone=True)
+    assert [s.label for s in chart.series] == ["p8", "p7", "p6", "p5", "p4", "Everyone else"]
+    assert chart.rows[0] == ["1 Jan 2026", "8.00", "7.00", "6.00", "5.00", "4.00", "6.00", "36.00"]
+    # Each series its own colour and its own pattern.
+    assert len({(s.colour, s.pattern) for s in chart.series}) == 6
+    assert len({s.pattern for s in chart.series}) == 6
+
+
+def test_a_long_period_is_drawn_a_week_a_bar():
+    assert len(bins(JAN[0], JAN[0] + dt.timedelta(days=61))) == 62
+    year = bins(dt.date(2026, 1, 1), dt.date(2026, 12, 31))
+    assert len(year) == 53 and year[0] == Bin(dt.date(2026, 1, 1), dt.date(2026, 1, 7))
+    assert year[-1] == Bin(dt.date(2026, 12, 31), dt.date(2026, 12, 31))
+    chart = people_chart(year, [(1, "ann")], {dt.date(2026, 1, 3): {None: H, 1: H}}, everyone=True)
+    assert chart.head[0] == "Week" and chart.rows[0][0] == "1 Jan – 7 Jan 2026"
+    assert chart.rows[0][1:] == ["1.00", "1.00"]
+
+
+def test_time_held_is_a_jobs_worker_time_over_the_vms_workers_and_the_time_passed():
+    days = bins(JAN[0], JAN[2])
+    now = dt.datetime(2026, 1, 3, 12, tzinfo=dt.UTC)  # half of the third day has passed
+    lengths = usage_charts.day_lengths(days, now)
+    assert lengths[JAN[2]] == 12 * H and lengths[JAN[0]] == 24 * H
+    per_day = {JAN[0]: {7: 48 * H, 8: 6 * H}, JAN[2]: {7: 24 * H}}
+    chart = held_chart(days, [(7, "pod"), (8, "tpu5")], per_day, {7: 4, 8: 1}, lengths)
+    assert chart.head == ["TPU VM", "Whole period", "1 Jan 2026", "2 Jan 2026", "3 Jan 2026"]
+    # pod: 12 h of 24, none, 6 h of the 12 so far; 18 h of 60 over the period.
+    assert chart.rows == [
+        ["pod", "30 %", "50 %", "0 %", "50 %"],
+        ["tpu5", "10 %", "25 %", "0 %", "0 %"],
+    ]
+    assert sorted(round(r.value, 2) for r in chart.rects) == [0.25, 0.5, 0.5]
+    assert [s.label for s in chart.series] == ["Time held"]
+    assert "duty cycle" in chart.note and "outside the portal" in chart.note
+
+
+def test_the_day_the_clocks_go_forward_is_23_hours_long():
+    import zoneinfo
+
+    from django.utils import timezone
+
+    days = bins(dt.date(2026, 3, 28), dt.date(2026, 3, 30))
+    with timezone.override(zoneinfo.ZoneInfo("Europe/Berlin")):
+        lengths = usage_charts.day_lengths(days, dt.datetime(2026, 4, 1, tzinfo=dt.UTC))
+    assert [lengths[b.first] for b in days] == [24 * H, 23 * H, 24 * H]
+
+
+def test_a_day_that_has_not_begun_is_no_bar_and_a_dash():
+    days = bins(JAN[0], JAN[1])
+    lengths = usage_charts.day_lengths(days, dt.datetime(2026, 1, 1, 6, tzinfo=dt.UTC))
+    chart = held_chart(days, [(7, "pod")], {JAN[0]: {7: 3 * H}}, {7: 1}, lengths)
+    assert chart.rows == [["pod", "50 %", "50 %", "–"]]
+
+
+def _waits(*seconds) -> usage.Waits:
+    found = usage.Waits()
+    for wait in seconds:
+        found.add(wait)
+    return found
+
+
+def test_the_wait_chart_stacks_each_days_jobs_by_how_long_they_waited():
+    waits = {JAN[0]: _waits(59, 60, 120, 1200, 4 * 3600), JAN[3]: _waits(30), JAN[4]: _waits()}
+    chart = wait_chart(_week(), waits)
+    assert chart.head == [
+        "Day", "Jobs started", "Waited under 1 min", "Waited 1–10 min", "Waited 10 min–1 h",
+        "Waited 1–6 h", "Waited 6 h or more", "Longest wait",
+    ]  # fmt: skip
+    rows = {row[0]: row[1:] for row in chart.rows}
+    assert rows["1 Jan 2026"] == ["5", "1", "2", "1", "1", "0", "4 h"]
+    assert rows["4 Jan 2026"] == ["1", "1", "0", "0", "0", "0", "30 s"]
+    assert rows["2 Jan 2026"] == rows["5 Jan 2026"] == ["0", "0", "0", "0", "0", "0", "–"]
+    stacks = _stacks(chart)
+    assert [sorted((r.series, r.value) for r in stack) for stack in stacks.values()] == [
+        [(0, 1), (1, 2), (2, 1), (3, 1)],
+        [(0, 1)],
+    ]
+    # Counted jobs: the axis steps by whole jobs.
+    assert [t.text for t in chart.texts if t.anchor == "end"] == ["0", "2", "4", "6"]
+    assert "4 h" in chart.description and "2 waited 1–10 min" in chart.description
+
+
+def test_every_text_in_the_drawing_is_escaped_and_it_is_named_by_its_title():
+    name = '<script>alert("x")</script>&'
+    chart = people_chart(_week(), [(1, name)], {JAN[0]: {None: H, 1: H}}, everyone=False)
+    svg = str(chart.svg)
+    assert "<script>" not in svg and "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;&amp;" in svg
+    assert svg.startswith('<svg class="chart" role="img" viewBox="0 0 360 ')
+    assert 'aria-labelledby="chart-people-title chart-people-desc"' in svg
+    assert '<title id="chart-people-title">' in svg and '<desc id="chart-people-desc">' in svg
+    assert 'fill="url(#chart-people-s0)"' in svg and '<pattern id="chart-people-s0"' in svg
+    table = str(chart.table)
+    assert "<script>" not in table
+    assert '<th scope="col">&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;&amp;</th>' in table
+
+
+# --- the page --------------------------------------------------------------------------
+
+
+def _usage(client, query=PERIOD):
+    return client.get(reverse("lab_usage", args=["vision"]) + query).content.decode()
+
+
+def _chart_table(body: str, chart_id: str) -> list[list[str]]:
+    part = body[body.index(f'id="{chart_id}-table"') :]
+    part = part[: part.index("</table>")]
+    rows = []
+    for row in re.findall(r"<tr>(.*?)</tr>", part, re.S)[1:]:
+        cells = re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)
+        rows.append([" ".join(re.sub(r"<[^>]+>", " ", c).split()) for c in cells])
+    return rows
+
+
+@pytest.mark.parametrize("counted", [False, True])
+def test_the_page_shows_the_three_charts_with_their_tables(client, scene, history, counted):
+    if counted:
+        usage.count_all_ended_jobs()  # the same figures from the per-day rows
+    client.force_login(scene.admin)
+    body = _usage(client)
+    assert body.count('<svg class="chart" role="img"') == 3
+    for chart in ("chart-people", "chart-held", "chart-waits"):
+        assert f'<section class="card chart-card" id="{chart}"' in body
+        assert f'<table id="{chart}-table">' in body
+    # ann ran 0.5 h on the 10th and a running pod job 4 h x 4 workers on the 11th;
+    # milo 2 h on the 10th and 1 h x 4 on the 11th: 22.50, the page's total.
+    assert _chart_table(body, "chart-people") == [
+        ["10 Jan 2026", "0.50", "2.00", "2.50"],
+        ["11 Jan 2026", "16.00", "4.00", "20.00"],
+    ]
+    assert '<strong id="usage-total">22.50</strong>' in body
+    # pod1: 5 h of its 11th (the two jobs overlap in these rows); tpu5: 2.5 h of the 10th.
+    assert _chart_table(body, "chart-held") == [
+        ["pod1", "10 %", "0 %", "21 %"],
+        ["tpu5", "5 %", "10 %", "0 %"],
+    ]
+    assert [row[:2] for row in _chart_table(body, "chart-waits")] == [
+        ["10 Jan 2026", "1"],
+        ["11 Jan 2026", "2"],
+    ]
+
+
+def test_the_waits_are_from_submission_to_start_on_the_day_it_started(client, scene):
+    vm = scene.vm
+    make_job(vm, scene.milo, "succeeded", queued_at=at(9, 23), started_at=at(10, 1),
+             ended_at=at(10, 2))  # fmt: skip
+    make_job(vm, scene.ann, "succeeded", queued_at=at(10, 3), started_at=at(10, 3, 5),
+             ended_at=at(10, 4))  # fmt: skip
+    make_job(vm, scene.ann, "succeeded", queued_at=at(10, 3), started_at=at(10, 4, 30),
+             ended_at=at(10, 5))  # fmt: skip
+    make_job(
+        vm,
+        scene.ann,
+        "running",
+        queued_at=at(11, 3),
+        started_at=at(11, 3) + dt.timedelta(seconds=40),
+    )
+    make_job(vm, scene.milo, "queued", queued_at=at(10, 1))  # not started: not in it
+    client.force_login(scene.admin)
+    # 2 h, 5 min and 1 h 30 min on the 10th; 40 s on the 11th.
+    expected = [
+        ["10 Jan 2026", "3", "0", "1", "0", "2", "0", "2 h"],
+        ["11 Jan 2026", "1", "1", "0", "0", "0", "0", "40 s"],
+    ]
+    assert _chart_table(_usage(client), "chart-waits") == expected
+    usage.count_all_ended_jobs()
+    assert _chart_table(_usage(client), "chart-waits") == expected
+    client.force_login(scene.milo)
+    assert _chart_table(_usage(client), "chart-waits") == [
+        ["10 Jan 2026", "1", "0", "0", "0", "1", "0", "2 h"],
+        ["11 Jan 2026", "0", "0", "0", "0", "0", "0", "–"],
+    ]
+
+
+def test_a_member_sees_charts_of_their_own_jobs_only(client, scene, history):
+    client.force_login(scene.milo)
+    body = _usage(client)
+    assert _chart_table(body, "chart-people") == [
+        ["10 Jan 2026", "2.00", "2.00"],
+        ["11 Jan 2026", "4.00", "4.00"],
+    ]
+    assert "ann" not in body.split('id="chart-people"')[1]
+    assert "Everyone else" not in body
+    assert "Share of each day your jobs held each TPU VM" in body
+
+
+def test_many_people_on_the_page_are_the_five_most_used_and_everyone_else(client, scene, make_user):
+    for n in range(7):
+        person = make_user(f"p{n}@vision.example")
+        account(person, f"p{n}")
+        Grant.objects.create(user=person, vm=scene.vm, state="active")
+        make_job(scene.vm, person, "succeeded", started_at=at(10, 0), ended_at=at(10, n + 1))
+    client.force_login(scene.admin)
+    body = _usage(client)
+    assert _chart_table(body, "chart-people")[0] == [
+        "10 Jan 2026", "7.00", "6.00", "5.00", "4.00", "3.00", "3.00", "28.00",
+    ]  # fmt: skip
+    head = body.split('id="chart-people-table"')[1].split("</thead>")[0]
+    assert re.findall(r'<th scope="col">([^<]+)</th>', head) == [
+        "Day", "p6", "p5", "p4", "p3", "p2", "Everyone else", "Total",
+    ]  # fmt: skip
+
+
+def test_another_labs_usage_and_its_charts_are_not_found(client, scene, cast):
+    theirs = make_vm(cast.other_lab, "theirs")
+    make_job(theirs, cast.outsider, "succeeded", started_at=at(10, 1), ended_at=at(10, 2))
+    for who in (scene.milo, scene.admin):
+        client.force_login(who)
+        response = client.get(reverse("lab_usage", args=["other"]) + PERIOD)
+        assert response.status_code == 404
+        assert b"chart-people" not in response.content
+    client.force_login(cast.outsider)
+    body = client.get(reverse("lab_usage", args=["other"]) + PERIOD).content.decode()
+    assert _chart_table(body, "chart-held") == [["theirs", "2 %", "4 %", "0 %"]]
+
+
+def _queries(client, url) -> int:
+    with CaptureQueriesContext(connection) as context:
+        assert client.get(url).status_code == 200
+    return len(context)
+
+
+@pytest.mark.parametrize("who", ["admin", "milo"])
+def test_the_charts_cost_six_queries_and_two_once_their_sums_are_in_the_cache(
+    client, scene, history, who, monkeypatch
+):
+    from django.core.cache import cache
+
+    usage.count_all_ended_jobs()
+    client.force_login(scene.admin if who == "admin" else scene.milo)
+    url = reverse("lab_usage", args=["vision"]) + PERIOD
+
+    def cold():
+        cache.delete(f"tpu-portal:usage-version:{scene.lab.pk}")
+        return _queries(client, url)
+
+    _queries(client, url)
+    with_charts = (cold(), _queries(client, url))
+    monkeypatch.setattr(usage_charts, "for_usage", lambda *a, **k: [])
+    without = (cold(), _queries(client, url))
+    # Cold: the five most used people and their names, the per-day sums of people and
+    # of VMs, the VMs' workers, the waits. Then only the names and the workers.
+    assert (with_charts[0] - without[0], with_charts[1] - without[1]) == (6, 2)
