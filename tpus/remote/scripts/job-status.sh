@@ -10,6 +10,7 @@
 #   tail <job id> <bytes>          (the same, but when more than max_bytes are new, the
 #                                   last max_bytes of the log: a page shows its end)
 #   chips <device glob>            (optional: also name every process with a chip open)
+#   metrics <port>[,<port>...]     (optional: also read libtpu's runtime metrics there)
 #   end
 # Answers: boot_id=, lock=free|held <job>, then per job
 #   job=<id> <state> pid=<pgid> boot_id=<id> started_at=<t> ended_at=<t>|- exit=<n>|-
@@ -19,6 +20,9 @@
 # the end was written), or unknown (no such job here). With a chips line, one line per
 # process holding a chip (the portal's own jobs' among them, known by their cgroup):
 #   holder=<device> pid=<pid> pgid=<pgid> user=<user> job=<id>|- command=<cmdline>
+# With a metrics line, metrics=ok and one line per chip libtpu reported, or
+# metrics=none <why> (nothing listens on the ports, no python3, no answer in time):
+#   chip=<device id> used=<HBM bytes> total=<HBM bytes> duty=<percent>
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 LC_ALL=C
@@ -41,7 +45,7 @@ head -c $((MAX_INPUT + 1)) >"$input"
 [ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
 [ "$(head -n 1 "$input")" = "tpu-portal-job-status 1" ] || die "the input has no tpu-portal-job-status 1 header"
 [ "$(tail -n 1 "$input")" = end ] || die "the input was cut off (no final end)"
-if grep -n -v -E '^(tpu-portal-job-status 1|end|max_bytes [0-9]{1,7}|(offset|tail) [a-z0-9][a-z0-9-]{0,63} [0-9]{1,15}|chips /dev/[A-Za-z0-9/_.*?-]{1,100})$' "$input" >"$work/bad"; then
+if grep -n -v -E '^(tpu-portal-job-status 1|end|max_bytes [0-9]{1,7}|(offset|tail) [a-z0-9][a-z0-9-]{0,63} [0-9]{1,15}|chips /dev/[A-Za-z0-9/_.*?-]{1,100}|metrics [0-9]{4,5}(,[0-9]{4,5}){0,7})$' "$input" >"$work/bad"; then
     die "line $(head -n 1 "$work/bad" | cut -d: -f1) of the input is not allowed"
 fi
 max=$(sed -n 's/^max_bytes //p' "$input" | head -n 1)
@@ -130,6 +134,166 @@ if [ -f "$LOCK" ] && ! flock -n "$LOCK" true; then
     echo "lock=held $(cat "$HOLDER" 2>/dev/null || echo unknown)"
 else
     echo "lock=free"
+fi
+
+# libtpu's runtime metrics (HBM used and total and duty cycle, per chip) from the local
+# ports the job's libtpu serves them on (TPU_RUNTIME_METRICS_PORTS): a small client of
+# its gRPC service (tpu.monitoring.runtime.RuntimeMetricService, as Google's tpu-info
+# asks it) in python3's standard library alone, so nothing is installed for it; a
+# second per port, 5 s in all. Ports nothing listens on (/proc/net/tcp, read without
+# starting python) are not asked.
+ports=$(sed -n 's/^metrics //p' "$input" | head -n 1)
+if [ -n "$ports" ]; then
+    listening=$(awk -v want="$ports" 'BEGIN { n = split(want, w, ","); for (i = 1; i <= n; i++) hex[sprintf("%04X", w[i])] = w[i] }
+        $4 == "0A" { split($2, a, ":"); if (a[2] in hex) print hex[a[2]] }' \
+        /proc/net/tcp /proc/net/tcp6 2>/dev/null | sort -un | tr '\n' ' ')
+    if [ -z "$listening" ]; then
+        echo "metrics=none nothing listens on port(s) $ports"
+    elif ! command -v python3 >/dev/null 2>&1; then
+        echo "metrics=none the worker has no python3"
+    else
+        # shellcheck disable=SC2086 # one argument per port
+        timeout 5 python3 -I -S - $listening <<'CLIENT' 2>/dev/null || echo "metrics=none no answer in time"
+import socket, struct, sys
+
+NAMES = (b"tpu.runtime.hbm.memory.usage.bytes", b"tpu.runtime.hbm.memory.total.bytes",
+         b"tpu.runtime.tensorcore.dutycycle.percent")
+PATH = b"/tpu.monitoring.runtime.RuntimeMetricService/GetRuntimeMetric"
+LIMIT = 1 << 20
+
+
+def varint(n):
+    out = b""
+    while True:
+        out += bytes([n & 127 | (128 if n > 127 else 0)])
+        n >>= 7
+        if not n:
+            return out
+
+
+def uvarint(buf, i):
+    n = shift = 0
+    while True:
+        n |= (buf[i] & 127) << shift
+        i += 1
+        if buf[i - 1] < 128:
+            return n, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint")
+
+
+def fields(buf):
+    i, out = 0, {}
+    while i < len(buf):
+        key, i = uvarint(buf, i)
+        kind = key & 7
+        if kind == 0:
+            value, i = uvarint(buf, i)
+        elif kind == 1:
+            value, i = buf[i:i + 8], i + 8
+        elif kind == 2:
+            size, i = uvarint(buf, i)
+            value, i = buf[i:i + size], i + size
+        elif kind == 5:
+            value, i = buf[i:i + 4], i + 4
+        else:
+            raise ValueError("wire type")
+        if i > len(buf):
+            raise ValueError("cut")
+        out.setdefault(key >> 3, []).append(value)
+    return out
+
+
+def hpack(text):  # a string literal, not Huffman-coded (lengths < 127 here)
+    return bytes([len(text)]) + text
+
+
+def frame(kind, flags, stream, payload=b""):
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+
+def ask(port):
+    """The three metrics from one port: {name: {device: value}}."""
+    sock = socket.create_connection(("localhost", port), timeout=1)
+    sock.settimeout(1)
+    out = [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", frame(4, 0, 0)]
+    for n, name in enumerate(NAMES):
+        stream = 2 * n + 1
+        block = (b"\x83\x86\x04" + hpack(PATH) + b"\x01" + hpack(b"localhost:%d" % port)
+                 + b"\x0f\x10" + hpack(b"application/grpc") + b"\x00" + hpack(b"te") + hpack(b"trailers"))
+        body = b"\x0a" + varint(len(name)) + name
+        out += [frame(1, 4, stream, block), frame(0, 1, stream, b"\x00" + struct.pack(">I", len(body)) + body)]
+    sock.sendall(b"".join(out))
+    data, done, buf, seen = {1: b"", 3: b"", 5: b""}, set(), b"", 0
+    while len(done) < 3:
+        while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
+            more = sock.recv(65536)
+            seen += len(more)
+            if not more or seen > LIMIT:
+                raise ValueError("cut")
+            buf += more
+        size = int.from_bytes(buf[:3], "big")
+        kind, flags, stream = buf[3], buf[4], struct.unpack(">I", buf[5:9])[0] & 0x7FFFFFFF
+        payload, buf = buf[9:9 + size], buf[9 + size:]
+        if kind == 0 and stream in data:
+            if flags & 8:
+                payload = payload[1:len(payload) - payload[0]]
+            data[stream] += payload
+        if kind == 4 and not flags & 1:
+            sock.sendall(frame(4, 1, 0))
+        elif kind == 6 and not flags & 1:
+            sock.sendall(frame(6, 1, 0, payload))
+        elif kind == 7:
+            break
+        if kind in (0, 1, 3) and stream in data and (flags & 1 or kind == 3):
+            done.add(stream)
+    sock.close()
+    values = {}
+    for n, name in enumerate(NAMES):
+        message = data[2 * n + 1]
+        per = values[name] = {}
+        if len(message) < 5 or message[0] != 0:
+            continue
+        metric = fields(message[5:5 + struct.unpack(">I", message[1:5])[0]])
+        for entry in fields(metric.get(1, [b""])[0]).get(3, []):
+            entry = fields(entry)
+            attribute = fields(entry.get(1, [b""])[0])
+            device = fields(attribute.get(2, [b""])[0]).get(3, [None])[0]
+            gauge = fields(entry.get(3, [b""])[0])
+            if 1 in gauge:
+                value = struct.unpack("<d", gauge[1][0])[0]
+            elif 2 in gauge:
+                value = gauge[2][0]
+            else:
+                continue
+            if device is not None and device < 64:
+                per[device] = value
+    return values
+
+
+lines, printed = [], set()
+for port in sys.argv[1:]:
+    try:
+        values = ask(int(port))
+    except Exception:  # a port that does not answer as libtpu does gives nothing
+        continue
+    used, total, duty = (values[name] for name in NAMES)
+    chips = sorted(used)
+    # Duty cycle is per chip; memory may be per core (two per chip on v2 and v3).
+    cycles = [duty[d] for d in sorted(duty)]
+    per = len(chips) // len(cycles) if cycles and len(chips) % len(cycles) == 0 else 0
+    for n, chip in enumerate(chips):
+        if chip in total and per and chip not in printed and 0 <= used[chip] <= total[chip] < 2 ** 50:
+            printed.add(chip)
+            cycle = min(max(float(cycles[n // per]), 0.0), 100.0)
+            lines.append("chip=%d used=%d total=%d duty=%.2f" % (chip, used[chip], total[chip], cycle))
+if lines:
+    sys.stdout.write("metrics=ok\n" + "\n".join(lines[:64]) + "\n")
+else:
+    sys.stdout.write("metrics=none no answer from libtpu\n")
+CLIENT
+    fi
 fi
 
 # Who has a chip open (from /proc/*/fd, as root): the same scan as the pre-flight's.
