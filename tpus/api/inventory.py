@@ -178,8 +178,8 @@ def _zone_sync_of(vm) -> dict:
 
 
 class VmListItemOut(BaseModel):
-    """A VM in a list: its workers without their host keys, so a page of pods stays
-    small."""
+    """A VM in a list: its workers without their host keys, and without its chips'
+    metrics (both are in the VM's own object), so a page of pods stays small."""
 
     # ``VmOut``'s fields, in its order. A plain pydantic model filled by ``of``: a
     # ninja ``Schema`` would read each field of each VM through its resolver machinery.
