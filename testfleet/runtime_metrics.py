@@ -135,27 +135,41 @@ def write_values(path: Path, chips: list[dict]) -> None:
     new.replace(path)
 
 
-@contextlib.contextmanager
-def serve(fleet, host_name: str, values: Path, port: int = 8431):
-    """The stand-in server on ``host_name``'s localhost while the block runs."""
+def start(fleet, host_name: str, values: Path, port: int = 8431) -> subprocess.Popen:
+    """The stand-in server on ``host_name``'s localhost, starting (``wait_serving``)."""
     netns = fleet.host(host_name).netns
-    process = subprocess.Popen(
+    return subprocess.Popen(
         ["ip", "netns", "exec", netns, sys.executable, "-m", "testfleet.runtime_metrics",
          "--port", str(port), "--values", str(values)],
         cwd=_REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
+
+
+def wait_serving(process: subprocess.Popen) -> None:
+    line = process.stdout.readline()
+    if not line.startswith(b"serving"):
+        stop(process)
+        raise RuntimeError(f"the metrics stand-in did not start: {line!r}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
     try:
-        line = process.stdout.readline()
-        if not line.startswith(b"serving"):
-            raise RuntimeError(f"the metrics stand-in did not start: {line!r}")
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def serve(fleet, host_name: str, values: Path, port: int = 8431):
+    """The stand-in server on ``host_name``'s localhost while the block runs."""
+    process = start(fleet, host_name, values, port)
+    try:
+        wait_serving(process)
         yield process
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,9 +5,10 @@ which the portal sets for every job (``ports``). The job poll asks for them in t
 ``job-status.sh`` exec it makes on each worker anyway (no SSH session of its own), and
 hands what each worker answered to ``record``: the VM keeps the last answer per worker
 (``TpuVm.chip_metrics``, for the VM's page, the API and ``tpu ls``), and ``ChipSample``
-a short history per chip, written at most once per PORTAL_CHIP_METRICS_EVERY_SECONDS
-per VM and pruned past PORTAL_CHIP_METRICS_KEEP_MINUTES in the same pass (a fixed
-number of queries per poll, whatever the number of workers and chips).
+a short history per chip, pruned past PORTAL_CHIP_METRICS_KEEP_MINUTES in the same
+pass (a fixed number of queries per poll, whatever the number of workers and chips).
+A VM's workers are asked at most about once per PORTAL_CHIP_METRICS_EVERY_SECONDS
+(``ports_to_ask``): the polls in between cost what they did before.
 """
 
 from __future__ import annotations
@@ -32,6 +33,18 @@ NO_ANSWER = "the worker did not answer"
 def ports() -> tuple[int, ...]:
     """Where every job's libtpu serves its metrics, and where the poll reads them."""
     return tuple(int(p) for p in settings.PORTAL_CHIP_METRICS_PORTS)
+
+
+def ports_to_ask(vm: TpuVm, *, now=None) -> tuple[int, ...]:
+    """The ports this poll of ``vm`` asks for metrics: none when the last read is
+    younger than the interval (less half a job poll, so a poll on the beat that
+    follows the interval asks again)."""
+    wanted = ports()
+    last = vm.chip_metrics_at
+    if not wanted or last is None:
+        return wanted
+    every = settings.PORTAL_CHIP_METRICS_EVERY_SECONDS - settings.PORTAL_JOB_POLL_SECONDS / 2
+    return wanted if (now or timezone.now()) - last >= dt.timedelta(seconds=every) else ()
 
 
 def answers(workers, outcomes: list[WorkerOutcome]) -> dict[int, WorkerMetrics | None]:
@@ -68,6 +81,7 @@ def record(vm: TpuVm, answers: Mapping[int, WorkerMetrics | None], *, now=None) 
         ]
         latest.append({"worker": index, "chips": chips, "none": answer.none})
     TpuVm.objects.filter(pk=vm.pk).update(chip_metrics=latest, chip_metrics_at=now)
+    vm.chip_metrics, vm.chip_metrics_at = latest, now
     samples = [
         ChipSample(vm=vm, worker=row["worker"], chip=c["chip"], at=now, hbm_used=c["used"],
                    hbm_total=c["total"], duty=c["duty"])

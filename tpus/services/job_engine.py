@@ -780,15 +780,16 @@ def _status_round(job: Job, vm: TpuVm, hosts: _Hosts, parts) -> bool:
         # The worker skips ahead when more is new than the page keeps: the end counts.
         return wire.encode_status(
             {job.host_id: offset}, max_bytes=tail_bytes, device_glob=glob, tail=True,
-            metrics_ports=chip_metrics.ports(),
+            metrics_ports=asked,
         )  # fmt: skip
 
     _, glob = chip_layout(vm, len(workers))
+    asked = chip_metrics.ports_to_ask(vm)
 
     outcomes = hosts.run("job-status.sh", status)
     answered = False
     holders: list[dict] | None = []
-    metrics = chip_metrics.answers(workers, outcomes)
+    metrics = chip_metrics.answers(workers, outcomes) if asked else {}
     with transaction.atomic():
         for worker, outcome in zip(workers, outcomes, strict=True):
             part = JobWorker.objects.select_for_update().filter(job=job, index=worker.index).first()
@@ -845,6 +846,7 @@ def check_usage(vm_id: int) -> list[dict] | None:
     if _unready(vm, workers):
         return None
     _, glob = chip_layout(vm, len(workers))
+    asked = chip_metrics.ports_to_ask(vm)
     running = {
         p.index: p.pid
         for p in JobWorker.objects.filter(
@@ -854,11 +856,10 @@ def check_usage(vm_id: int) -> list[dict] | None:
     with _Hosts(vm, workers) as hosts:
         outcomes = hosts.run(
             "job-status.sh",
-            wire.encode_status(
-                {}, max_bytes=0, device_glob=glob, metrics_ports=chip_metrics.ports()
-            ),
+            wire.encode_status({}, max_bytes=0, device_glob=glob, metrics_ports=asked),
         )
-    chip_metrics.record(vm, chip_metrics.answers(workers, outcomes))
+    if asked:
+        chip_metrics.record(vm, chip_metrics.answers(workers, outcomes))
     holders = []
     for worker, outcome in zip(workers, outcomes, strict=True):
         if not outcome.ok:

@@ -147,6 +147,21 @@ def test_no_ports_configured_means_nothing_is_asked_or_kept(scene, settings):
     assert not ChipSample.objects.exists()
 
 
+@pytest.mark.django_db
+def test_a_vm_is_asked_for_metrics_again_only_once_the_interval_has_passed(scene, settings):
+    settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 10
+    settings.PORTAL_JOB_POLL_SECONDS = 5
+    vm = scene.vm
+    assert chip_metrics.ports_to_ask(vm) == (8431, 8432, 8433, 8434)  # never read
+    read = timezone.now()
+    chip_metrics.record(vm, _answer(1), now=read)
+    assert chip_metrics.ports_to_ask(vm, now=read + dt.timedelta(seconds=5)) == ()
+    # The poll on the beat after the interval asks, even a little early.
+    assert chip_metrics.ports_to_ask(vm, now=read + dt.timedelta(seconds=9)) != ()
+    vm = TpuVm.objects.get(pk=vm.pk)
+    assert chip_metrics.ports_to_ask(vm, now=read + dt.timedelta(seconds=1)) == ()
+
+
 # --- who sees them -----------------------------------------------------------------
 
 

@@ -41,6 +41,8 @@ def tpu5(
     tpu_emulator, fleet, fleet_hosts, fleet_settings, fleet_username, fleet_uids, tmp_path,
     make_lab, make_user, add_member, django_capture_on_commit_callbacks,
 ):  # fmt: skip
+    # Every poll reads the metrics (by default at most one in two does).
+    fleet_settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 1
     need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
     [host] = fleet_hosts(1)
     lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])

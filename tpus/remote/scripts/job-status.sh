@@ -136,17 +136,20 @@ else
     echo "lock=free"
 fi
 
-# libtpu's runtime metrics (HBM used and total and duty cycle, per chip) from the local
-# ports the job's libtpu serves them on (TPU_RUNTIME_METRICS_PORTS): a small client of
-# its gRPC service (tpu.monitoring.runtime.RuntimeMetricService, as Google's tpu-info
-# asks it) in python3's standard library alone, so nothing is installed for it; a
-# second per port, 5 s in all. Ports nothing listens on (/proc/net/tcp, read without
-# starting python) are not asked.
-ports=$(sed -n 's/^metrics //p' "$input" | head -n 1)
+# libtpu's runtime metrics (HBM used and total, duty cycle, per chip) from the local
+# ports the job's libtpu serves them on (TPU_RUNTIME_METRICS_PORTS), asked as Google's
+# tpu-info asks them, by a small client in python3's standard library (nothing to
+# install): a second per port, 5 s in all. Ports nothing listens on (/proc/net/tcp,
+# one awk) are not asked, so a worker without them costs no python.
+ports=""
+while read -r key value; do
+    [ "$key" != metrics ] || ports=$value
+done <"$input"
 if [ -n "$ports" ]; then
-    listening=$(awk -v want="$ports" 'BEGIN { n = split(want, w, ","); for (i = 1; i <= n; i++) hex[sprintf("%04X", w[i])] = w[i] }
-        $4 == "0A" { split($2, a, ":"); if (a[2] in hex) print hex[a[2]] }' \
-        /proc/net/tcp /proc/net/tcp6 2>/dev/null | sort -un | tr '\n' ' ')
+    listening=$(awk -v want="$ports" '
+        BEGIN { n = split(want, w, ","); for (i = 1; i <= n; i++) hex[sprintf("%04X", w[i])] = w[i] }
+        $4 == "0A" { split($2, a, ":"); p = hex[a[2]]; if (p != "" && !seen[p]++) printf "%s ", p }' \
+        /proc/net/tcp /proc/net/tcp6 2>/dev/null || true)
     if [ -z "$listening" ]; then
         echo "metrics=none nothing listens on port(s) $ports"
     elif ! command -v python3 >/dev/null 2>&1; then
@@ -154,21 +157,17 @@ if [ -n "$ports" ]; then
     else
         # shellcheck disable=SC2086 # one argument per port
         timeout 5 python3 -I -S - $listening <<'CLIENT' 2>/dev/null || echo "metrics=none no answer in time"
-import socket, struct, sys
+# A client of libtpu's RuntimeMetricService.GetRuntimeMetric over HTTP/2 without TLS
+# (gRPC's local credentials add nothing on the wire), in the standard library's C
+# modules alone (the socket module's imports would double the start-up). Arguments: the
+# ports that listen. Prints metrics=ok and a chip= line per chip, or metrics=none.
+import _socket, _struct, sys
 
 NAMES = (b"tpu.runtime.hbm.memory.usage.bytes", b"tpu.runtime.hbm.memory.total.bytes",
          b"tpu.runtime.tensorcore.dutycycle.percent")
 PATH = b"/tpu.monitoring.runtime.RuntimeMetricService/GetRuntimeMetric"
-LIMIT = 1 << 20
-
-
-def varint(n):
-    out = b""
-    while True:
-        out += bytes([n & 127 | (128 if n > 127 else 0)])
-        n >>= 7
-        if not n:
-            return out
+LIMIT = 1 << 20  # bytes read from one port at most
+MAX_CHIPS = 64
 
 
 def uvarint(buf, i):
@@ -184,6 +183,7 @@ def uvarint(buf, i):
 
 
 def fields(buf):
+    """A protobuf message's fields: {number: [values]} (bytes for length-delimited)."""
     i, out = 0, {}
     while i < len(buf):
         key, i = uvarint(buf, i)
@@ -205,25 +205,41 @@ def fields(buf):
     return out
 
 
-def hpack(text):  # a string literal, not Huffman-coded (lengths < 127 here)
-    return bytes([len(text)]) + text
+def first(message, number):
+    return fields(message).get(number, [b""])[0]
+
+
+def text(value):  # an HPACK string literal, not Huffman-coded, shorter than 127
+    return bytes([len(value)]) + value
 
 
 def frame(kind, flags, stream, payload=b""):
-    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+    return _struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + _struct.pack(">I", stream) + payload
+
+
+def connect(port):
+    for family, host in ((_socket.AF_INET, "127.0.0.1"), (_socket.AF_INET6, "::1")):
+        sock = _socket.socket(family, _socket.SOCK_STREAM)
+        sock.settimeout(1)
+        try:
+            sock.connect((host, port))
+            return sock
+        except OSError:
+            sock.close()
+    raise OSError("no connection")
 
 
 def ask(port):
-    """The three metrics from one port: {name: {device: value}}."""
-    sock = socket.create_connection(("localhost", port), timeout=1)
-    sock.settimeout(1)
+    """The three metrics from one port, each {device id: value}: one connection, one
+    stream per metric (POST, :path, content-type application/grpc, te trailers)."""
+    sock = connect(port)
     out = [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", frame(4, 0, 0)]
     for n, name in enumerate(NAMES):
-        stream = 2 * n + 1
-        block = (b"\x83\x86\x04" + hpack(PATH) + b"\x01" + hpack(b"localhost:%d" % port)
-                 + b"\x0f\x10" + hpack(b"application/grpc") + b"\x00" + hpack(b"te") + hpack(b"trailers"))
-        body = b"\x0a" + varint(len(name)) + name
-        out += [frame(1, 4, stream, block), frame(0, 1, stream, b"\x00" + struct.pack(">I", len(body)) + body)]
+        block = (b"\x83\x86\x04" + text(PATH) + b"\x01" + text(b"localhost:%d" % port)
+                 + b"\x0f\x10" + text(b"application/grpc") + b"\x00" + text(b"te") + text(b"trailers"))
+        body = b"\x0a" + bytes([len(name)]) + name
+        out += [frame(1, 4, 2 * n + 1, block),
+                frame(0, 1, 2 * n + 1, b"\x00" + _struct.pack(">I", len(body)) + body)]
     sock.sendall(b"".join(out))
     data, done, buf, seen = {1: b"", 3: b"", 5: b""}, set(), b"", 0
     while len(done) < 3:
@@ -234,40 +250,41 @@ def ask(port):
                 raise ValueError("cut")
             buf += more
         size = int.from_bytes(buf[:3], "big")
-        kind, flags, stream = buf[3], buf[4], struct.unpack(">I", buf[5:9])[0] & 0x7FFFFFFF
+        kind, flags, stream = buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
         payload, buf = buf[9:9 + size], buf[9 + size:]
         if kind == 0 and stream in data:
-            if flags & 8:
+            if flags & 8:  # padded
                 payload = payload[1:len(payload) - payload[0]]
             data[stream] += payload
-        if kind == 4 and not flags & 1:
-            sock.sendall(frame(4, 1, 0))
+        elif kind == 4 and not flags & 1:
+            sock.sendall(frame(4, 1, 0))  # settings acknowledged
         elif kind == 6 and not flags & 1:
-            sock.sendall(frame(6, 1, 0, payload))
+            sock.sendall(frame(6, 1, 0, payload))  # ping answered
         elif kind == 7:
-            break
-        if kind in (0, 1, 3) and stream in data and (flags & 1 or kind == 3):
+            break  # goaway
+        if stream in data and (kind == 3 or kind in (0, 1) and flags & 1):
             done.add(stream)
     sock.close()
-    values = {}
-    for n, name in enumerate(NAMES):
-        message = data[2 * n + 1]
-        per = values[name] = {}
+    values = []
+    for n in range(3):
+        message, per = data[2 * n + 1], {}
+        values.append(per)
+        # A gRPC message: not compressed, its length, then MetricResponse.
         if len(message) < 5 or message[0] != 0:
             continue
-        metric = fields(message[5:5 + struct.unpack(">I", message[1:5])[0]])
-        for entry in fields(metric.get(1, [b""])[0]).get(3, []):
-            entry = fields(entry)
-            attribute = fields(entry.get(1, [b""])[0])
-            device = fields(attribute.get(2, [b""])[0]).get(3, [None])[0]
-            gauge = fields(entry.get(3, [b""])[0])
+        response = message[5:5 + int.from_bytes(message[1:5], "big")]
+        # MetricResponse.metric (1) → TPUMetric.metrics (3) → Metric: attribute (1) →
+        # value (2) → int_attr (3), the device id; gauge (3): as_double (1), as_int (2).
+        for entry in fields(first(response, 1)).get(3, []):
+            device = fields(first(first(entry, 1), 2)).get(3, [None])[0]
+            gauge = fields(first(entry, 3))
             if 1 in gauge:
-                value = struct.unpack("<d", gauge[1][0])[0]
+                value = _struct.unpack("<d", gauge[1][0])[0]
             elif 2 in gauge:
                 value = gauge[2][0]
             else:
                 continue
-            if device is not None and device < 64:
+            if device is not None and device < MAX_CHIPS:
                 per[device] = value
     return values
 
@@ -275,10 +292,9 @@ def ask(port):
 lines, printed = [], set()
 for port in sys.argv[1:]:
     try:
-        values = ask(int(port))
+        used, total, duty = ask(int(port))
     except Exception:  # a port that does not answer as libtpu does gives nothing
         continue
-    used, total, duty = (values[name] for name in NAMES)
     chips = sorted(used)
     # Duty cycle is per chip; memory may be per core (two per chip on v2 and v3).
     cycles = [duty[d] for d in sorted(duty)]
@@ -289,7 +305,7 @@ for port in sys.argv[1:]:
             cycle = min(max(float(cycles[n // per]), 0.0), 100.0)
             lines.append("chip=%d used=%d total=%d duty=%.2f" % (chip, used[chip], total[chip], cycle))
 if lines:
-    sys.stdout.write("metrics=ok\n" + "\n".join(lines[:64]) + "\n")
+    sys.stdout.write("metrics=ok\n" + "\n".join(lines[:MAX_CHIPS]) + "\n")
 else:
     sys.stdout.write("metrics=none no answer from libtpu\n")
 CLIENT
