@@ -178,3 +178,60 @@ def test_a_worker_without_a_metrics_server_reports_no_metrics_and_the_poll_goes_
         assert "No metrics" in page
     finally:
         _stop(job, milo, capture)
+
+
+# --- the scripts on a host, through the remote door ---------------------------------
+
+
+@pytest.fixture
+def worker(fleet, fleet_settings, fleet_host):
+    from tpus.remote import HostKeyPins, Worker, site_login
+
+    pins = HostKeyPins.parse(fleet.host_keys(fleet_host.name))
+    return Worker(fleet_host.ip, pins, name=fleet_host.name, login=site_login())
+
+
+def _status(worker, ports=(8431,)):
+    from tpus.remote import run_script
+    from tpus.remote.jobs import encode_status, parse_status
+
+    data = encode_status({}, max_bytes=0, device_glob="/dev/accel*", metrics_ports=ports)
+    return parse_status(run_script(worker, "job-status.sh", data).pairs)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"metrics 80", b"metrics 8431,", b"metrics 8431 8432", b"metrics 8431;id",
+     b"metrics " + b",".join(b"%d" % p for p in range(9000, 9009))],
+)  # fmt: skip
+def test_job_status_refuses_a_malformed_metrics_line_whole(worker, line):
+    from tpus.remote import RemoteError, run_script
+
+    data = b"tpu-portal-job-status 1\nmax_bytes 0\n" + line + b"\nend\n"
+    with pytest.raises(RemoteError) as refused:
+        run_script(worker, "job-status.sh", data)
+    assert refused.value.kind == RemoteError.SCRIPT
+
+
+def test_job_start_refuses_the_metrics_ports_as_a_jobs_own_variable(worker, fleet_username):
+    from tpus.remote import RemoteError, run_script
+    from tpus.remote.jobs import StartJob, encode_start
+
+    good = encode_start(StartJob(job_id="m1", user=fleet_username, argv=("true",)))
+    for bad in (b"env TPU_RUNTIME_METRICS_PORTS ODQzMQ==\nend\n", b"metrics_ports 84\nend\n"):
+        with pytest.raises(RemoteError) as refused:
+            run_script(worker, "job-start.sh", good.replace(b"end\n", bad))
+        assert refused.value.kind == RemoteError.SCRIPT
+
+
+def test_a_server_that_answers_no_metrics_or_impossible_ones_gives_none(
+    worker, fleet, fleet_host, tmp_path
+):
+    values = tmp_path / "chips.json"  # not written yet: the server answers UNAVAILABLE
+    with runtime_metrics.serve(fleet, fleet_host.name, values, port=8432):
+        report = _status(worker, ports=(8431, 8432))
+        assert report.metrics.none == "no answer from libtpu" and report.lock_holder is None
+        runtime_metrics.write_values(values, [{**CHIPS[0], "hbm_used": 64 * GIB}])
+        assert _status(worker, ports=(8432,)).metrics.none == "no answer from libtpu"
+        runtime_metrics.write_values(values, CHIPS)
+        assert [c.chip for c in _status(worker, ports=(8432,)).metrics.chips] == [0, 1]
