@@ -14,6 +14,9 @@ class ChipOut(Schema):
     hbm_used_bytes: int
     hbm_total_bytes: int
     duty_cycle_percent: float  # the share of time the chip's TensorCores were busy
+    # The mean over the samples the portal keeps (PORTAL_CHIP_METRICS_KEEP_MINUTES, an
+    # hour by default); null without any.
+    duty_cycle_percent_mean: float | None
     # Who holds it: "job <id> of <username>" for the portal's job on the VM, or
     # "<user> (pid <pid>)" for a process outside the portal; "" when unknown.
     holder: str

@@ -158,7 +158,9 @@ class VmOut(Schema):
 
     @staticmethod
     def resolve_chips(obj):
-        return chip_metrics.as_api(obj, getattr(obj, "running_job", None))
+        return chip_metrics.as_api(
+            obj, getattr(obj, "running_job", None), chip_metrics.duty_means([obj.pk])
+        )
 
     @staticmethod
     def resolve_sync(obj):

@@ -619,6 +619,7 @@ class _UsageRequest:
         if self.after is not None:
             vms = vms.filter(pk__gt=self.after)
         now = usage.now_for(vms[: self.size + 1])
+        means = chip_metrics.duty_means(n.vm.pk for n in now)
         items = [
             {
                 "vm_id": n.vm.pk,
@@ -629,7 +630,7 @@ class _UsageRequest:
                 "holders": n.holders,
                 "checked_at": n.vm.usage_checked_at,
                 "queue_length": n.queue_length,
-                "chips": chip_metrics.as_api(n.vm, n.running),
+                "chips": chip_metrics.as_api(n.vm, n.running, means),
             }
             for n in now
         ]

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.db.models import Avg
 from django.utils import timezone
 
 from tpus.models import ChipSample, TpuVm
@@ -109,6 +110,7 @@ class ChipNow:
     hbm_total: int
     duty: float
     holder: str  # the portal job's person, a process outside the portal, or ""
+    duty_mean: float | None = None  # over the kept samples; None without any
 
     @property
     def used_gib(self) -> float:
@@ -132,11 +134,23 @@ class WorkerNow:
     none: str
 
 
-def workers_now(vm: TpuVm, running=None) -> list[WorkerNow]:
+def duty_means(vm_ids) -> dict[tuple[int, int, int], float]:
+    """Each chip's mean duty cycle over its kept samples, by (VM id, worker, chip), for
+    any number of VMs in one query."""
+    rows = (
+        ChipSample.objects.filter(vm_id__in=list(vm_ids))
+        .values("vm_id", "worker", "chip")
+        .annotate(duty=Avg("duty"))
+        .order_by()
+    )
+    return {(r["vm_id"], r["worker"], r["chip"]): r["duty"] for r in rows}
+
+
+def workers_now(vm: TpuVm, running=None, means=None) -> list[WorkerNow]:
     """The VM's last answer per worker, each chip with who holds it: ``running`` (the
     portal's job on the VM, its person's user loaded) holds every chip; otherwise a
-    process outside the portal that had the chip's device open at the last look. No
-    query: the VM's own fields."""
+    process outside the portal that had the chip's device open at the last look.
+    ``means``: from ``duty_means``. No query: the VM's own fields."""
     job_holder = ""
     if running is not None:
         account = getattr(running.user, "unix_account", None)
@@ -153,17 +167,18 @@ def workers_now(vm: TpuVm, running=None) -> list[WorkerNow]:
         index = int(row["worker"])
         chips = [
             ChipNow(index, int(c["chip"]), int(c["used"]), int(c["total"]), float(c["duty"]),
-                    job_holder or outside.get((index, int(c["chip"])), ""))
+                    job_holder or outside.get((index, int(c["chip"])), ""),
+                    (means or {}).get((vm.pk, index, int(c["chip"]))))
             for c in row.get("chips", [])
         ]  # fmt: skip
         rows.append(WorkerNow(index, chips, row.get("none", "")))
     return rows
 
 
-def as_api(vm: TpuVm, running=None) -> dict:
+def as_api(vm: TpuVm, running=None, means=None) -> dict:
     """The API's ``chips``: when last read, the whole VM's figures, and each worker's
     chips (or why it has none)."""
-    workers = workers_now(vm, running)
+    workers = workers_now(vm, running, means)
     return {
         "read_at": vm.chip_metrics_at,
         "summary": summary(workers),
@@ -177,6 +192,7 @@ def as_api(vm: TpuVm, running=None) -> dict:
                         "hbm_used_bytes": c.hbm_used,
                         "hbm_total_bytes": c.hbm_total,
                         "duty_cycle_percent": c.duty,
+                        "duty_cycle_percent_mean": c.duty_mean,
                         "holder": c.holder,
                     }
                     for c in w.chips

@@ -162,6 +162,19 @@ def test_a_vm_is_asked_for_metrics_again_only_once_the_interval_has_passed(scene
     assert chip_metrics.ports_to_ask(vm, now=read + dt.timedelta(seconds=1)) == ()
 
 
+@pytest.mark.django_db
+def test_each_chips_mean_duty_over_the_kept_samples_is_on_the_page(client, scene, settings):
+    settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 10
+    start = timezone.now()
+    for step, duty in enumerate((20.0, 80.0, 35.0)):
+        answer = {0: wire.WorkerMetrics([wire.ChipMetrics(0, GIB, 32 * GIB, duty)])}
+        chip_metrics.record(scene.vm, answer, now=start + dt.timedelta(seconds=10 * step))
+    assert chip_metrics.duty_means([scene.vm.pk]) == {(scene.vm.pk, 0, 0): 45.0}
+    client.force_login(scene.milo)
+    page = client.get(reverse("vm_jobs", args=["vision", scene.vm.pk])).content.decode()
+    assert "<td>35%</td><td>45%</td>" in page
+
+
 # --- who sees them -----------------------------------------------------------------
 
 
@@ -192,6 +205,7 @@ def test_members_see_the_chips_of_the_vms_they_may_see_and_no_others(client, sce
         "duty_cycle_percent": 55.0,
     }  # fmt: skip
     assert chips["workers"][0]["chips"][0]["holder"] == f"job {job.pk} of milo"
+    assert chips["workers"][0]["chips"][0]["duty_cycle_percent_mean"] == 50.0
     assert chips["workers"][1] == {"worker": 1, "none": chip_metrics.NO_ANSWER, "chips": []}
 
     admin_rows = _api(client, scene.admin, "/labs/vision/usage/now").json()["items"]

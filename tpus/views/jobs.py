@@ -78,7 +78,10 @@ def _now_context(vm) -> dict:
     return {
         "jobs_now": now,
         "jobs_queue": queue,
-        "chips_now": chip_metrics.workers_now(now.vm, now.running),
+        "chips_now": chip_metrics.workers_now(
+            now.vm, now.running, chip_metrics.duty_means([vm.pk]) if vm.chip_metrics else {}
+        ),
+        "chips_kept_minutes": settings.PORTAL_CHIP_METRICS_KEEP_MINUTES,
         "refresh_seconds": settings.PORTAL_JOB_USAGE_REFRESH_SECONDS,
     }
 
