@@ -1,7 +1,9 @@
-"""The periodic poll: one sync over 500 VMs in 5 zones, and IP change → email sent.
+"""The periodic polls: one sync over 500 VMs in 5 zones, IP change → email sent, and
+what reading chip metrics adds to a 32-worker job poll.
 
     /work/main/.venv/bin/python -m bench.poll            # 60 s beat interval (~6 min)
     /work/main/.venv/bin/python -m bench.poll --quick    # 5 s interval (~1 min)
+    /work/main/.venv/bin/python -m bench.poll --chips    # part 3 alone (~2 min)
 
 Part 1 calls ``tpus.services.sync.sync_inventory`` in this process against the Cloud
 TPU emulator (500 VMs, one lab, 5 zones; every tenth VM a 4-worker pod) and counts
@@ -14,6 +16,15 @@ Part 2 starts a real ``celery beat`` and ``celery worker`` (subprocesses, Redis 
 changes a worker's external IP in the emulator at a random moment and measures until
 the email with the new address arrives at the sink. No SSH leaves this machine: the
 remote door runs dry and only loopback is allowed.
+
+Part 3 (``--chips``, on its own) starts 32 fleet hosts and times the job poll's status
+round on all of them through the remote door (``job-status.sh``, one exec per worker,
+the input the job engine sends for a running job and the VM's chips), side by side in
+one run, rounds interleaved: today's input; the same asking for chip metrics with a
+stand-in of libtpu's metrics server on every host (4 chips each); and asking where
+nothing serves metrics. Each round connects anew, as a pass does; the exec alone over
+kept connections is timed too. Then the portal's side: parsing the 32 answers and
+``chip_metrics.record`` (queries and time).
 """
 
 from __future__ import annotations
@@ -305,6 +316,205 @@ class PollBench:
             shutil.rmtree(self.stack.dir, ignore_errors=True)
 
 
+class ChipPollBench:
+    """Part 3: the job poll's status round on 32 workers with and without chip metrics."""
+
+    def __init__(self, args):
+        self.args = args
+        self.stack = Stack("chippoll")
+        self.fleet = None
+        self.servers = []
+
+    def start(self) -> None:
+        from testfleet.fleet import Fleet
+
+        print(f"starting a fleet of {self.args.workers} sshd hosts …", flush=True)
+        self.fleet = Fleet.open_free()
+        self.fleet.teardown()  # leftovers of a crashed run in this slot
+        self.fleet.up(self.args.workers)
+        self.hosts = [self.fleet.host(f"h{i}") for i in range(1, self.args.workers + 1)]
+        self.stack.setup_django(
+            BENCH_TPU_API_ENDPOINT="127.0.0.1:1",
+            BENCH_REMOTE_ALLOWED_NETWORKS=f"127.0.0.0/8,{self.fleet.network}",
+            PORTAL_ADMIN_SSH_KEY_FILE=self.fleet.admin_key_path,
+            PORTAL_ADMIN_SSH_USER=self.fleet.admin_user,
+            PORTAL_REMOTE_CONNECT_TIMEOUT=5,
+            PORTAL_REMOTE_AUTH_TIMEOUT=10,
+            PORTAL_REMOTE_SCRIPT_TIMEOUT=60,
+        )
+        import logging
+
+        logging.getLogger("tpus").setLevel(logging.WARNING)
+        from tpus.remote import HostKeyPins, Worker, site_login
+
+        self.workers = [
+            Worker(h.ip, HostKeyPins.parse(self.fleet.host_keys(h.name)), name=h.name,
+                   login=site_login())
+            for h in self.hosts
+        ]  # fmt: skip
+
+    def _serve_metrics(self) -> None:
+        from testfleet import runtime_metrics
+
+        values = self.stack.dir / "chips.json"
+        gib = 1024**3
+        chips = [{"chip": n, "hbm_used": (8 + n) * gib, "hbm_total": 32 * gib, "duty": 80.0 + n}
+                 for n in range(4)]  # fmt: skip
+        runtime_metrics.write_values(values, chips)
+        print(f"starting the metrics stand-in on {len(self.hosts)} hosts …", flush=True)
+        self.servers = [runtime_metrics.start(self.fleet, h.name, values) for h in self.hosts]
+        for process in self.servers:
+            runtime_metrics.wait_serving(process)
+
+    def _stop_metrics(self) -> None:
+        from testfleet import runtime_metrics
+
+        for process in self.servers:
+            runtime_metrics.stop(process)
+        self.servers = []
+
+    def _inputs(self) -> dict[str, bytes]:
+        from tpus.remote import jobs as wire
+        from tpus.services import chip_metrics
+
+        def status(ports=()):
+            return wire.encode_status(
+                {"bench-job": 0}, max_bytes=32768, device_glob="/dev/accel*", tail=True,
+                metrics_ports=ports,
+            )  # fmt: skip
+
+        return {"today": status(), "metrics": status(chip_metrics.ports())}
+
+    def _round(self, data: bytes, sessions=None) -> tuple[float, list]:
+        from tpus.remote import run_on_workers
+
+        t0 = time.perf_counter()
+        if sessions is None:
+            outcomes = run_on_workers(self.workers, "job-status.sh", data)
+        else:
+            outcomes = sessions.run("job-status.sh", data)
+        elapsed = time.perf_counter() - t0
+        bad = [str(o.error) for o in outcomes if not o.ok]
+        if bad:
+            raise RuntimeError(f"job-status.sh failed: {bad[:3]}")
+        return elapsed, outcomes
+
+    def _server_cpu(self) -> float:
+        """CPU seconds the stand-in servers have used so far (they share the fleet's
+        cores; libtpu's server runs on each TPU VM's own)."""
+        total = 0.0
+        for process in self.servers:
+            with open(f"/proc/{process.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+    def _side_by_side(self, label: str, rounds: int) -> tuple[list, list, float]:
+        """Rounds of today's input and the metrics input, alternating (and which goes
+        first alternating), each connecting anew; then the same over kept connections;
+        then on one worker alone over a kept connection (what each worker adds, in
+        parallel, when each is its own machine)."""
+        from tpus.remote import Sessions
+
+        inputs = self._inputs()
+        fresh = {"today": [], "metrics": []}
+        kept = {"today": [], "metrics": []}
+        alone = {"today": [], "metrics": []}
+        outcomes = None
+        self._round(inputs["metrics"])  # warm-up
+        cpu0 = self._server_cpu() if self.servers else 0.0
+        for r in range(rounds):
+            order = ["today", "metrics"] if r % 2 == 0 else ["metrics", "today"]
+            for name in order:
+                elapsed, found = self._round(inputs[name])
+                fresh[name].append(elapsed)
+                if name == "metrics":
+                    outcomes = found
+        server_cpu = (self._server_cpu() - cpu0) / rounds if self.servers else 0.0
+        for times, workers in ((kept, self.workers), (alone, self.workers[:1])):
+            with Sessions(workers) as sessions:
+                self._round(inputs["today"], sessions)  # every connection made
+                for r in range(rounds):
+                    order = ["today", "metrics"] if r % 2 == 0 else ["metrics", "today"]
+                    for name in order:
+                        times[name].append(self._round(inputs[name], sessions)[0])
+        rows = []
+        for what, times in (("poll (connect + exec)", fresh), ("exec alone", kept),
+                            ("exec on 1 worker", alone)):  # fmt: skip
+            today, metrics = median(times["today"]), median(times["metrics"])
+            rows.append([label, what, today, metrics, metrics - today, metrics / today - 1])
+        return rows, outcomes, server_cpu
+
+    def _portal_side(self, outcomes) -> list:
+        from tpus.models import Lab, TpuVm
+        from tpus.services import chip_metrics
+
+        lab = Lab.objects.create(name="Chips", slug="chips", gcp_project_id="chips-bench")
+        vm = TpuVm.objects.create(lab=lab, name="pod32", zone="us-central1-a", source="manual")
+        workers = [type("W", (), {"index": i})() for i in range(len(outcomes))]
+        rows = []
+        for n in range(3):
+            with counting_queries() as queries:
+                t0 = time.perf_counter()
+                answers = chip_metrics.answers(workers, outcomes)
+                t1 = time.perf_counter()
+                chip_metrics.record(vm, answers)
+                t2 = time.perf_counter()
+            chips = sum(len(a.chips) for a in answers.values() if a)
+            rows.append([n + 1, chips, (t1 - t0) * 1000, (t2 - t1) * 1000, queries["queries"]])
+        return rows
+
+    def run(self) -> None:
+        rounds = self.args.rounds
+        self._serve_metrics()
+        served, outcomes, server_cpu = self._side_by_side("4 chips served per worker", rounds)
+        self._stop_metrics()
+        unserved, _, _ = self._side_by_side("nothing serves metrics", rounds)
+        portal = self._portal_side(outcomes)
+        print()
+        print(f"machine: {machine()}")
+        print(
+            f"job poll status round on {len(self.workers)} workers (job-status.sh through the "
+            f"remote door, one exec per worker), median of {rounds} interleaved rounds each"
+        )
+        headers = ["metrics", "round", "today (s)", "with metrics (s)", "added (s)", "added"]
+        print(table(headers, [r[:5] + [f"{r[5]:+.1%}"] for r in served + unserved]))
+        print()
+        print("the portal's side per poll of the VM: parse the answers, record (4 queries)")
+        headers = ["run", "chips", "parse (ms)", "record (ms)", "DB queries"]
+        print(table(headers, portal))
+        from django.conf import settings
+
+        poll, every = settings.PORTAL_JOB_POLL_SECONDS, settings.PORTAL_CHIP_METRICS_EVERY_SECONDS
+        share = 1 / max(1, round(every / poll))
+        today, added = served[0][2], served[0][4]
+        on_own = served[2][4]  # one worker's added time: each worker is its own machine
+        print(
+            f"the {len(self.servers) or len(self.workers)} stand-in servers used "
+            f"{server_cpu:.3f} CPU s per round of the fleet's 2 cores (on TPU VMs, libtpu "
+            "answers on each VM's own cores)"
+        )
+        print(
+            f"added to the {len(self.workers)}-worker poll that reads metrics: {added / today:+.1%}"
+            f" here, where all workers share 2 cores; {on_own / today:+.1%} when each worker "
+            f"adds what one alone adds ({on_own * 1000:.0f} ms); the job poll runs every "
+            f"{poll} s and reads metrics every {every} s, so on average "
+            f"{share * added / today:+.1%} here and {share * on_own / today:+.1%} on own machines"
+            " (target ≤ +10 %); no SSH session added (one job-status.sh exec per worker)"
+        )
+
+    def close(self) -> None:
+        try:
+            self._stop_metrics()
+        finally:
+            try:
+                self.stack.close()
+            finally:
+                if self.fleet is not None:
+                    self.fleet.destroy()
+                shutil.rmtree(self.stack.dir, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="5 s beat interval instead of 60 s")
@@ -314,7 +524,20 @@ def main(argv=None) -> int:
         "--samples", type=int, default=None, help="IP changes (default 5 quick, 3 full)"
     )
     parser.add_argument("--skip-latency", action="store_true", help="part 1 only")
+    parser.add_argument("--chips", action="store_true", help="part 3 alone: chip metrics")
+    parser.add_argument("--workers", type=int, default=32, help="part 3: workers (1..64)")
+    parser.add_argument("--rounds", type=int, default=10, help="part 3: rounds (3..30)")
     args = parser.parse_args(argv)
+    if args.chips:
+        args.workers = max(1, min(args.workers, 64))
+        args.rounds = max(3, min(args.rounds, 30))
+        chips = ChipPollBench(args)
+        try:
+            chips.start()
+            chips.run()
+        finally:
+            chips.close()
+        return 0
     args.polls = max(1, min(args.polls, 10))
     args.samples = max(1, min(args.samples or (5 if args.quick else 3), 6))
     args.vms = max(len(ZONES), min(args.vms, 2000))

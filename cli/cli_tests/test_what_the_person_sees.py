@@ -75,6 +75,38 @@ def test_ls_shows_each_vms_state(portal, capsys):
     assert row.split()[:3] == ["vision/tpu5", "active", "PREEMPTED"]
 
 
+def _now_row(chips) -> dict:
+    return {"items": [{"vm_id": GRANT["vm_id"], "state": "running", "job": None, "holders": [],
+                       "queue_length": 0, "chips": chips}], "next": None}  # fmt: skip
+
+
+def test_ls_shows_each_vms_chips_in_one_line(portal, capsys):
+    _vm_scene(portal)
+    summary = {"chips": 4, "hbm_used_bytes": 12 * 2**30, "hbm_total_bytes": 32 * 2**30,
+               "duty_cycle_percent": 85.2}  # fmt: skip
+    portal.on("GET", "/labs/vision/usage/now", _now_row({"summary": summary, "workers": []}))
+    code, out, err = run(capsys, "ls")
+    assert code == 0, err
+    assert "vision/tpu5: HBM 12/32 GiB, duty 85%" in out.splitlines()
+
+
+@pytest.mark.parametrize(
+    "summary",
+    [None, {"hbm_used_bytes": "[red]x", "hbm_total_bytes": 1, "duty_cycle_percent": 1},
+     {"hbm_used_bytes": 5, "hbm_total_bytes": 1, "duty_cycle_percent": 1},
+     {"hbm_used_bytes": 1, "hbm_total_bytes": 2, "duty_cycle_percent": 400}],
+)  # fmt: skip
+def test_ls_shows_no_chips_line_for_a_summary_that_is_missing_or_makes_no_sense(
+    portal, capsys, summary
+):
+    _vm_scene(portal)
+    portal.on("GET", "/labs/vision/usage/now", _now_row({"summary": summary, "workers": []}))
+    code, out, err = run(capsys, "ls", "--json")
+    assert code == 0, err
+    [row] = json.loads(out)
+    assert row["chips"] == ""
+
+
 def test_a_sync_into_a_log_file_has_no_progress_bars(portal, rsync_log, tmp_path, capsys):  # noqa: F811
     _vm_scene(portal)
     portal.on("POST", "/labs/vision/vms/5/jobs/validate", {"ok": True, "detail": "ok"})

@@ -222,6 +222,7 @@ def ls(args) -> int:
             "running_job": {"id": running["id"], "user": running["user"],
                             "username": running["username"]} if running else None,
             "holders": now.get("holders", []), "queue_length": now.get("queue_length", 0),
+            "chips": _chips_text(now.get("chips")),
             "my_queue_position": vms.queue_position(session.api, vm, session.sign_in.email),
         })  # fmt: skip
     if args.names:
@@ -246,6 +247,10 @@ def ls(args) -> int:
                       row["address"] or "-", str(row["workers"]), str(row["queue_length"]),
                       str(row["my_queue_position"] or "-"))  # fmt: skip
     out.print(table)
+    # Each VM's chips in one line of its own (the table stays as wide as it was).
+    for row in rows:
+        if row["chips"]:
+            out.print(f"{row['lab']}/{row['vm']}: {row['chips']}", markup=False, highlight=False)
     return 0
 
 
@@ -259,6 +264,24 @@ def _now_text(row: dict) -> str:
         who = sorted({h["user"] for h in row["holders"]})
         return "held outside the portal" + (f" by {', '.join(who)}" if who else "")
     return row["tpu"] or "-"
+
+
+def _chips_text(chips) -> str:
+    """The VM's chips as the portal last read them, in one line: HBM used of total over
+    every chip and their mean duty cycle ("HBM 12/32 GiB, duty 85%"); "" when none
+    were read. Only numbers are taken from the portal's answer."""
+    summary = chips.get("summary") if isinstance(chips, dict) else None
+    if not isinstance(summary, dict):
+        return ""
+    try:
+        used, total, duty = (
+            float(summary[k]) for k in ("hbm_used_bytes", "hbm_total_bytes", "duty_cycle_percent")
+        )
+    except (KeyError, TypeError, ValueError):
+        return ""
+    if not (0 <= used <= total < 2**60 and 0 <= duty <= 100):
+        return ""
+    return f"HBM {used / 2**30:.0f}/{total / 2**30:.0f} GiB, duty {duty:.0f}%"
 
 
 def usage(args) -> int:

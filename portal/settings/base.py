@@ -375,6 +375,27 @@ PORTAL_JOB_LOG_TAIL_BYTES = env.integer("PORTAL_JOB_LOG_TAIL_BYTES", 32768, mini
 # A job's folder on a worker (its log among it) is removed this many days after the job
 # ended (by a job's start there, at most once an hour); 0 keeps them forever.
 PORTAL_JOB_FOLDER_RETENTION_DAYS = env.integer("PORTAL_JOB_FOLDER_RETENTION_DAYS", 30, minimum=0)
+# libtpu serves each chip's runtime metrics (HBM, duty cycle) over gRPC on the worker's
+# local ports in TPU_RUNTIME_METRICS_PORTS, which the portal sets for every job (one
+# port per process of the job on a worker, 8431 first as on a TPU VM). The job poll
+# reads them in its status exec; the portal keeps each chip's samples this many
+# minutes, written at most once per this many seconds per VM.
+PORTAL_CHIP_METRICS_PORTS = env.listing(
+    "PORTAL_CHIP_METRICS_PORTS", ["8431", "8432", "8433", "8434"]
+)
+if (
+    not all(p.isdigit() and 1024 <= int(p) <= 65535 for p in PORTAL_CHIP_METRICS_PORTS)
+    or len(set(PORTAL_CHIP_METRICS_PORTS)) != len(PORTAL_CHIP_METRICS_PORTS)
+    or len(PORTAL_CHIP_METRICS_PORTS) > 8
+):
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        "PORTAL_CHIP_METRICS_PORTS is empty or up to 8 distinct ports from 1024 to 65535, "
+        f"comma-separated, not {','.join(PORTAL_CHIP_METRICS_PORTS)!r}."
+    )
+PORTAL_CHIP_METRICS_KEEP_MINUTES = env.integer("PORTAL_CHIP_METRICS_KEEP_MINUTES", 60, minimum=1)
+PORTAL_CHIP_METRICS_EVERY_SECONDS = env.integer("PORTAL_CHIP_METRICS_EVERY_SECONDS", 10, minimum=1)
 
 # --- Remote hosts (TPU VM workers over SSH, tpus/remote) -------------------------------
 # The portal logs in to every worker as PORTAL_ADMIN_SSH_USER (passwordless sudo) with

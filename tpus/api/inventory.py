@@ -15,11 +15,20 @@ from portal.pagination import KeysetPagination, parse_choice
 from portal.schemas import Error
 from tpus import access
 from tpus.api import filters as api_filters
+from tpus.api.chips import ChipsOut
 from tpus.api.docs import PAGED, filter_help
 from tpus.cloud import CloudError
 from tpus.models import TpuVm, Worker
 from tpus.models.inventory import DiskMode, NodeState, worker_alias
-from tpus.services import connect, disk_operations, hostkey_alarms, inventory, sync_health
+from tpus.services import (
+    chip_metrics,
+    connect,
+    disk_operations,
+    hostkey_alarms,
+    inventory,
+    sync_health,
+    usage,
+)
 from tpus.services.inventory import InventoryError
 
 router = Router(tags=["tpu vms"])
@@ -140,10 +149,18 @@ class VmOut(Schema):
     # last ones seen.
     sync: ZoneSyncOut
     workers: list[WorkerOut]
+    # Each chip's HBM and duty cycle as the job poll last read them, and who holds it.
+    chips: ChipsOut
 
     @staticmethod
     def resolve_workers(obj):
         return [WorkerOut.of(w) for w in obj.workers.all()]
+
+    @staticmethod
+    def resolve_chips(obj):
+        return chip_metrics.as_api(
+            obj, getattr(obj, "running_job", None), chip_metrics.duty_means([obj.pk])
+        )
 
     @staticmethod
     def resolve_sync(obj):
@@ -163,8 +180,8 @@ def _zone_sync_of(vm) -> dict:
 
 
 class VmListItemOut(BaseModel):
-    """A VM in a list: its workers without their host keys, so a page of pods stays
-    small."""
+    """A VM in a list: its workers without their host keys, and without its chips'
+    metrics (both are in the VM's own object), so a page of pods stays small."""
 
     # ``VmOut``'s fields, in its order. A plain pydantic model filled by ``of``: a
     # ninja ``Schema`` would read each field of each VM through its resolver machinery.
@@ -289,6 +306,7 @@ def get_vm(request, slug: str, vm_id: int):
     lab = access.get_admin_lab(request.user, slug)
     vm = access.get_vm_for_admin(request.user, lab, vm_id)
     prefetch_related_objects([vm], _WORKERS)
+    vm.running_job = usage.running_job(vm)
     return vm
 
 

@@ -25,10 +25,11 @@ from portal.pagination import (
 from portal.schemas import Error
 from tpus import access
 from tpus.api import filters as api_filters
+from tpus.api.chips import ChipsOut
 from tpus.api.docs import PAGED, filter_help
 from tpus.models import Job
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState
-from tpus.services import job_logs, scheduler, usage
+from tpus.services import chip_metrics, job_logs, scheduler, usage
 from tpus.services import jobs as job_services
 from tpus.services.jobs import JobSpec, parse_env
 
@@ -485,6 +486,8 @@ class VmNowOut(Schema):
     holders: list[HolderOut]
     checked_at: datetime | None
     queue_length: int
+    # Each chip's HBM and duty cycle as the job poll last read them.
+    chips: ChipsOut
 
 
 class PersonUsageOut(Schema):
@@ -623,6 +626,7 @@ class _UsageRequest:
         if self.after is not None:
             vms = vms.filter(pk__gt=self.after)
         now = usage.now_for(vms[: self.size + 1])
+        means = chip_metrics.duty_means(n.vm.pk for n in now)
         items = [
             {
                 "vm_id": n.vm.pk,
@@ -633,6 +637,7 @@ class _UsageRequest:
                 "holders": n.holders,
                 "checked_at": n.vm.usage_checked_at,
                 "queue_length": n.queue_length,
+                "chips": chip_metrics.as_api(n.vm, n.running, means),
             }
             for n in now
         ]

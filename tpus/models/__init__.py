@@ -1,5 +1,6 @@
 from tpus.models.audit import AuditAction, AuditEvent
 from tpus.models.changes import VmChange
+from tpus.models.chip_metrics import ChipSample
 from tpus.models.connections import ConnectionState, VmConnection
 from tpus.models.fair_share import FairShare
 from tpus.models.grants import Grant, WorkerSync
@@ -20,6 +21,7 @@ from tpus.models.usage import UsageDay
 __all__ = [
     "AuditAction",
     "AuditEvent",
+    "ChipSample",
     "ConfigFeed",
     "ConnectionState",
     "DataDisk",

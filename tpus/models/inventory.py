@@ -147,6 +147,11 @@ class TpuVm(models.Model):
     # whose workers cannot answer does not keep its place at the head of the line
     # (``services.holders``).
     holders_looked_at = models.DateTimeField(null=True, blank=True)
+    # The chips' runtime metrics as the last poll read them, per worker
+    # ([{worker, chips: [{chip, used, total, duty}], none: why there are none}]), and
+    # when (``services.chip_metrics``; the history is in ChipSample).
+    chip_metrics = models.JSONField(default=list, blank=True)
+    chip_metrics_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [

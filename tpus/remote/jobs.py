@@ -15,12 +15,15 @@ environment values) travels as base64, so no byte of it is ever read by a shell:
     script <b64 path>   (optional)        arg <b64>             (one at least)
     env <NAME>                            tasks_max <n>         memory_max_mb <n>
     probe_seconds <n>   (optional)        log_max_bytes <n>     keep_days <n>
-    end                                   end
+    end                                   metrics_ports <n>[,<n>…]  (optional)
+                                          end
 
     tpu-portal-job-status 1               tpu-portal-job-cancel 1
     max_bytes <n>                         job <id>
     offset <job id> <bytes>               grace <seconds>
-    end                                   end
+    chips <device glob>  (optional)       end
+    metrics <port>[,<port>…]  (optional)
+    end
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ FORBIDDEN_ENV = frozenset({
     "TPU_MESH_CONTROLLER_PORT", "CLOUD_TPU_TASK_ID", "ALLOW_MULTIPLE_LIBTPU_LOAD",
     "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT", "JAX_NUM_PROCESSES",
     "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "LD_LIBRARY_PATH", "HOME", "USER",
-    "LOGNAME", "PATH", "VIRTUAL_ENV",
+    "LOGNAME", "PATH", "VIRTUAL_ENV", "TPU_RUNTIME_METRICS_PORTS",
 })  # fmt: skip
 FORBIDDEN_ENV_PREFIX = "TPU_PORTAL_"
 
@@ -64,6 +67,12 @@ MIN_TASKS = 16
 MIN_MEMORY_MB = 32
 MIN_LOG_CAP = 1024
 MAX_PROBE_SECONDS = 600
+# libtpu's runtime metrics (tpu-info's gRPC service): the ports a job's libtpu serves
+# them on (TPU_RUNTIME_METRICS_PORTS, one per process on the worker), and the most
+# chips one worker may report.
+MAX_METRICS_PORTS = 8
+MAX_METRIC_CHIPS = 64
+MAX_HBM_BYTES = 2**50  # 1 PiB: far above any chip's HBM
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,8 @@ class StartJob:
     log_max_bytes: int = 100 * 1024 * 1024
     # The worker removes the folders of jobs that ended longer ago (0: never).
     keep_days: int = 0
+    # Where the job's libtpu serves its runtime metrics (TPU_RUNTIME_METRICS_PORTS).
+    metrics_ports: tuple[int, ...] = ()
 
 
 def encode_preflight(spec: Preflight) -> bytes:
@@ -168,6 +179,8 @@ def encode_start(job: StartJob) -> bytes:
         f"log_max_bytes {_int(job.log_max_bytes, 'log_max_bytes', MIN_LOG_CAP, 10**15 - 1)}"
     )
     lines.append(f"keep_days {_int(job.keep_days, 'keep_days', 0, 99999)}")
+    if job.metrics_ports:
+        lines.append(f"metrics_ports {check_metrics_ports(job.metrics_ports)}")
     return _finish(lines)
 
 
@@ -177,10 +190,12 @@ def encode_status(
     device_glob: str = "",
     *,
     tail: bool = False,
+    metrics_ports: Sequence[int] = (),
 ) -> bytes:
     """``device_glob``: also name every process holding a chip. ``tail``: when more
     than ``max_bytes`` are new, answer the log's last ``max_bytes`` (for a page)
-    instead of the next ones (for a download)."""
+    instead of the next ones (for a download). ``metrics_ports``: also read libtpu's
+    runtime metrics on these local ports (HBM and duty cycle per chip)."""
     lines = [
         "tpu-portal-job-status 1",
         f"max_bytes {_int(max_bytes, 'max_bytes', 0, MAX_LOG_BYTES)}",
@@ -190,6 +205,8 @@ def encode_status(
         lines.append(f"{word} {check_job_id(job_id)} {_int(offset, 'offset', 0, 10**15 - 1)}")
     if device_glob:
         lines.append(f"chips {check_device_glob(device_glob)}")
+    if metrics_ports:
+        lines.append(f"metrics {check_metrics_ports(metrics_ports)}")
     return _finish(lines)
 
 
@@ -357,12 +374,33 @@ class ChipHolder:
     job: str = ""
 
 
+@dataclass(frozen=True)
+class ChipMetrics:
+    """One chip's runtime metrics as its libtpu served them on the worker."""
+
+    chip: int  # libtpu's device id on the worker
+    hbm_used: int  # bytes
+    hbm_total: int  # bytes
+    duty: float  # TensorCore duty cycle, percent
+
+
+@dataclass
+class WorkerMetrics:
+    """The answer to ``metrics``: the chips read, or why there are none (nothing
+    listens on the ports, the worker has no python3, no answer in time)."""
+
+    chips: list[ChipMetrics] = field(default_factory=list)
+    none: str = ""  # the reason there are no metrics; "" when some were read
+
+
 @dataclass
 class StatusReport:
     boot_id: str
     lock_holder: str | None  # the job holding the TPU's lock, or None when free
     jobs: dict[str, JobState] = field(default_factory=dict)
     holders: list[ChipHolder] = field(default_factory=list)
+    metrics: WorkerMetrics | None = None  # None: not asked for
+    metrics_error: str = ""  # why the metrics lines were refused, if they were
 
 
 _STATES = ("running", "ended", "lost", "unknown")
@@ -375,6 +413,7 @@ def parse_status(pairs: Sequence[tuple[str, str]]) -> StatusReport:
     if lock != "free" and not lock.startswith("held "):
         raise ValueError(f"job-status.sh gave no lock state: {lock!r}")
     report = StatusReport(values.get("boot_id", ""), None if lock == "free" else lock[5:])
+    metric_lines: list[tuple[str, str]] = []
     for key, value in pairs:
         if key == "job":
             report.jobs[_job_id_of(value)] = _job_state(value)
@@ -386,6 +425,53 @@ def parse_status(pairs: Sequence[tuple[str, str]]) -> StatusReport:
             job.log_offset, job.log = int(offset), base64.b64decode(data, validate=True)
         elif key == "holder":
             report.holders.append(_holder(value))
+        elif key in ("metrics", "chip"):
+            metric_lines.append((key, value))
+    if metric_lines:
+        # Metrics that do not read are none at all, and the rest of the answer stands.
+        try:
+            report.metrics = parse_metrics(metric_lines)
+        except ValueError as exc:
+            report.metrics = WorkerMetrics(none="unreadable")
+            report.metrics_error = str(exc)
+    return report
+
+
+_METRICS_NONE = re.compile(r"none ([a-z0-9 ,.:()-]{1,200})")
+_CHIP = re.compile(
+    r"([0-9]{1,3}) used=([0-9]{1,16}) total=([0-9]{1,16}) duty=([0-9]{1,3}(?:\.[0-9]{1,2})?)"
+)
+
+
+def parse_metrics(lines: Sequence[tuple[str, str]]) -> WorkerMetrics:
+    """The ``metrics`` and ``chip`` lines of job-status.sh: ``metrics=ok`` then at most
+    MAX_METRIC_CHIPS ``chip=<id> used=<bytes> total=<bytes> duty=<percent>``, each chip
+    once, or ``metrics=none <reason>`` alone. Anything else is refused whole."""
+    if not lines or lines[0][0] != "metrics":
+        raise ValueError("chip metrics without the metrics line first")
+    first = lines[0][1]
+    match = _METRICS_NONE.fullmatch(first)
+    if match:
+        if len(lines) > 1:
+            raise ValueError("more metrics after the worker said it has none")
+        return WorkerMetrics(none=match[1])
+    if first != "ok":
+        raise ValueError(f"not a metrics line: {first[:100]!r}")
+    if len(lines) - 1 > MAX_METRIC_CHIPS:
+        raise ValueError(f"more than {MAX_METRIC_CHIPS} chips")
+    report = WorkerMetrics()
+    for key, value in lines[1:]:
+        match = _CHIP.fullmatch(value) if key == "chip" else None
+        if not match:
+            raise ValueError(f"not a chip metrics line: {key}={value[:100]!r}")
+        chip, used, total, duty = int(match[1]), int(match[2]), int(match[3]), float(match[4])
+        if chip >= MAX_METRIC_CHIPS or total > MAX_HBM_BYTES or used > total or duty > 100:
+            raise ValueError(f"chip metrics out of bounds: {value[:100]!r}")
+        if any(c.chip == chip for c in report.chips):
+            raise ValueError(f"chip {chip} is reported twice")
+        report.chips.append(ChipMetrics(chip, used, total, duty))
+    if not report.chips:
+        raise ValueError("metrics=ok without a chip")
     return report
 
 
@@ -468,6 +554,14 @@ def check_device_glob(value: object) -> str:
     if not isinstance(value, str) or not _GLOB.fullmatch(value) or ".." in value:
         raise ValueError("a device glob is a pattern under /dev such as /dev/accel*")
     return value
+
+
+def check_metrics_ports(value: object) -> str:
+    """The ports as the scripts take them: ``8431,8432``."""
+    ports = _sequence(value, "metrics_ports")
+    if not 1 <= len(ports) <= MAX_METRICS_PORTS or len(set(ports)) != len(ports):
+        raise ValueError(f"metrics_ports are 1 to {MAX_METRICS_PORTS} distinct ports")
+    return ",".join(str(_int(p, "a metrics port", 1024, 65535)) for p in ports)
 
 
 def check_path(value: object, what: str) -> str:

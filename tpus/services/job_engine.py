@@ -34,7 +34,7 @@ from tpus.models import Job, JobWorker, TpuVm
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState, first_failed
 from tpus.remote import Held, HostKeyMismatch, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
-from tpus.services import disk_mounts, emails, leases, made_anew, scheduler
+from tpus.services import chip_metrics, disk_mounts, emails, leases, made_anew, scheduler
 from tpus.services.hosts import remote_worker
 from tpus.services.jobs import coordinator_of, may_run_jobs, run_again_after_preemption
 from tpus.services.labkeys import login_for
@@ -584,6 +584,7 @@ def _start(
                 python=job.python,
                 cwd=job.cwd,
                 pod=pod,
+                metrics_ports=chip_metrics.ports(),
                 **limits,
             )
         )
@@ -795,14 +796,17 @@ def _status_round(job: Job, vm: TpuVm, hosts: _Hosts, parts) -> bool:
         offset = part.log_offset if part is not None else 0
         # The worker skips ahead when more is new than the page keeps: the end counts.
         return wire.encode_status(
-            {job.host_id: offset}, max_bytes=tail_bytes, device_glob=glob, tail=True
-        )
+            {job.host_id: offset}, max_bytes=tail_bytes, device_glob=glob, tail=True,
+            metrics_ports=asked,
+        )  # fmt: skip
 
     _, glob = chip_layout(vm, len(workers))
+    asked = chip_metrics.ports_to_ask(vm)
 
     outcomes = hosts.run("job-status.sh", status)
     answered = False
     holders: list[dict] | None = []
+    metrics = chip_metrics.answers(workers, outcomes) if asked else {}
     with transaction.atomic():
         for worker, outcome in zip(workers, outcomes, strict=True):
             part = JobWorker.objects.select_for_update().filter(job=job, index=worker.index).first()
@@ -827,6 +831,7 @@ def _status_round(job: Job, vm: TpuVm, hosts: _Hosts, parts) -> bool:
                 holders += _outside(worker.index, status.holders, own_group=part.pid)
         if holders is not None:
             _set_holders(vm, holders)
+        chip_metrics.record(vm, metrics)
     return answered
 
 
@@ -858,6 +863,7 @@ def check_usage(vm_id: int) -> list[dict] | None:
     if _unready(vm, workers):
         return None
     _, glob = chip_layout(vm, len(workers))
+    asked = chip_metrics.ports_to_ask(vm)
     running = {
         p.index: p.pid
         for p in JobWorker.objects.filter(
@@ -865,7 +871,12 @@ def check_usage(vm_id: int) -> list[dict] | None:
         )
     }
     with _Hosts(vm, workers) as hosts:
-        outcomes = hosts.run("job-status.sh", wire.encode_status({}, max_bytes=0, device_glob=glob))
+        outcomes = hosts.run(
+            "job-status.sh",
+            wire.encode_status({}, max_bytes=0, device_glob=glob, metrics_ports=asked),
+        )
+    if asked:
+        chip_metrics.record(vm, chip_metrics.answers(workers, outcomes))
     holders = []
     for worker, outcome in zip(workers, outcomes, strict=True):
         if not outcome.ok:

@@ -97,7 +97,10 @@ def with_queue_length(vms: QuerySet) -> QuerySet:
 
 # What a "now" row reads of a VM and of its running job (a long list of them must not
 # load every column and JSON field of each).
-NOW_VM_FIELDS = ("id", "lab_id", "name", "zone", "outside_holders", "usage_checked_at")
+NOW_VM_FIELDS = (
+    "id", "lab_id", "name", "zone", "outside_holders", "usage_checked_at",
+    "chip_metrics", "chip_metrics_at",
+)  # fmt: skip
 NOW_JOB_FIELDS = (
     "id", "vm_id", "user_id", "state", "reason", "script", "args",
     "queued_at", "begun_at", "started_at", "ended_at", "changed_at",
@@ -125,6 +128,16 @@ def now_for(vms) -> list[VmNow]:
         job.vm = by_id[job.vm_id]
         running[job.vm_id] = job
     return [VmNow(vm, running.get(vm.pk), getattr(vm, "queue_length", 0)) for vm in vms]
+
+
+def running_job(vm: TpuVm) -> Job | None:
+    """The portal's job holding ``vm`` now, with its person's account (one query)."""
+    return (
+        Job.objects.filter(vm=vm, state__in=ACTIVE_STATES)
+        .select_related("user__unix_account")
+        .only(*NOW_JOB_FIELDS)
+        .first()
+    )
 
 
 def vm_now(vm: TpuVm) -> tuple[VmNow, list[Job]]:

@@ -21,7 +21,7 @@ from tpus import access
 from tpus.forms.jobs import JobForm, PeriodForm
 from tpus.models import Job
 from tpus.models.jobs import JobState, JobWorkerState
-from tpus.services import holders, job_logs, sshconfig, usage, usage_charts
+from tpus.services import chip_metrics, holders, job_logs, sshconfig, usage, usage_charts
 from tpus.services import jobs as job_services
 
 RECENT_JOBS = 10
@@ -78,6 +78,10 @@ def _now_context(vm) -> dict:
     return {
         "jobs_now": now,
         "jobs_queue": queue,
+        "chips_now": chip_metrics.workers_now(
+            now.vm, now.running, chip_metrics.duty_means([vm.pk]) if vm.chip_metrics else {}
+        ),
+        "chips_kept_minutes": settings.PORTAL_CHIP_METRICS_KEEP_MINUTES,
         "refresh_seconds": settings.PORTAL_JOB_USAGE_REFRESH_SECONDS,
     }
 

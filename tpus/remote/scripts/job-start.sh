@@ -13,6 +13,8 @@
 #   env <NAME> <base64 value>       arg <base64>                (repeated; one arg at least)
 #   tasks_max <n>                   memory_max_mb <n>           (optional; 0: 90% of memory)
 #   log_max_bytes <n>               keep_days <n>               (optional; 0: keep forever)
+#   metrics_ports <n>[,<n>...]      (optional: TPU_RUNTIME_METRICS_PORTS, where libtpu
+#                                   serves its runtime metrics; job-status.sh reads them)
 #   end
 # Answers: start=started|running|refused, and for a started job pid=, boot_id=,
 # started_at=, cgroup=, tasks_max=, memory_max= (job-status.sh reports the rest). Bad
@@ -31,7 +33,7 @@ MAX_INPUT=1048576
 UNIT_PREFIX=tpu-portal-job-
 # Names that would break the one-process-per-TPU rule, fake the topology, or override
 # what the portal sets itself. The portal refuses them before sending; so does this.
-FORBIDDEN='^(TPU_VISIBLE_CHIPS|TPU_VISIBLE_DEVICES|TPU_CHIPS_PER_PROCESS_BOUNDS|TPU_CHIPS_PER_HOST_BOUNDS|TPU_PROCESS_BOUNDS|TPU_PROCESS_ADDRESSES|TPU_PROCESS_PORT|TPU_HOST_BOUNDS|TPU_WORKER_ID|TPU_WORKER_HOSTNAMES|TPU_ACCELERATOR_TYPE|TPU_SKIP_MDS_QUERY|TPU_MESH_CONTROLLER_ADDRESS|TPU_MESH_CONTROLLER_PORT|CLOUD_TPU_TASK_ID|ALLOW_MULTIPLE_LIBTPU_LOAD|JAX_COORDINATOR_ADDRESS|JAX_COORDINATOR_PORT|JAX_NUM_PROCESSES|JAX_PROCESS_ID|JAX_LOCAL_DEVICE_IDS|LD_LIBRARY_PATH|TPU_PORTAL_[A-Z0-9_]*|HOME|USER|LOGNAME|PATH|VIRTUAL_ENV)$'
+FORBIDDEN='^(TPU_VISIBLE_CHIPS|TPU_VISIBLE_DEVICES|TPU_CHIPS_PER_PROCESS_BOUNDS|TPU_CHIPS_PER_HOST_BOUNDS|TPU_PROCESS_BOUNDS|TPU_PROCESS_ADDRESSES|TPU_PROCESS_PORT|TPU_HOST_BOUNDS|TPU_WORKER_ID|TPU_WORKER_HOSTNAMES|TPU_ACCELERATOR_TYPE|TPU_SKIP_MDS_QUERY|TPU_MESH_CONTROLLER_ADDRESS|TPU_MESH_CONTROLLER_PORT|CLOUD_TPU_TASK_ID|ALLOW_MULTIPLE_LIBTPU_LOAD|JAX_COORDINATOR_ADDRESS|JAX_COORDINATOR_PORT|JAX_NUM_PROCESSES|JAX_PROCESS_ID|JAX_LOCAL_DEVICE_IDS|LD_LIBRARY_PATH|TPU_PORTAL_[A-Z0-9_]*|HOME|USER|LOGNAME|PATH|VIRTUAL_ENV|TPU_RUNTIME_METRICS_PORTS)$'
 
 die() {
     echo "job-start: $*" >&2
@@ -47,7 +49,7 @@ input=$work/input
 head -c $((MAX_INPUT + 1)) >"$input"
 [ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
 B64='[A-Za-z0-9+/]+={0,2}'
-if LC_ALL=C grep -n -v -E "^(tpu-portal-job-start 1|end|job [a-z0-9][a-z0-9-]{0,63}|user [a-z][a-z0-9-]{0,30}|python $B64|cwd $B64|pod [A-Za-z0-9.:-]{1,255} [0-9]{1,4} [0-9]{1,4}|env [A-Za-z_][A-Za-z0-9_]{0,127} ($B64)?|arg $B64|tasks_max [0-9]{1,7}|memory_max_mb [0-9]{1,9}|log_max_bytes [0-9]{1,15}|keep_days [0-9]{1,5})$" "$input" >"$work/bad"; then
+if LC_ALL=C grep -n -v -E "^(tpu-portal-job-start 1|end|job [a-z0-9][a-z0-9-]{0,63}|user [a-z][a-z0-9-]{0,30}|python $B64|cwd $B64|pod [A-Za-z0-9.:-]{1,255} [0-9]{1,4} [0-9]{1,4}|env [A-Za-z_][A-Za-z0-9_]{0,127} ($B64)?|arg $B64|tasks_max [0-9]{1,7}|memory_max_mb [0-9]{1,9}|log_max_bytes [0-9]{1,15}|keep_days [0-9]{1,5}|metrics_ports [0-9]{4,5}(,[0-9]{4,5}){0,7})$" "$input" >"$work/bad"; then
     die "line $(head -n 1 "$work/bad" | cut -d: -f1) of the input is not allowed"
 fi
 # Every line passed the pattern above: read them with the shell's own read (a last
@@ -324,7 +326,7 @@ umask 027
     echo "uid $uid"
     echo "gid $gid"
     echo "job $job"
-    grep -E '^(user|python|cwd|pod|env|arg) ' "$input"
+    grep -E '^(user|python|cwd|pod|env|arg|metrics_ports) ' "$input"
 } >"$dir.new/spec"
 : >"$dir.new/log"
 # Where the job's cgroup is (cgroup), or where systemd runs the scope to make
@@ -387,11 +389,12 @@ kill_cgroup() {
     fi
 }
 
-job="" pod=""
+job="" pod="" metrics_ports=""
 while read -r key value rest; do
     case $key in
         job) job=$value ;;
         pod) pod="$value $rest" ;;
+        metrics_ports) metrics_ports=$value ;;
     esac
 done <spec
 path=/usr/local/bin:/usr/bin:/bin
@@ -400,6 +403,7 @@ path=/usr/local/bin:/usr/bin:/bin
 set -- env -i -C "$cwd" "HOME=$home" "USER=$user" "LOGNAME=$user" "SHELL=/bin/sh" \
     "LANG=C.UTF-8" "PATH=$path" "TPU_PORTAL_JOB_ID=$job"
 [ -z "$python" ] || set -- "$@" "VIRTUAL_ENV=$python"
+[ -z "$metrics_ports" ] || set -- "$@" "TPU_RUNTIME_METRICS_PORTS=$metrics_ports"
 if [ -n "$pod" ]; then
     set -- "$@" "TPU_PORTAL_COORDINATOR=${pod%% *}"
     rest=${pod#* }

@@ -10,6 +10,7 @@
 #   tail <job id> <bytes>          (the same, but when more than max_bytes are new, the
 #                                   last max_bytes of the log: a page shows its end)
 #   chips <device glob>            (optional: also name every process with a chip open)
+#   metrics <port>[,<port>...]     (optional: also read libtpu's runtime metrics there)
 #   end
 # Answers: boot_id=, lock=free|held <job>, then per job
 #   job=<id> <state> pid=<pgid> boot_id=<id> started_at=<t> ended_at=<t>|- exit=<n>|-
@@ -19,6 +20,9 @@
 # the end was written), or unknown (no such job here). With a chips line, one line per
 # process holding a chip (the portal's own jobs' among them, known by their cgroup):
 #   holder=<device> pid=<pid> pgid=<pgid> user=<user> job=<id>|- command=<cmdline>
+# With a metrics line, metrics=ok and one line per chip libtpu reported, or
+# metrics=none <why> (nothing listens on the ports, no python3, no answer in time):
+#   chip=<device id> used=<HBM bytes> total=<HBM bytes> duty=<percent>
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 LC_ALL=C
@@ -41,7 +45,7 @@ head -c $((MAX_INPUT + 1)) >"$input"
 [ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
 [ "$(head -n 1 "$input")" = "tpu-portal-job-status 1" ] || die "the input has no tpu-portal-job-status 1 header"
 [ "$(tail -n 1 "$input")" = end ] || die "the input was cut off (no final end)"
-if grep -n -v -E '^(tpu-portal-job-status 1|end|max_bytes [0-9]{1,7}|(offset|tail) [a-z0-9][a-z0-9-]{0,63} [0-9]{1,15}|chips /dev/[A-Za-z0-9/_.*?-]{1,100})$' "$input" >"$work/bad"; then
+if grep -n -v -E '^(tpu-portal-job-status 1|end|max_bytes [0-9]{1,7}|(offset|tail) [a-z0-9][a-z0-9-]{0,63} [0-9]{1,15}|chips /dev/[A-Za-z0-9/_.*?-]{1,100}|metrics [0-9]{4,5}(,[0-9]{4,5}){0,7})$' "$input" >"$work/bad"; then
     die "line $(head -n 1 "$work/bad" | cut -d: -f1) of the input is not allowed"
 fi
 max=$(sed -n 's/^max_bytes //p' "$input" | head -n 1)
@@ -130,6 +134,182 @@ if [ -f "$LOCK" ] && ! flock -n "$LOCK" true; then
     echo "lock=held $(cat "$HOLDER" 2>/dev/null || echo unknown)"
 else
     echo "lock=free"
+fi
+
+# libtpu's runtime metrics (HBM used and total, duty cycle, per chip) from the local
+# ports the job's libtpu serves them on (TPU_RUNTIME_METRICS_PORTS), asked as Google's
+# tpu-info asks them, by a small client in python3's standard library (nothing to
+# install): a second per port, 5 s in all. Ports nothing listens on (/proc/net/tcp,
+# one awk) are not asked, so a worker without them costs no python.
+ports=""
+while read -r key value; do
+    [ "$key" != metrics ] || ports=$value
+done <"$input"
+if [ -n "$ports" ]; then
+    listening=$(awk -v want="$ports" '
+        BEGIN { n = split(want, w, ","); for (i = 1; i <= n; i++) hex[sprintf("%04X", w[i])] = w[i] }
+        $4 == "0A" { split($2, a, ":"); p = hex[a[2]]; if (p != "" && !seen[p]++) printf "%s ", p }' \
+        /proc/net/tcp /proc/net/tcp6 2>/dev/null || true)
+    if [ -z "$listening" ]; then
+        echo "metrics=none nothing listens on port(s) $ports"
+    elif ! command -v python3 >/dev/null 2>&1; then
+        echo "metrics=none the worker has no python3"
+    else
+        # shellcheck disable=SC2086 # one argument per port
+        timeout 5 python3 -I -S - $listening <<'CLIENT' 2>/dev/null || echo "metrics=none no answer in time"
+# A client of libtpu's RuntimeMetricService.GetRuntimeMetric over HTTP/2 without TLS
+# (gRPC's local credentials add nothing on the wire), in the standard library's C
+# modules alone (the socket module's imports would double the start-up). Arguments: the
+# ports that listen. Prints metrics=ok and a chip= line per chip, or metrics=none.
+import _socket, _struct, sys
+
+NAMES = (b"tpu.runtime.hbm.memory.usage.bytes", b"tpu.runtime.hbm.memory.total.bytes",
+         b"tpu.runtime.tensorcore.dutycycle.percent")
+PATH = b"/tpu.monitoring.runtime.RuntimeMetricService/GetRuntimeMetric"
+LIMIT = 1 << 20  # bytes read from one port at most
+MAX_CHIPS = 64
+
+
+def uvarint(buf, i):
+    n = shift = 0
+    while True:
+        n |= (buf[i] & 127) << shift
+        i += 1
+        if buf[i - 1] < 128:
+            return n, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint")
+
+
+def fields(buf):
+    """A protobuf message's fields: {number: [values]} (bytes for length-delimited)."""
+    i, out = 0, {}
+    while i < len(buf):
+        key, i = uvarint(buf, i)
+        kind = key & 7
+        if kind == 0:
+            value, i = uvarint(buf, i)
+        elif kind == 1:
+            value, i = buf[i:i + 8], i + 8
+        elif kind == 2:
+            size, i = uvarint(buf, i)
+            value, i = buf[i:i + size], i + size
+        elif kind == 5:
+            value, i = buf[i:i + 4], i + 4
+        else:
+            raise ValueError("wire type")
+        if i > len(buf):
+            raise ValueError("cut")
+        out.setdefault(key >> 3, []).append(value)
+    return out
+
+
+def first(message, number):
+    return fields(message).get(number, [b""])[0]
+
+
+def text(value):  # an HPACK string literal, not Huffman-coded, shorter than 127
+    return bytes([len(value)]) + value
+
+
+def frame(kind, flags, stream, payload=b""):
+    return _struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + _struct.pack(">I", stream) + payload
+
+
+def connect(port):
+    for family, host in ((_socket.AF_INET, "127.0.0.1"), (_socket.AF_INET6, "::1")):
+        sock = _socket.socket(family, _socket.SOCK_STREAM)
+        sock.settimeout(1)
+        try:
+            sock.connect((host, port))
+            return sock
+        except OSError:
+            sock.close()
+    raise OSError("no connection")
+
+
+def ask(port):
+    """The three metrics from one port, each {device id: value}: one connection, one
+    stream per metric (POST, :path, content-type application/grpc, te trailers)."""
+    sock = connect(port)
+    out = [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", frame(4, 0, 0)]
+    for n, name in enumerate(NAMES):
+        block = (b"\x83\x86\x04" + text(PATH) + b"\x01" + text(b"localhost:%d" % port)
+                 + b"\x0f\x10" + text(b"application/grpc") + b"\x00" + text(b"te") + text(b"trailers"))
+        body = b"\x0a" + bytes([len(name)]) + name
+        out += [frame(1, 4, 2 * n + 1, block),
+                frame(0, 1, 2 * n + 1, b"\x00" + _struct.pack(">I", len(body)) + body)]
+    sock.sendall(b"".join(out))
+    data, done, buf, seen = {1: b"", 3: b"", 5: b""}, set(), b"", 0
+    while len(done) < 3:
+        while len(buf) < 9 or len(buf) < 9 + int.from_bytes(buf[:3], "big"):
+            more = sock.recv(65536)
+            seen += len(more)
+            if not more or seen > LIMIT:
+                raise ValueError("cut")
+            buf += more
+        size = int.from_bytes(buf[:3], "big")
+        kind, flags, stream = buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+        payload, buf = buf[9:9 + size], buf[9 + size:]
+        if kind == 0 and stream in data:
+            if flags & 8:  # padded
+                payload = payload[1:len(payload) - payload[0]]
+            data[stream] += payload
+        elif kind == 4 and not flags & 1:
+            sock.sendall(frame(4, 1, 0))  # settings acknowledged
+        elif kind == 6 and not flags & 1:
+            sock.sendall(frame(6, 1, 0, payload))  # ping answered
+        elif kind == 7:
+            break  # goaway
+        if stream in data and (kind == 3 or kind in (0, 1) and flags & 1):
+            done.add(stream)
+    sock.close()
+    values = []
+    for n in range(3):
+        message, per = data[2 * n + 1], {}
+        values.append(per)
+        # A gRPC message: not compressed, its length, then MetricResponse.
+        if len(message) < 5 or message[0] != 0:
+            continue
+        response = message[5:5 + int.from_bytes(message[1:5], "big")]
+        # MetricResponse.metric (1) → TPUMetric.metrics (3) → Metric: attribute (1) →
+        # value (2) → int_attr (3), the device id; gauge (3): as_double (1), as_int (2).
+        for entry in fields(first(response, 1)).get(3, []):
+            device = fields(first(first(entry, 1), 2)).get(3, [None])[0]
+            gauge = fields(first(entry, 3))
+            if 1 in gauge:
+                value = _struct.unpack("<d", gauge[1][0])[0]
+            elif 2 in gauge:
+                value = gauge[2][0]
+            else:
+                continue
+            if device is not None and device < MAX_CHIPS:
+                per[device] = value
+    return values
+
+
+lines, printed = [], set()
+for port in sys.argv[1:]:
+    try:
+        used, total, duty = ask(int(port))
+    except Exception:  # a port that does not answer as libtpu does gives nothing
+        continue
+    chips = sorted(used)
+    # Duty cycle is per chip; memory may be per core (two per chip on v2 and v3).
+    cycles = [duty[d] for d in sorted(duty)]
+    per = len(chips) // len(cycles) if cycles and len(chips) % len(cycles) == 0 else 0
+    for n, chip in enumerate(chips):
+        if chip in total and per and chip not in printed and 0 <= used[chip] <= total[chip] < 2 ** 50:
+            printed.add(chip)
+            cycle = min(max(float(cycles[n // per]), 0.0), 100.0)
+            lines.append("chip=%d used=%d total=%d duty=%.2f" % (chip, used[chip], total[chip], cycle))
+if lines:
+    sys.stdout.write("metrics=ok\n" + "\n".join(lines[:MAX_CHIPS]) + "\n")
+else:
+    sys.stdout.write("metrics=none no answer from libtpu\n")
+CLIENT
+    fi
 fi
 
 # Who has a chip open (from /proc/*/fd, as root): the same scan as the pre-flight's.
