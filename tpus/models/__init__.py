@@ -1,7 +1,7 @@
 from tpus.models.audit import AuditAction, AuditEvent
 from tpus.models.changes import VmChange
 from tpus.models.connections import ConnectionState, VmConnection
-from tpus.models.grants import Grant, WorkerSync
+from tpus.models.grants import Grant, KindGrant, WorkerSync
 from tpus.models.inventory import DataDisk, DiskAttachment, HostKeyScan, TpuVm, Worker
 from tpus.models.jobs import Job, JobState, JobWorker
 from tpus.models.labs import Invite, Lab, LabKey, Membership
@@ -26,6 +26,7 @@ __all__ = [
     "HostKeyScan",
     "Grant",
     "Invite",
+    "KindGrant",
     "Job",
     "JobState",
     "JobWorker",
