@@ -197,3 +197,8 @@ def kind_grants_of(lab: Lab):
         .annotate(vms=Count("grants", filter=Q(grants__state__in=WANTED_STATES)))
         .order_by("state", "accelerator_type", "user__email", "pk")
     )
+
+
+def vms_held(kind: KindGrant) -> int:
+    """How many VMs ``kind`` holds access on now."""
+    return kind.grants.filter(state__in=WANTED_STATES).count()
