@@ -170,22 +170,23 @@ def apply_kind_grants(vm: TpuVm) -> list[Grant]:
     }
     ended = (GrantState.REVOKING, GrantState.REVOKED)
     made = []
-    for kind in kinds:
-        state, changed_at = held.get(kind.user_id, (None, None))
-        if state in WANTED_STATES or (state in ended and changed_at >= kind.granted_at):
-            continue
-        try:
-            made += grants.grant_access(
-                None,
-                kind.lab,
-                kind.user,
-                [vm],
-                sudo=kind.sudo,
-                expires_on=kind.expires_on,
-                from_kind=kind,
-            )
-        except GrantError as exc:
-            log.warning("%s not given to %s: %s", kind, vm, exc)
+    with transaction.atomic():  # one reconcile of the VM for everyone given it
+        for kind in kinds:
+            state, changed_at = held.get(kind.user_id, (None, None))
+            if state in WANTED_STATES or (state in ended and changed_at >= kind.granted_at):
+                continue
+            try:
+                made += grants.grant_access(
+                    None,
+                    kind.lab,
+                    kind.user,
+                    [vm],
+                    sudo=kind.sudo,
+                    expires_on=kind.expires_on,
+                    from_kind=kind,
+                )
+            except GrantError as exc:  # refused before it changed anything
+                log.warning("%s not given to %s: %s", kind, vm, exc)
     return made
 
 

@@ -235,3 +235,20 @@ def test_a_kind_the_lab_has_no_vm_of_but_an_allowance_for_can_be_granted(scene):
     LabAllowance.objects.create(lab=lab, generation="v5litepod", provisioning="spot", chips=8)
     kind = grant_kind(admin, lab, milo, "v5litepod-8", sudo=False)
     assert kind.state == "active" and not Grant.objects.exists()
+
+
+def test_a_vm_joining_gives_everyone_its_kind_grants_with_one_reconcile(
+    scene, make_user, add_member, queued_tasks, django_capture_on_commit_callbacks
+):
+    lab, admin, milo = scene
+    ann = make_user("ann@uni.example")
+    add_member(lab, ann)
+    choose_username(ann, "ann")
+    for person in (milo, type(ann).objects.get(pk=ann.pk)):
+        grant_kind(admin, lab, person, "v4-8", sudo=False)
+    vm = make_vm(lab, "pool-a", pinned=False)
+    queued_tasks.take("tpus.tasks.reconcile_vm")
+    with django_capture_on_commit_callbacks(execute=True):
+        inventory.pin_host_keys(admin, vm.workers.get(), [PIN])
+    assert Grant.objects.filter(vm=vm, from_kind__isnull=False).count() == 2
+    assert queued_tasks.take("tpus.tasks.reconcile_vm") == [((vm.pk,), None)]
