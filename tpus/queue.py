@@ -98,14 +98,16 @@ def _on_commit_once(name: str, *args) -> None:
     key = (name, args)
     connection = transaction.get_connection()
     if connection.in_atomic_block and any(
-        getattr(callback, "queue_key", None) == key for _, callback, *_ in connection.run_on_commit
+        getattr(callback, "queue_key", None) == key and not callback.sent
+        for _, callback, *_ in connection.run_on_commit
     ):
         return
 
     def send() -> None:
+        send.sent = True  # once it ran, a later change needs its own
         _send(name, *args)
 
-    send.queue_key = key
+    send.queue_key, send.sent = key, False
     transaction.on_commit(send)
 
 
