@@ -145,3 +145,29 @@ def test_the_api_refuses_a_bad_kind_grant_with_the_reason_and_stores_nothing(
     assert response.status_code == 400
     assert message in response.json()["detail"]
     assert not KindGrant.objects.exists() and not Grant.objects.exists()
+
+
+def test_the_page_costs_the_same_queries_however_many_kind_grants(client, scene, make_user):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from tpus.models import Membership
+
+    client.force_login(scene.admin)
+    url = reverse("kind_grants", args=[scene.lab.slug])
+
+    def queries() -> int:
+        with CaptureQueriesContext(connection) as captured:
+            assert client.get(url).status_code == 200
+        return len(captured)
+
+    def add(count: int) -> None:
+        for _ in range(count):
+            person = make_user()
+            Membership.objects.create(lab=scene.lab, user=person, state="approved")
+            KindGrant.objects.create(lab=scene.lab, user=person, accelerator_type="v4-8")
+
+    add(1)
+    few = queries()
+    add(10)
+    assert queries() == few
