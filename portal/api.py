@@ -90,6 +90,7 @@ def _register_routers() -> None:
     from tpus.api.admin import router as admin_router
     from tpus.api.inventory import router as inventory_router
     from tpus.api.jobs import router as jobs_router
+    from tpus.api.kind_grants import router as kind_grants_router
     from tpus.api.labs import router as tpus_router
     from tpus.api.pool import router as pool_router
     from tpus.api.provisioning import router as provisioning_router
@@ -100,6 +101,7 @@ def _register_routers() -> None:
     api.add_router("", admin_router)
     api.add_router("", inventory_router)
     api.add_router("", access_router)
+    api.add_router("", kind_grants_router)
     api.add_router("", workers_router)
     api.add_router("", jobs_router)
     api.add_router("", pool_router)

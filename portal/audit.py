@@ -62,6 +62,8 @@ class AuditAction(models.TextChoices):
     GRANT_ACTIVE = "grant.active", "Access in force on every worker"
     GRANT_FAILED = "grant.failed", "Access failed"
     GRANT_REVOKED = "grant.revoked", "Access revoked"
+    KIND_GRANT_CREATED = "kind_grant.created", "Access granted to every VM of a kind"
+    KIND_GRANT_REVOKED = "kind_grant.revoked", "Access to every VM of a kind revoked"
     VM_RECONCILED = "vm.reconciled", "Workers reconciled"
     HOST_KEY_CHANGED = "vm.host_key_changed", "Host key changed"
     HOST_KEY_ALARM_CLEARED = "vm.host_key_alarm_cleared", "Host key matches the pin again"

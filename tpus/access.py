@@ -179,6 +179,15 @@ def get_grant_for_admin(user, lab: Lab, grant_id: int):
         raise Http404("No such grant.") from None
 
 
+def get_kind_grant_for_admin(user, lab: Lab, kind_grant_id: int):
+    from tpus.models import KindGrant
+
+    try:
+        return KindGrant.objects.select_related("user").get(pk=kind_grant_id, lab=lab)
+    except (KindGrant.DoesNotExist, ValueError, TypeError):
+        raise Http404("No such kind grant.") from None
+
+
 def viewable_vms(user, lab: Lab, *, is_admin: bool | None = None) -> QuerySet:
     """The lab's VMs the person may see: every one for its admins, else those they
     hold a grant on (in any state but revoked)."""

@@ -9,6 +9,7 @@ from tpus.models import (
     DataDisk,
     Grant,
     IpChange,
+    KindGrant,
     Lab,
     LabKey,
     Membership,
@@ -17,6 +18,7 @@ from tpus.models import (
 )
 from tpus.services import labkeys
 from tpus.services.grants import revoke_access
+from tpus.services.kind_grants import revoke_kind_grant
 
 
 class ReadOnly(admin.ModelAdmin):
@@ -112,6 +114,20 @@ class GrantAdmin(ReadOnly):
     def revoke(self, request, queryset):
         for grant in queryset:
             revoke_access(request.user, grant, reason="revoked by a site admin", request=request)
+
+
+@admin.register(KindGrant)
+class KindGrantAdmin(ReadOnly):
+    list_display = ["user", "lab", "accelerator_type", "sudo", "expires_on", "state"]
+    list_filter = ["state", "sudo"]
+    search_fields = ["user__email", "lab__slug", "accelerator_type"]
+    list_select_related = ["user", "lab"]
+    actions = ["revoke"]
+
+    @admin.action(description="Revoke, with the VM grants it made")
+    def revoke(self, request, queryset):
+        for kind in queryset:
+            revoke_kind_grant(request.user, kind, request=request)
 
 
 @admin.register(IpChange)

@@ -90,12 +90,35 @@ def _on_commit(name: str, *args, countdown: float | None = None) -> None:
     transaction.on_commit(lambda: _send(name, *args, countdown=countdown))
 
 
+def _on_commit_once(name: str, *args) -> None:
+    """``_on_commit``, unless the same task with the same arguments is already waiting
+    for this transaction's commit. The waiting callbacks are the connection's own list,
+    which a rollback (of a savepoint too) empties of what it undid, so nothing is ever
+    skipped for a change that did not happen."""
+    key = (name, args)
+    connection = transaction.get_connection()
+    if connection.in_atomic_block and any(
+        getattr(callback, "queue_key", None) == key and not callback.sent
+        for _, callback, *_ in connection.run_on_commit
+    ):
+        return
+
+    def send() -> None:
+        send.sent = True  # once it ran, a later change needs its own
+        _send(name, *args)
+
+    send.queue_key, send.sent = key, False
+    transaction.on_commit(send)
+
+
 # Hosts
 
 
 def reconcile_vm(vm_id: int) -> None:
-    """Make every worker of the VM match the database."""
-    _on_commit("tpus.tasks.reconcile_vm", vm_id)
+    """Make every worker of the VM match the database. Queued once however many
+    changes of one transaction ask for it (several people given a VM at once): the
+    reconcile reads the VM's whole desired state when it runs."""
+    _on_commit_once("tpus.tasks.reconcile_vm", vm_id)
 
 
 def recheck_disks(vm_id: int, seconds: float) -> None:

@@ -1,6 +1,17 @@
 from django.urls import path
 
-from tpus.views import connect, grants, hostkeys, inventory, jobs, labs, pool, provisioning, ssh
+from tpus.views import (
+    connect,
+    grants,
+    hostkeys,
+    inventory,
+    jobs,
+    kind_grants,
+    labs,
+    pool,
+    provisioning,
+    ssh,
+)
 
 urlpatterns = [
     path("", labs.dashboard, name="dashboard"),
@@ -116,6 +127,12 @@ urlpatterns = [
         "labs/<slug:slug>/grants/<int:grant_id>/revoke/", grants.grant_revoke, name="grant_revoke"
     ),
     path("labs/<slug:slug>/grants/<int:grant_id>/retry/", grants.grant_retry, name="grant_retry"),
+    path("labs/<slug:slug>/kinds/", kind_grants.kind_grants, name="kind_grants"),
+    path(
+        "labs/<slug:slug>/kinds/<int:kind_grant_id>/revoke/",
+        kind_grants.kind_grant_revoke,
+        name="kind_grant_revoke",
+    ),
     path("labs/<slug:slug>/usage/", jobs.lab_usage, name="lab_usage"),
     path("labs/<slug:slug>/usage/csv/", jobs.lab_usage_csv, name="lab_usage_csv"),
     path("labs/<slug:slug>/jobs/<int:job_id>/", pool.lab_job, name="lab_job"),

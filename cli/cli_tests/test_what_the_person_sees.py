@@ -107,6 +107,17 @@ def test_ls_shows_no_chips_line_for_a_summary_that_is_missing_or_makes_no_sense(
     assert row["chips"] == ""
 
 
+def test_ls_says_which_vms_come_from_a_grant_of_every_vm_of_a_kind(portal, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # a terminal wide enough for one line a VM
+    _vm_scene(portal, from_kind="v4-8")
+    portal.on("GET", "/labs/vision/usage/now", {"items": [], "next": None})
+    code, out, err = run(capsys, "ls")
+    assert code == 0, err
+    assert out.splitlines()[1].split()[:4] == ["vision/tpu5", "active", "(any", "v4-8)"]
+    code, out, err = run(capsys, "ls", "--json")
+    assert json.loads(out)[0]["from_kind"] == "v4-8"
+
+
 def test_a_sync_into_a_log_file_has_no_progress_bars(portal, rsync_log, tmp_path, capsys):  # noqa: F811
     _vm_scene(portal)
     portal.on("POST", "/labs/vision/vms/5/jobs/validate", {"ok": True, "detail": "ok"})

@@ -214,6 +214,7 @@ def ls(args) -> int:
         running = now.get("job") or None
         rows.append({
             "vm": vm.name, "lab": vm.lab, "id": vm.id, "zone": vm.zone, "access": vm.access,
+            "from_kind": vm.from_kind or None,
             "state": vm.state, "workers": vm.workers, "host": vm.ssh.main if vm.ssh else None,
             "address": vm.ssh.addresses.get(0) if vm.ssh else None,
             "addresses": [vm.ssh.addresses[i] for i in sorted(vm.ssh.addresses)] if vm.ssh else [],
@@ -242,7 +243,8 @@ def ls(args) -> int:
                    "MY PLACE"):  # fmt: skip
         table.add_column(column)
     for row in rows:
-        table.add_row(f"{row['lab']}/{row['vm']}", row["access"], row["state"] or "-",
+        access = row["access"] + (f" (any {row['from_kind']})" if row["from_kind"] else "")
+        table.add_row(f"{row['lab']}/{row['vm']}", access, row["state"] or "-",
                       _now_text(row),
                       row["address"] or "-", str(row["workers"]), str(row["queue_length"]),
                       str(row["my_queue_position"] or "-"))  # fmt: skip

@@ -22,6 +22,9 @@ class Vm:
     state: str = ""  # the Cloud TPU API's: READY, PREEMPTED, STOPPED …
     internal_ips: dict[int, str] = field(default_factory=dict)  # worker index -> address
     now: dict = field(default_factory=dict)  # the lab's usage "now" row: free/running/held
+    # The accelerator type of the lab's grant of every VM of a kind that gave this one;
+    # "" for access given on the VM itself.
+    from_kind: str = ""
     ssh: sshfiles.SshVm | None = None
 
     @property
@@ -84,6 +87,7 @@ def my_vms(api, before_match=None, *, now: bool = False) -> list[Vm]:
             internal_ips={w["index"]: w["internal_ip"] for w in grant["vm_workers"]
                           if w["internal_ip"]},
             now=found.get(grant["vm_id"], {}),
+            from_kind=str(grant.get("from_kind") or ""),
         )  # fmt: skip
         vm.ssh = _match(vm, configured)
         vms.append(vm)

@@ -70,6 +70,8 @@ class GrantOut(BaseModel):
     workers_total: int
     workers_applied: int
     workers: list[GrantWorkerOut]
+    # The accelerator type of the kind grant that gave it; null for a grant by hand.
+    from_kind: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -104,6 +106,7 @@ class GrantOut(BaseModel):
                 total if grant.state in _SETTLED else sum(w["state"] == "applied" for w in standing)
             ),
             "workers": [w for w in standing if w["state"] != "applied"],
+            "from_kind": grant.from_kind.accelerator_type if grant.from_kind_id else None,
         }
 
 
@@ -285,6 +288,7 @@ _GRANT_COLUMNS = (
     "error",
     "activated_at",
     "retry_at",
+    "from_kind__accelerator_type",
 )
 
 
@@ -307,7 +311,7 @@ def list_grants(
     lab = access.get_admin_lab(request.user, slug)
     grants = with_worker_count(
         Grant.objects.filter(vm__lab=lab)
-        .select_related("vm__lab", "user__unix_account")
+        .select_related("vm__lab", "user__unix_account", "from_kind")
         .only(*_GRANT_COLUMNS)
     )
     return _filter_grants(
@@ -397,9 +401,9 @@ def my_grants(
     updated_since: str | None = Query(None, description=filter_help("updated_since")),
 ):
     grants = with_worker_count(
-        request.user.grants.select_related("vm__lab", "user__unix_account").prefetch_related(
-            _WITH_WORKERS
-        )
+        request.user.grants.select_related(
+            "vm__lab", "user__unix_account", "from_kind"
+        ).prefetch_related(_WITH_WORKERS)
     )
     return _filter_grants(
         grants, state=parse_choice(state, GrantState, "state"), since=parse_since(updated_since)

@@ -56,3 +56,18 @@ class MemberGrantForm(_GrantOptions):
             return directory.resolve_vm(self.lab, self.cleaned_data["vm"])
         except directory.NoMatch as exc:
             raise forms.ValidationError(str(exc)) from None
+
+
+class KindGrantForm(GrantForm):
+    """On the lab's kind grants page: give one member every VM of an accelerator type,
+    typed with the lab's types to pick from (``kinds``); the service checks the type."""
+
+    accelerator_type = forms.CharField(label="Accelerator type", max_length=40)
+    field_order = ["user", "accelerator_type", "sudo", "expires_on"]
+
+    def __init__(self, *args, lab, kinds=(), **kwargs):
+        super().__init__(*args, lab=lab, **kwargs)
+        self.kinds = list(kinds)
+        self.fields["accelerator_type"].widget.attrs.update(
+            {"list": "lab-kinds", "placeholder": "v4-8", "autocomplete": "off"}
+        )

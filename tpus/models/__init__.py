@@ -3,7 +3,7 @@ from tpus.models.changes import VmChange
 from tpus.models.chip_metrics import ChipSample
 from tpus.models.connections import ConnectionState, VmConnection
 from tpus.models.fair_share import FairShare
-from tpus.models.grants import Grant, WorkerSync
+from tpus.models.grants import Grant, KindGrant, WorkerSync
 from tpus.models.inventory import DataDisk, DiskAttachment, HostKeyScan, TpuVm, Worker
 from tpus.models.jobs import Job, JobState, JobWorker
 from tpus.models.labs import Invite, Lab, LabKey, Membership
@@ -30,6 +30,7 @@ __all__ = [
     "HostKeyScan",
     "Grant",
     "Invite",
+    "KindGrant",
     "Job",
     "JobState",
     "JobWorker",

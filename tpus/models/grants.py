@@ -24,6 +24,55 @@ class GrantState(models.TextChoices):
 WANTED_STATES = (GrantState.PENDING, GrantState.ACTIVE, GrantState.FAILED)
 
 
+class KindGrantState(models.TextChoices):
+    ACTIVE = "active", "Active"
+    REVOKED = "revoked", "Revoked"
+
+
+class KindGrant(models.Model):
+    """ "milo may use any v4-8 of the lab, with sudo, until June": one row per person,
+    lab and accelerator type. It holds a grant (``Grant.from_kind``) on every VM of
+    that type in the lab, those there now and those that join later. A revoked kind
+    grant stays; granting the kind again reuses it."""
+
+    State = KindGrantState
+
+    lab = models.ForeignKey("tpus.Lab", on_delete=models.CASCADE, related_name="kind_grants")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="kind_grants"
+    )
+    accelerator_type = models.CharField(max_length=40)
+    sudo = models.BooleanField(default=False)
+    expires_on = models.DateField(null=True, blank=True)
+    state = models.CharField(
+        max_length=10, choices=KindGrantState.choices, default=KindGrantState.ACTIVE
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    # When the kind was last granted: a VM grant of it that someone revoked since then
+    # is not given back when its VM joins the lab again.
+    granted_at = models.DateTimeField(default=timezone.now)
+    changed_at = models.DateTimeField(default=timezone.now)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    revoked_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["lab", "user", "accelerator_type"], name="one_kind_grant_per_type"
+            )
+        ]
+        indexes = [models.Index(fields=["lab", "accelerator_type", "state"])]
+        ordering = ["accelerator_type", "user__email"]
+
+    def __str__(self) -> str:
+        return f"{self.user} on every {self.accelerator_type} of {self.lab} ({self.state})"
+
+
 class Grant(models.Model):
     """ "milo may use tpu5, with sudo, until June": one row per person and VM. A revoked
     grant stays (the account on the hosts is kept, locked); granting again reuses it."""
@@ -58,6 +107,11 @@ class Grant(models.Model):
     # backing off with each failure.
     retry_at = models.DateTimeField(null=True, blank=True)
     failures = models.PositiveIntegerField(default=0)
+    # The kind grant that made this grant (None for one given by hand): revoking the
+    # kind grant revokes exactly the grants it made.
+    from_kind = models.ForeignKey(
+        KindGrant, null=True, blank=True, on_delete=models.SET_NULL, related_name="grants"
+    )
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["user", "vm"], name="one_grant_per_vm")]

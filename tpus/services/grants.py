@@ -13,8 +13,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from portal import audit
-from tpus.models import AuditAction, Grant, Lab, Membership, TpuVm
-from tpus.models.grants import WANTED_STATES, GrantState
+from tpus.models import AuditAction, Grant, KindGrant, Lab, Membership, TpuVm
+from tpus.models.grants import WANTED_STATES, GrantState, KindGrantState
 from tpus.models.labs import MembershipState
 from tpus.services import emails, jobs
 from tpus.services.hosts import hosts_must_change
@@ -47,7 +47,9 @@ def why_not_grantable(lab: Lab, membership: Membership | None) -> str:
     return ""
 
 
-def _check_grantable(lab: Lab, user, vms: list[TpuVm], expires_on: dt.date | None) -> None:
+def check_person(lab: Lab, user, expires_on: dt.date | None) -> None:
+    """Refuse (``GrantError``) to give ``user`` access in ``lab`` until ``expires_on``
+    when they may not have it: the checks of every grant that are not about a VM."""
     membership = (
         Membership.objects.filter(lab=lab, user=user).select_related("user__unix_account").first()
     )
@@ -63,6 +65,10 @@ def _check_grantable(lab: Lab, user, vms: list[TpuVm], expires_on: dt.date | Non
         raise GrantError(
             f"Access cannot outlast the lab's TPU grant ({lab.grant_end_date:%d %b %Y})."
         )
+
+
+def _check_grantable(lab: Lab, user, vms: list[TpuVm], expires_on: dt.date | None) -> None:
+    check_person(lab, user, expires_on)
     if not vms:
         raise GrantError("Choose at least one TPU VM.")
     for vm in vms:
@@ -87,25 +93,37 @@ def grant_access(
     *,
     sudo: bool,
     expires_on: dt.date | None = None,
+    from_kind: KindGrant | None = None,
     request=None,
 ) -> list[Grant]:
     """Give ``user`` access to each of ``vms``. Granting what is already granted with
-    the same options changes nothing."""
+    the same options changes nothing.
+
+    With ``from_kind`` the grants are that kind grant's: a grant the person holds on a
+    VM by hand stays as the admin gave it (and is not in the result). Without it the
+    grant is a hand grant, also where a kind grant had made it: revoking the kind
+    grant then leaves it."""
     _check_grantable(lab, user, vms, expires_on)
     grants = []
     for vm in vms:
         with transaction.atomic():
             TpuVm.objects.select_for_update().filter(pk=vm.pk).first()  # one change at a time
             grant = Grant.objects.filter(user=user, vm=vm).first()
+            kind_id = from_kind.pk if from_kind else None
+            if kind_id and grant is not None and grant.is_wanted and grant.from_kind_id != kind_id:
+                continue
             unchanged = (
                 grant is not None
                 and grant.state in (GrantState.PENDING, GrantState.ACTIVE)
                 and (grant.sudo, grant.expires_on) == (sudo, expires_on)
             )
             if unchanged:
+                if grant.from_kind_id != kind_id:
+                    _take_by_hand(admin, grant, request=request)
                 grants.append(grant)
                 continue
             grant = grant or Grant(user=user, vm=vm, created_by=admin)
+            grant.from_kind = from_kind
             grant.sudo, grant.expires_on = sudo, expires_on
             grant.state, grant.error = GrantState.PENDING, ""
             grant.version = hosts_must_change(vm, f"access granted to user {user.pk}")
@@ -118,12 +136,30 @@ def grant_access(
                 lab=lab,
                 target_user=user,
                 summary=f"{vm.name}{' with sudo' if sudo else ''}"
-                + (f" until {expires_on:%Y-%m-%d}" if expires_on else ""),
-                data={"vm": vm.pk, "grant": grant.pk, "sudo": sudo},
+                + (f" until {expires_on:%Y-%m-%d}" if expires_on else "")
+                + (f", from the {from_kind.accelerator_type} grant" if from_kind else ""),
+                data={"vm": vm.pk, "grant": grant.pk, "sudo": sudo, "from_kind": kind_id},
                 request=request,
             )
             grants.append(grant)
     return grants
+
+
+def _take_by_hand(admin, grant: Grant, *, request=None) -> None:
+    """A grant a kind grant made, given again by hand with the same options: the hosts
+    need nothing, but it is now the admin's, and revoking the kind leaves it."""
+    kind = grant.from_kind
+    grant.from_kind, grant.changed_at = None, timezone.now()
+    grant.save(update_fields=["from_kind", "changed_at"])
+    audit.record(
+        AuditAction.GRANT_CREATED,
+        actor=admin,
+        lab=grant.vm.lab,
+        target_user=grant.user,
+        summary=f"{grant.vm.name}, now by hand (it came from the {kind.accelerator_type} grant)",
+        data={"vm": grant.vm_id, "grant": grant.pk, "sudo": grant.sudo},
+        request=request,
+    )
 
 
 def revoke_access(actor, grant: Grant, *, reason: str = "", request=None) -> Grant:
@@ -169,8 +205,37 @@ def retry_grant(admin, grant: Grant, *, request=None) -> Grant:
     return grant
 
 
+def end_kind_grants(actor, kinds, *, reason: str, request=None) -> list[int]:
+    """Mark the active ones of ``kinds`` (a KindGrant queryset) revoked, each audited,
+    so no VM gets their grants any more; returns their ids. The VM grants they made
+    are the caller's to revoke."""
+    ended = []
+    for kind in kinds.filter(state=KindGrantState.ACTIVE).select_related("lab", "user"):
+        now = timezone.now()
+        with transaction.atomic():
+            if not KindGrant.objects.filter(pk=kind.pk, state=KindGrantState.ACTIVE).update(
+                state=KindGrantState.REVOKED, revoked_at=now, revoked_by=actor, changed_at=now
+            ):
+                continue  # revoked meanwhile
+            audit.record(
+                AuditAction.KIND_GRANT_REVOKED,
+                actor=actor,
+                lab=kind.lab,
+                target_user=kind.user,
+                summary=f"every {kind.accelerator_type}{': ' + reason if reason else ''}",
+                data={"kind_grant": kind.pk, "accelerator_type": kind.accelerator_type},
+                request=request,
+            )
+        ended.append(kind.pk)
+    return ended
+
+
 def revoke_all_in_lab(actor, lab: Lab, user, *, reason: str, request=None) -> int:
-    """Revoke every grant ``user`` holds on ``lab``'s VMs (removal from the lab)."""
+    """Revoke every grant ``user`` holds on ``lab``'s VMs and every kind grant they
+    hold in ``lab`` (removal from the lab)."""
+    end_kind_grants(
+        actor, KindGrant.objects.filter(lab=lab, user=user), reason=reason, request=request
+    )
     grants = Grant.objects.filter(vm__lab=lab, user=user, state__in=WANTED_STATES)
     count = 0
     for grant in grants:
@@ -180,12 +245,19 @@ def revoke_all_in_lab(actor, lab: Lab, user, *, reason: str, request=None) -> in
 
 
 def expire_grants(today: dt.date | None = None) -> int:
-    """Revoke grants past their expiry date and all grants of labs whose TPU grant
-    ended. Run periodically; running twice revokes nothing more."""
+    """Revoke grants and kind grants past their expiry date and all those of labs
+    whose TPU grant ended (with a kind grant, the VM grants it made). Run
+    periodically; running twice revokes nothing more. Returns how many VM grants."""
     today = today or timezone.localdate()
-    due = Grant.objects.filter(state__in=WANTED_STATES).filter(
-        expires_on__lt=today
-    ) | Grant.objects.filter(state__in=WANTED_STATES, vm__lab__grant_end_date__lt=today)
+    kinds = KindGrant.objects.filter(expires_on__lt=today) | KindGrant.objects.filter(
+        lab__grant_end_date__lt=today
+    )
+    end_kind_grants(None, kinds, reason="expired")
+    due = (
+        Grant.objects.filter(state__in=WANTED_STATES, expires_on__lt=today)
+        | Grant.objects.filter(state__in=WANTED_STATES, vm__lab__grant_end_date__lt=today)
+        | Grant.objects.filter(state__in=WANTED_STATES, from_kind__state=KindGrantState.REVOKED)
+    )
     count = 0
     for grant in due.select_related("vm__lab").distinct():
         ended = grant.vm.lab.grant_end_date and grant.vm.lab.grant_end_date < today

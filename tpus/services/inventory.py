@@ -31,6 +31,7 @@ from tpus.models.inventory import (
     VmSource,
     Worker,
 )
+from tpus.services import kind_grants
 from tpus.services.hosts import hosts_must_change
 from tpus.services.ownership import (
     addresses_of_other_labs,
@@ -268,6 +269,7 @@ def _import_one(
         log.warning("guest attributes of %s unavailable: %s", vm, exc)
     if vm.attachments.exists() or vm.grants.exists():
         hosts_must_change(vm, "imported again")
+    kind_grants.apply_kind_grants(vm)
     if source == VmSource.CREATED:
         return vm  # the request that made it says so in the audit log
     audit.record(
@@ -336,6 +338,8 @@ def register_manual_vm(
         data={"vm": vm.pk},
         request=request,
     )
+    # Nothing yet while its host keys wait for an admin (then ``pin_host_keys``).
+    kind_grants.apply_kind_grants(vm)
     return vm
 
 
@@ -362,6 +366,8 @@ def pin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) -> W
         data={"worker": worker.pk, "keys": sorted(lines)},
         request=request,
     )
+    # The last worker pinned makes the VM grantable: its kind's grants come now.
+    kind_grants.apply_kind_grants(worker.vm)
     return worker
 
 
@@ -516,4 +522,5 @@ def repin_host_keys(admin, worker: Worker, lines: list[str], *, request=None) ->
         request=request,
     )
     hosts_must_change(worker.vm, f"{worker.alias}: host keys pinned")
+    kind_grants.apply_kind_grants(worker.vm)
     return worker

@@ -26,7 +26,7 @@ from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
 from tpus.models import AuditAction, ConnectionState, TpuVm, VmConnection, Worker
 from tpus.models.inventory import API_SOURCES, HostKeySource, NodeState
-from tpus.services import connect, inventory
+from tpus.services import connect, inventory, kind_grants
 from tpus.services.hosts import forget_connections, hosts_must_change
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ def recognise(vm: TpuVm, node: NodeInfo | None = None) -> bool:
             # Whole again once every worker has the accounts and mounts: jobs wait,
             # and the people with access hear it then (``reconcile.settle_grants``).
             TpuVm.objects.filter(pk=vm.pk).update(restore_version=F("desired_version"))
+    # A kind grant given while the VM could not take it (its workers unpinned).
+    kind_grants.apply_kind_grants(vm)
     log.info("%s was made anew (node created %s): pins taken again", vm, node.create_time)
     return True
 
@@ -150,6 +152,7 @@ def pin_late_workers(vm: TpuVm, node: NodeInfo) -> bool:
             data={"vm": vm.pk, "workers": sorted(pinned)},
         )
         hosts_must_change(vm, "late workers pinned")
+    kind_grants.apply_kind_grants(vm)
     return True
 
 

@@ -25,7 +25,7 @@ def _urls(cast):
     from accounts.models import User
     from accounts.services import create_token
     from accounts.tests.keydata import ECDSA_384, ED25519
-    from tpus.models import DataDisk, Grant, Membership, TpuVm, VmRequest, Worker
+    from tpus.models import DataDisk, Grant, KindGrant, Membership, TpuVm, VmRequest, Worker
     from tpus.models.inventory import DiskOperation
     from tpus.services.labs import create_invite
 
@@ -42,6 +42,7 @@ def _urls(cast):
     Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10")
     disk = DataDisk.objects.create(lab=cast.lab, name="imagenet", zone="us-central1-f")
     grant = Grant.objects.create(user=cast.member, vm=vm, state="failed")
+    kind = KindGrant.objects.create(lab=cast.lab, user=cast.member, accelerator_type="v4-8")
     operation = DiskOperation.objects.create(disk=disk, vm=vm, action="attach")
     job = _ended_job(vm, cast.member)
     vm_request = VmRequest.objects.create(
@@ -511,6 +512,25 @@ def _urls(cast):
             reverse("grant_revoke", args=[lab, grant.pk]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
         ),
+        (
+            "kind_grants",
+            "get",
+            reverse("kind_grants", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            # An empty form: shown again with what is missing.
+            "kind_grants_post",
+            "post",
+            reverse("kind_grants", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "kind_grant_revoke",
+            "post",
+            reverse("kind_grant_revoke", args=[lab, kind.pk]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
         ("ssh_page", "get", reverse("ssh_page"), [REDIRECT, OK, OK, OK, OK, OK]),
         (
             "ssh_config",
@@ -576,6 +596,24 @@ def _urls(cast):
             "api_grant_revoke",
             "post",
             f"/api/v1/labs/{lab}/grants/{grant.pk}/revoke",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_kind_grants",
+            "get",
+            f"/api/v1/labs/{lab}/kind-grants",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_kind_grant_create",
+            "post",
+            f"/api/v1/labs/{lab}/kind-grants",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
+        ),
+        (
+            "api_kind_grant_revoke",
+            "post",
+            f"/api/v1/labs/{lab}/kind-grants/{kind.pk}/revoke",
             [401, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
         ("healthz", "get", "/healthz", [OK, OK, OK, OK, OK, OK]),
@@ -958,6 +996,10 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                 },
                 "api_import": {"nodes": ["us-central1-f/tpu9"]},
                 "api_grant_create": {"user_email": "nobody@example.org", "vm_ids": [vm_id]},
+                "api_kind_grant_create": {
+                    "user_email": "nobody@example.org",
+                    "accelerator_type": "v4-8",
+                },
                 "api_attach": {"vm_id": vm_id},
                 "api_detach": {"vm_id": vm_id},
                 "api_key_add": {"key": ECDSA_256, "label": "matrix"},

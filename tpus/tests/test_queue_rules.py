@@ -123,3 +123,30 @@ def test_queued_work_is_dropped_when_the_transaction_rolls_back(cast):
     assert not listed.exists()
     queue.refresh_lab(cast.lab.pk)  # outside a transaction: at once
     assert listed.exists()
+
+
+def test_a_vm_reconciled_twice_in_one_transaction_is_queued_once(
+    db, queued_tasks, django_capture_on_commit_callbacks
+):
+    from django.db import transaction
+
+    with django_capture_on_commit_callbacks(execute=True):
+        with transaction.atomic():
+            queue.reconcile_vm(5)
+            queue.reconcile_vm(5)
+            queue.reconcile_vm(6)
+    assert queued_tasks.take("tpus.tasks.reconcile_vm") == [((5,), None), ((6,), None)]
+
+
+def test_a_reconcile_rolled_back_with_its_savepoint_does_not_hide_the_next_one(
+    db, queued_tasks, django_capture_on_commit_callbacks
+):
+    from django.db import transaction
+
+    with django_capture_on_commit_callbacks(execute=True):
+        with transaction.atomic():
+            with pytest.raises(RuntimeError), transaction.atomic():
+                queue.reconcile_vm(5)
+                raise RuntimeError("rolled back")
+            queue.reconcile_vm(5)
+    assert queued_tasks.take("tpus.tasks.reconcile_vm") == [((5,), None)]

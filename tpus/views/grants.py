@@ -203,7 +203,7 @@ def vm_access(request, slug, vm_id):
     grants = vm.grants.order_by("user__unix_account__username", "user__email", "pk")
     grants_page = page_of(
         request,
-        grants.values(*GRANT_ROW, **GRANT_PERSON),
+        grants.values(*GRANT_ROW, **GRANT_PERSON, kind=F("from_kind__accelerator_type")),
         param="grants",
         size=ACCESS_PAGE_SIZE,
         count=vm.grants.count,  # without the joins the rows need
@@ -287,7 +287,11 @@ def member_grant(request, slug, membership_id):
         else:
             messages.success(request, f"Giving {membership.user.email} access to {vm.name}…")
             return redirect("member_grant", lab.slug, membership.pk)
-    grants = membership.user.grants.filter(vm__lab=lab).select_related("vm").order_by("vm__name")
+    grants = (
+        membership.user.grants.filter(vm__lab=lab)
+        .select_related("vm", "from_kind")
+        .order_by("vm__name")
+    )
     standing = fair_share.standings(lab, [membership.user_id])[membership.user_id]
     context = {
         "lab": lab,
