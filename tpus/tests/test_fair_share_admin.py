@@ -123,6 +123,25 @@ def test_another_labs_member_is_a_404_for_a_lab_admin(scene, cast, client):
     assert not FairShare.objects.exists()
 
 
+def test_the_api_reads_and_sets_a_members_share(scene, cast, client):
+    membership = scene.lab.memberships.get(user=scene.milo)
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {create_token(scene.admin, 'test')[1]}"}
+    url = f"/api/v1/labs/vision/memberships/{membership.pk}/share"
+    assert client.get(url, **auth).json() == {
+        "user": "milo@vision.example", "share": 1.0, "recent_use": 0.0, "running_chips": 0
+    }  # fmt: skip
+    answer = client.post(url, {"share": 2.5}, content_type="application/json", **auth)
+    assert answer.status_code == 200 and answer.json()["share"] == 2.5
+    refused = client.post(url, {"share": "0"}, content_type="application/json", **auth)
+    assert refused.status_code == 400 and list(refused.json()["errors"]) == ["share"]
+    assert FairShare.objects.get(user=scene.milo).share == Decimal("2.5")
+    theirs = f"/api/v1/labs/vision/memberships/{cast.other_membership.pk}/share"
+    assert (
+        client.post(theirs, {"share": 3}, content_type="application/json", **auth).status_code
+        == 404
+    )
+
+
 # --- the half-life and the waiting limit in the lab's settings --------------------------
 
 
