@@ -65,6 +65,16 @@ def test_the_member_page_shows_the_persons_figures_and_the_share_form(scene, cli
     assert share_url(scene.lab, membership) in text
 
 
+def test_a_member_sees_their_own_share_and_recent_use_on_the_labs_page(scene, client):
+    FairShare.objects.create(lab=scene.lab, user=scene.milo, use=42.0, share=Decimal("1.5"))
+    FairShare.objects.create(lab=scene.lab, user=scene.ann, use=99.0)
+    client.force_login(scene.milo)
+    page = client.get(reverse("lab_detail", args=[scene.lab.slug])).content.decode()
+    mine = page[page.index('id="my-share"') :]
+    assert "<strong>42.0 chip-hours</strong>" in mine and "<strong>1.5</strong>" in mine
+    assert "99.0" not in page and "ann@vision.example" not in page
+
+
 # --- setting a share -------------------------------------------------------------------
 
 
