@@ -28,8 +28,15 @@ from tpus.api.admin_inventory import router as inventory_actions
 from tpus.api.docs import PAGED, filter_help
 from tpus.api.forms import FormError, StrictIn, refusal, refused
 from tpus.api.labs import MembershipOut
-from tpus.forms.labs import InviteForm, LabSettingsForm, RoleForm, SiteLabSettingsForm
+from tpus.forms.labs import (
+    InviteForm,
+    LabSettingsForm,
+    RoleForm,
+    ShareForm,
+    SiteLabSettingsForm,
+)
 from tpus.models.labs import ZONE_PATTERN, Role
+from tpus.services import fair_share
 from tpus.services import labs as lab_services
 from tpus.services.labs import LabError
 
@@ -59,6 +66,56 @@ def set_role(request, slug: str, membership_id: int, payload: RoleIn):
     except LabError as exc:
         return refusal(str(exc))
     return Status(200, membership)
+
+
+class ShareIn(StrictIn):
+    # A number from 0.01 to 1000, at most two decimals (a string keeps them exact).
+    share: str | float
+
+
+class ShareOut(Schema):
+    user: str
+    # Waiting pool jobs go in the order of recent use divided by the share.
+    share: float
+    # Chip-hours, each halved every half-life of the lab since it was used.
+    recent_use: float
+    # Chips the person's jobs hold now.
+    running_chips: int
+
+
+def _share_of(lab, membership) -> dict:
+    standing = fair_share.standings(lab, [membership.user_id])[membership.user_id]
+    return {
+        "user": membership.user.email,
+        "share": standing.share,
+        "recent_use": round(standing.use, 3),
+        "running_chips": standing.running_chips,
+    }
+
+
+@router.get(
+    "/labs/{slug}/memberships/{membership_id}/share",
+    response=ShareOut,
+    summary="A member's share of the lab's pool, recent use and running chips (lab admins)",
+)
+def get_share(request, slug: str, membership_id: int):
+    lab = access.get_admin_lab(request.user, slug)
+    return _share_of(lab, access.get_membership_for_admin(request.user, lab, membership_id))
+
+
+@router.post(
+    "/labs/{slug}/memberships/{membership_id}/share",
+    response={200: ShareOut, 400: FormError},
+    summary="Set a member's share of the lab's pool (lab admins)",
+)
+def set_share(request, slug: str, membership_id: int, payload: ShareIn):
+    lab = access.get_admin_lab(request.user, slug)
+    membership = access.get_membership_for_admin(request.user, lab, membership_id)
+    form = ShareForm({"share": str(payload.share)})
+    if not form.is_valid():
+        return refused(form)
+    fair_share.set_share(request.user, membership, form.cleaned_data["share"], request=request)
+    return Status(200, _share_of(lab, membership))
 
 
 @router.post(

@@ -21,7 +21,18 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from django.db import transaction
-from django.db.models import DurationField, ExpressionWrapper, F, Q, QuerySet, Value
+from django.db.models import (
+    DateTimeField,
+    DecimalField,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    IntegerField,
+    Q,
+    QuerySet,
+    Value,
+)
 from django.utils import timezone
 
 from portal import audit
@@ -124,10 +135,6 @@ class Standing:
     # Chips their jobs hold now.
     running_chips: int = 0
 
-    @property
-    def use_per_share(self) -> float:
-        return self.use / self.share
-
 
 def standings(lab: Lab, user_ids: Iterable[int], now: dt.datetime | None = None) -> dict:
     """``{user id: Standing}`` for ``user_ids`` in ``lab``: two queries, whatever they
@@ -147,6 +154,54 @@ def standings(lab: Lab, user_ids: Iterable[int], now: dt.datetime | None = None)
         share, use = rows.get(user_id, (DEFAULT_SHARE, 0.0))
         found[user_id] = Standing(share, use + live_use.get(user_id, 0.0), held[user_id])
     return found
+
+
+def lab_standings(lab_id: int, people: set[int], now):
+    """(``lab_id``'s chip limit per person, its half-life, {person: recent use as of
+    ``now``}, {person: share}) for those of ``people`` with a fair-share row; the others
+    have used nothing and have a share of 1. One query, the lab's row and the people's
+    rows in one result (placement's snapshot reads it: one row per person, not one per
+    job)."""
+    nothing = [Value(None, output_field=f) for f in _STANDING_FIELDS]
+    lab = (
+        Lab.objects.filter(pk=lab_id)
+        .order_by()
+        .values_list("max_chips_per_person", "fair_share_half_life_days", *nothing)
+    )
+    rows = (
+        FairShare.objects.filter(lab_id=lab_id, user_id__in=sorted(people))
+        .order_by()
+        .values_list(
+            Value(None, output_field=IntegerField()),
+            Value(None, output_field=DecimalField(max_digits=5, decimal_places=2)),
+            "user_id",
+            "share",
+            "use",
+            "decayed_at",
+        )
+    )
+    limit = days = None
+    stored, shares, found = {}, {}, []
+    for row in lab.union(rows, all=True):
+        if row[2] is None:
+            limit, days = row[:2]
+        else:
+            found.append(row[2:])
+    if days is None:
+        raise Lab.DoesNotExist(f"No lab {lab_id}.")
+    half = half_life(days)
+    for user_id, share, use, decayed_at in found:
+        shares[user_id] = float(share)
+        stored[user_id] = decay(use, decayed_at, now, half)
+    return limit, half, stored, shares
+
+
+_STANDING_FIELDS = (
+    IntegerField(),
+    DecimalField(max_digits=7, decimal_places=2),
+    FloatField(),
+    DateTimeField(),
+)
 
 
 # --- counting ended jobs -------------------------------------------------------------

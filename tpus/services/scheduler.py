@@ -14,12 +14,12 @@ A VM is free for the pool when it is READY, listed by Google, not being set up a
 no job holds or waits for it, and the last look at its chips found nothing holding
 them outside the portal. A job goes only where its person has an active grant.
 
-Order: a kind's line is served by fair share (``fair_share``): the jobs of the
+Order: a kind's line is served by fair share (``fair_share_order``): the jobs of the
 person with the least recent use for their share first, first come, first served
 within one person (``services.fair_share`` keeps the figures); a job that cannot go on
 any free VM (no grant there, the person's chip limit) lets the next one in line have
-it. Placement takes the lab's row lock for its few queries only,
-so two placements of one lab never give one VM two jobs; it never waits on a worker.
+it. Placement takes the lab's row lock for its few queries only, so two placements of
+one lab never give one VM two jobs; it never waits on a worker.
 """
 
 from __future__ import annotations
@@ -34,10 +34,7 @@ from dataclasses import dataclass, field
 from django.db import transaction
 from django.db.models import (
     Case,
-    DateTimeField,
-    DecimalField,
     Exists,
-    FloatField,
     IntegerField,
     OuterRef,
     TextField,
@@ -48,7 +45,7 @@ from django.db.models.functions import Cast
 from django.utils import timezone
 
 from tpus import queue
-from tpus.models import FairShare, Grant, Job, Lab, TpuVm
+from tpus.models import Grant, Job, Lab, TpuVm
 from tpus.models.grants import GrantState
 from tpus.models.inventory import chip_count
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
@@ -182,7 +179,7 @@ def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = F
     if not jobs:
         return Snapshot(lab_id, 0, rows, [], set())
     people = {job.user_id for job in jobs}
-    lab, half, stored, shares = _lab_and_standings(lab_id, people, now)
+    lab, half, stored, shares = fair_share.lab_standings(lab_id, people, now)
     grants = set(
         Grant.objects.filter(vm_id__in=[vm.id for vm in rows], state=GrantState.ACTIVE)
         .values_list("user_id", "vm_id")
@@ -199,51 +196,6 @@ def _zones(text: str | None) -> tuple[str, ...]:
     if not text or text == "[]":
         return ()
     return tuple(json.loads(text))
-
-
-def _lab_and_standings(lab_id: int, people: set[int], now):
-    """(the lab's chip limit, its half-life, recent use and share of each of ``people``
-    who has a fair-share row): one query, the lab's row and those rows in one result."""
-    nothing = [Value(None, output_field=f) for f in _STANDING_FIELDS]
-    lab = (
-        Lab.objects.filter(pk=lab_id)
-        .order_by()
-        .values_list("max_chips_per_person", "fair_share_half_life_days", *nothing)
-    )
-    standings = (
-        FairShare.objects.filter(lab_id=lab_id, user_id__in=sorted(people))
-        .order_by()
-        .values_list(
-            Value(None, output_field=IntegerField()),
-            Value(None, output_field=DecimalField(max_digits=5, decimal_places=2)),
-            "user_id",
-            "share",
-            "use",
-            "decayed_at",
-        )
-    )
-    limit = days = None
-    stored, shares, found = {}, {}, []
-    for row in lab.union(standings, all=True):
-        if row[2] is None:
-            limit, days = row[:2]
-        else:
-            found.append(row[2:])
-    if days is None:
-        raise Lab.DoesNotExist(f"No lab {lab_id}.")
-    half = fair_share.half_life(days)
-    for user_id, share, use, decayed_at in found:
-        shares[user_id] = float(share)
-        stored[user_id] = fair_share.decay(use, decayed_at, now, half)
-    return limit, half, stored, shares
-
-
-_STANDING_FIELDS = (
-    IntegerField(),
-    DecimalField(max_digits=7, decimal_places=2),
-    FloatField(),
-    DateTimeField(),
-)
 
 
 # What makes a VM free for the pool, as a filter (``VmRow.free`` says the same).

@@ -257,6 +257,18 @@ def _urls(cast):
             [401, MISSING, MISSING, FORBIDDEN, OK, OK],
         ),
         (
+            "api_member_share",
+            "get",
+            f"/api/v1/labs/{lab}/memberships/{third.pk}/share",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_member_share_set",
+            "post",
+            f"/api/v1/labs/{lab}/memberships/{third.pk}/share",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
             "api_member_remove",
             "post",
             f"/api/v1/labs/{lab}/memberships/{third.pk}/remove",
@@ -966,6 +978,7 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
             body = {
                 "api_join": {"purpose": "Research.", "accept_policy": True},
                 "api_member_role": {"role": "admin"},
+                "api_member_share_set": {"share": "2"},
                 "api_lab_settings_update": {"discoverable": True},
                 "api_lab_settings_project": {"gcp_project_id": "moved-project"},
                 "api_lab_settings_grant_end": {"grant_end_date": "2099-12-31"},

@@ -240,3 +240,22 @@ def test_the_placements_snapshot_reads_as_many_queries_for_any_size(scene, passe
     small = queries_of_a_load(scene.lab, 2, 3, users)
     large = queries_of_a_load(scene.lab, 30, 60, users)
     assert small == large <= 5
+
+
+def test_the_migration_gives_everyone_the_recent_use_of_jobs_counted_before_it(scene):
+    import importlib
+
+    from django.apps import apps
+
+    migration = importlib.import_module("tpus.migrations.0041_fair_share_of_the_pool")
+    now = timezone.now()
+    make_job(scene.vm, scene.milo, "succeeded", started_at=now - 3 * HOUR, ended_at=now - HOUR)
+    make_job(scene.vm, scene.ann, "succeeded", started_at=now - 90 * 24 * HOUR,
+             ended_at=now - 89 * 24 * HOUR)  # fmt: skip
+    usage.count_ended_jobs()
+    expected = FairShare.objects.get(user=scene.milo).use
+    FairShare.objects.all().delete()
+    migration.recent_use_of_counted_jobs(apps, None)
+    assert FairShare.objects.get(user=scene.milo).use == pytest.approx(expected, rel=1e-3)
+    # Ended more than ten half-lives ago: under 0.1% of it would be left.
+    assert not FairShare.objects.filter(user=scene.ann).exists()

@@ -65,6 +65,16 @@ def test_the_member_page_shows_the_persons_figures_and_the_share_form(scene, cli
     assert share_url(scene.lab, membership) in text
 
 
+def test_a_member_sees_their_own_share_and_recent_use_on_the_labs_page(scene, client):
+    FairShare.objects.create(lab=scene.lab, user=scene.milo, use=42.0, share=Decimal("1.5"))
+    FairShare.objects.create(lab=scene.lab, user=scene.ann, use=99.0)
+    client.force_login(scene.milo)
+    page = client.get(reverse("lab_detail", args=[scene.lab.slug])).content.decode()
+    mine = page[page.index('id="my-share"') :]
+    assert "<strong>42.0 chip-hours</strong>" in mine and "<strong>1.5</strong>" in mine
+    assert "99.0" not in page and "ann@vision.example" not in page
+
+
 # --- setting a share -------------------------------------------------------------------
 
 
@@ -121,6 +131,25 @@ def test_another_labs_member_is_a_404_for_a_lab_admin(scene, cast, client):
     mine = scene.lab.memberships.get(user=scene.milo)
     assert client.post(share_url(scene.lab, mine), {"share": "5"}).status_code == 404
     assert not FairShare.objects.exists()
+
+
+def test_the_api_reads_and_sets_a_members_share(scene, cast, client):
+    membership = scene.lab.memberships.get(user=scene.milo)
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {create_token(scene.admin, 'test')[1]}"}
+    url = f"/api/v1/labs/vision/memberships/{membership.pk}/share"
+    assert client.get(url, **auth).json() == {
+        "user": "milo@vision.example", "share": 1.0, "recent_use": 0.0, "running_chips": 0
+    }  # fmt: skip
+    answer = client.post(url, {"share": 2.5}, content_type="application/json", **auth)
+    assert answer.status_code == 200 and answer.json()["share"] == 2.5
+    refused = client.post(url, {"share": "0"}, content_type="application/json", **auth)
+    assert refused.status_code == 400 and list(refused.json()["errors"]) == ["share"]
+    assert FairShare.objects.get(user=scene.milo).share == Decimal("2.5")
+    theirs = f"/api/v1/labs/vision/memberships/{cast.other_membership.pk}/share"
+    assert (
+        client.post(theirs, {"share": 3}, content_type="application/json", **auth).status_code
+        == 404
+    )
 
 
 # --- the half-life and the waiting limit in the lab's settings --------------------------

@@ -127,6 +127,7 @@ def lab_detail(request, slug):
             )
             .order_by("vm__name")
         )
+        context["my_standing"] = fair_share.standings(lab, [request.user.pk])[request.user.pk]
         context["admins"] = lab.memberships.filter(
             state=MembershipState.APPROVED, role=Role.ADMIN
         ).select_related("user")
