@@ -463,22 +463,28 @@ class Usage:
     def per_day(self, key: str, ids) -> dict[dt.date, dict]:
         """Worker-time on each day of the period that has any: of each of ``ids``
         (``key``: ``user`` or ``vm``) that used it, and of everyone under ``None``. One
-        query grouped by day, kept in the cache like the other sums, plus the jobs not
-        counted yet, each cut at midnights as counting would."""
+        query, a row per day for each of ``ids`` and one for the rest, kept in the cache
+        like the other sums; plus the jobs not counted yet, each cut at midnights as
+        counting would."""
         ids = sorted(ids)
 
         def read() -> list[tuple]:
-            of = {f"of_{i}": Sum("worker_time", filter=Q(**{key: i})) for i in ids}
-            rows = self._days().values("day").annotate(all=Sum("worker_time"), **of).order_by()
-            return [
-                (
-                    row["day"],
-                    {None: row["all"], **{i: row[f"of_{i}"] for i in ids if row[f"of_{i}"]}},
-                )
-                for row in rows
-            ]
+            who = Case(When(**{f"{key}__in": ids}, then=F(key)), default=Value(None))
+            rows = (
+                self._days()
+                .annotate(who=who)
+                .values("day", "who")
+                .annotate(time=Sum("worker_time"))
+                .order_by()
+            )
+            return [(row["day"], row["who"], row["time"]) for row in rows]
 
-        found = dict(self._cached(f"{key}:days:{_digest(ids)}", read))
+        found: dict[dt.date, dict] = {}
+        for day, who, time in self._cached(f"{key}:days:{_digest(ids)}", read):
+            sums = found.setdefault(day, {None: dt.timedelta()})
+            sums[None] += time
+            if who is not None:
+                sums[who] = time
         wanted = set(ids)
         for job in self._live:
             for day, time in self._live_days(job).items():

@@ -403,13 +403,13 @@ def test_the_usage_page_has_the_database_sort_and_page_the_people(client, scene,
 
     # Summed per person or VM in the database: each such query is a page (LIMIT) or
     # the few with a job running now, never everyone to be sorted here; the charts'
-    # sums are a row per day.
+    # sums are a row per day for each of a few people or VMs, and one for the rest.
     grouped = [q["sql"] for q in context.captured_queries if "tpus_usageday" in q["sql"]]
     grouped = [q for q in grouped if "GROUP BY" in q]
     per_day = [
         q
         for q in grouped
-        if q.startswith('SELECT "tpus_usageday"."day"') and q.endswith("GROUP BY 1")
+        if q.startswith('SELECT "tpus_usageday"."day"') and q.endswith("GROUP BY 1, 2")
     ]
     assert per_day and all("LIMIT" in q or " IN (" in q or q in per_day for q in grouped), grouped
     # The second page holds what ranking everyone would put there.

@@ -13,9 +13,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
+from portal.charts import Bin, bins
 from tpus.models import Grant
 from tpus.services import usage, usage_charts
-from tpus.services.usage_charts import Bin, bins, held_chart, people_chart, wait_chart
+from tpus.services.usage_charts import held_chart, people_chart, wait_chart
 from tpus.tests import jobs_support, test_jobs_usage
 from tpus.tests.jobs_support import account, make_job, make_vm
 from tpus.tests.test_jobs_usage import PERIOD, at

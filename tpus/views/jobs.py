@@ -302,8 +302,8 @@ def _usage_scope(request, slug):
 
 @login_required
 def lab_usage(request, slug):
-    """What holds each TPU now, and worker-hours per person and per VM over a period:
-    everyone's for the lab's admins, one's own for members."""
+    """What holds each TPU now, and worker-hours per person and per VM over a period,
+    with its charts: everyone's for the lab's admins, one's own for members."""
     lab, is_admin, form, period = _usage_scope(request, slug)
     vms = usage.now_vms(
         access.viewable_vms(request.user, lab, is_admin=is_admin).order_by("name", "zone", "pk")
