@@ -480,7 +480,7 @@ class ChipPollBench:
         headers = ["metrics", "round", "today (s)", "with metrics (s)", "added (s)", "added"]
         print(table(headers, [r[:5] + [f"{r[5]:+.1%}"] for r in served + unserved]))
         print()
-        print("the portal's side per poll of the VM: parse the answers, record (4 queries)")
+        print("the portal's side per poll of the VM: parse the answers, record (at most 4 queries)")
         headers = ["run", "chips", "parse (ms)", "record (ms)", "DB queries"]
         print(table(headers, portal))
         from django.conf import settings

@@ -378,8 +378,9 @@ PORTAL_JOB_FOLDER_RETENTION_DAYS = env.integer("PORTAL_JOB_FOLDER_RETENTION_DAYS
 # libtpu serves each chip's runtime metrics (HBM, duty cycle) over gRPC on the worker's
 # local ports in TPU_RUNTIME_METRICS_PORTS, which the portal sets for every job (one
 # port per process of the job on a worker, 8431 first as on a TPU VM). The job poll
-# reads them in its status exec; the portal keeps each chip's samples this many
-# minutes, written at most once per this many seconds per VM.
+# reads them in its status exec (empty: no job gets the variable and no poll reads
+# metrics); it reads a VM's at most about once per PORTAL_CHIP_METRICS_EVERY_SECONDS
+# (one job poll in two by default) and keeps each chip's samples this many minutes.
 PORTAL_CHIP_METRICS_PORTS = env.listing(
     "PORTAL_CHIP_METRICS_PORTS", ["8431", "8432", "8433", "8434"]
 )

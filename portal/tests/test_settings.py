@@ -107,3 +107,23 @@ def test_a_uid_range_that_others_hand_out_is_refused_at_start_up(first, last, wh
     )  # fmt: skip
     assert result.returncode != 0
     assert "PORTAL_UID_MIN..PORTAL_UID_MAX" in result.stderr and what in result.stderr
+
+
+@pytest.mark.parametrize(
+    "ports", ["80", "8431,8431", "8431,x", ",".join(map(str, range(9000, 9009)))]
+)
+def test_metrics_ports_that_make_no_sense_are_refused_at_start_up(ports):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "PORTAL_"))}
+    env.update(DJANGO_SETTINGS_MODULE="portal.settings.test", PORTAL_CHIP_METRICS_PORTS=ports)
+    result = subprocess.run(
+        [sys.executable, "manage.py", "check"], cwd=root, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "PORTAL_CHIP_METRICS_PORTS is empty or up to 8 distinct ports" in result.stderr

@@ -36,16 +36,25 @@ def ports() -> tuple[int, ...]:
     return tuple(int(p) for p in settings.PORTAL_CHIP_METRICS_PORTS)
 
 
+def _interval() -> dt.timedelta:
+    """PORTAL_CHIP_METRICS_EVERY_SECONDS less half a job poll, so that the poll on the
+    beat that follows the interval reads again."""
+    every = settings.PORTAL_CHIP_METRICS_EVERY_SECONDS - settings.PORTAL_JOB_POLL_SECONDS / 2
+    return dt.timedelta(seconds=max(0.0, every))
+
+
+def _kept() -> dt.timedelta:
+    return dt.timedelta(minutes=settings.PORTAL_CHIP_METRICS_KEEP_MINUTES)
+
+
 def ports_to_ask(vm: TpuVm, *, now=None) -> tuple[int, ...]:
     """The ports this poll of ``vm`` asks for metrics: none when the last read is
-    younger than the interval (less half a job poll, so a poll on the beat that
-    follows the interval asks again)."""
+    younger than the interval."""
     wanted = ports()
     last = vm.chip_metrics_at
     if not wanted or last is None:
         return wanted
-    every = settings.PORTAL_CHIP_METRICS_EVERY_SECONDS - settings.PORTAL_JOB_POLL_SECONDS / 2
-    return wanted if (now or timezone.now()) - last >= dt.timedelta(seconds=every) else ()
+    return wanted if (now or timezone.now()) - last >= _interval() else ()
 
 
 def answers(workers, outcomes: list[WorkerOutcome]) -> dict[int, WorkerMetrics | None]:
@@ -65,8 +74,9 @@ def answers(workers, outcomes: list[WorkerOutcome]) -> dict[int, WorkerMetrics |
 
 def record(vm: TpuVm, answers: Mapping[int, WorkerMetrics | None], *, now=None) -> None:
     """Keep what each worker (by index) answered: the last answer on the VM, a sample
-    per chip unless the VM's last sample is younger than the interval, and the
-    samples past the window removed. ``None``: the worker did not answer."""
+    per chip unless the VM's last sample is younger than the interval (so a chip has
+    at most the window over the interval of them), and the samples past the window
+    removed. ``None``: the worker did not answer."""
     if not answers or not ports():
         return
     now = now or timezone.now()
@@ -89,12 +99,9 @@ def record(vm: TpuVm, answers: Mapping[int, WorkerMetrics | None], *, now=None) 
         for row in latest
         for c in row["chips"]
     ]  # fmt: skip
-    every = dt.timedelta(seconds=settings.PORTAL_CHIP_METRICS_EVERY_SECONDS)
-    if not samples or ChipSample.objects.filter(vm=vm, at__gt=now - every).exists():
-        return
-    ChipSample.objects.bulk_create(samples)
-    keep = dt.timedelta(minutes=settings.PORTAL_CHIP_METRICS_KEEP_MINUTES)
-    ChipSample.objects.filter(vm=vm, at__lt=now - keep).delete()
+    ChipSample.objects.filter(vm=vm, at__lt=now - _kept()).delete()
+    if samples and not ChipSample.objects.filter(vm=vm, at__gt=now - _interval()).exists():
+        ChipSample.objects.bulk_create(samples)
 
 
 # --- what the page, the API and the client show ---------------------------------------
@@ -138,7 +145,7 @@ def duty_means(vm_ids) -> dict[tuple[int, int, int], float]:
     """Each chip's mean duty cycle over its kept samples, by (VM id, worker, chip), for
     any number of VMs in one query."""
     rows = (
-        ChipSample.objects.filter(vm_id__in=list(vm_ids))
+        ChipSample.objects.filter(vm_id__in=list(vm_ids), at__gte=timezone.now() - _kept())
         .values("vm_id", "worker", "chip")
         .annotate(duty=Avg("duty"))
         .order_by()

@@ -139,8 +139,9 @@ fi
 # libtpu's runtime metrics (HBM used and total, duty cycle, per chip) from the local
 # ports the job's libtpu serves them on (TPU_RUNTIME_METRICS_PORTS), asked as Google's
 # tpu-info asks them, by a small client in python3's standard library (nothing to
-# install): a second per port, 5 s in all. Ports nothing listens on (/proc/net/tcp,
-# one awk) are not asked, so a worker without them costs no python.
+# install), as nobody (whoever listens on a port answers it), a second per port, 5 s in
+# all. Ports nothing listens on (/proc/net/tcp, one awk) are not asked, so a worker
+# without them costs no python.
 ports=""
 while read -r key value; do
     [ "$key" != metrics ] || ports=$value
@@ -156,7 +157,8 @@ if [ -n "$ports" ]; then
         echo "metrics=none the worker has no python3"
     else
         # shellcheck disable=SC2086 # one argument per port
-        timeout 5 python3 -I -S - $listening <<'CLIENT' 2>/dev/null || echo "metrics=none no answer in time"
+        timeout 5 setpriv --reuid=65534 --regid=65534 --clear-groups --no-new-privs \
+            python3 -I -S - $listening <<'CLIENT' 2>/dev/null || echo "metrics=none no answer in time"
 # A client of libtpu's RuntimeMetricService.GetRuntimeMetric over HTTP/2 without TLS
 # (gRPC's local credentials add nothing on the wire), in the standard library's C
 # modules alone (the socket module's imports would double the start-up). Arguments: the
