@@ -32,6 +32,7 @@ import itertools
 import logging
 import threading
 import time
+from contextlib import contextmanager
 
 from django.db import transaction
 
@@ -90,35 +91,39 @@ def _on_commit(name: str, *args, countdown: float | None = None) -> None:
     transaction.on_commit(lambda: _send(name, *args, countdown=countdown))
 
 
-def _on_commit_once(name: str, *args) -> None:
-    """``_on_commit``, unless the same task with the same arguments is already waiting
-    for this transaction's commit. The waiting callbacks are the connection's own list,
-    which a rollback (of a savepoint too) empties of what it undid, so nothing is ever
-    skipped for a change that did not happen."""
-    key = (name, args)
-    connection = transaction.get_connection()
-    if connection.in_atomic_block and any(
-        getattr(callback, "queue_key", None) == key and not callback.sent
-        for _, callback, *_ in connection.run_on_commit
-    ):
-        return
-
-    def send() -> None:
-        send.sent = True  # once it ran, a later change needs its own
-        _send(name, *args)
-
-    send.queue_key, send.sent = key, False
-    transaction.on_commit(send)
-
-
 # Hosts
 
 
 def reconcile_vm(vm_id: int) -> None:
-    """Make every worker of the VM match the database. Queued once however many
-    changes of one transaction ask for it (several people given a VM at once): the
-    reconcile reads the VM's whole desired state when it runs."""
-    _on_commit_once("tpus.tasks.reconcile_vm", vm_id)
+    """Make every worker of the VM match the database (inside ``reconciles_gathered``,
+    once for all the changes made there)."""
+    gathered = getattr(_gathering, "vm_ids", None)
+    if gathered is not None:
+        gathered[vm_id] = None
+        return
+    _on_commit("tpus.tasks.reconcile_vm", vm_id)
+
+
+_gathering = threading.local()
+
+
+@contextmanager
+def reconciles_gathered():
+    """Within it, the reconciles asked for are gathered and each VM's is queued once,
+    on the way out (after commit, as always): several people given one VM at once
+    cost it one reconcile, which reads the VM's whole desired state when it runs.
+    Leaving by an exception queues nothing: use it inside the transaction whose
+    changes the reconciles are for, so that they roll back together."""
+    if getattr(_gathering, "vm_ids", None) is not None:
+        yield  # an outer one queues them
+        return
+    _gathering.vm_ids = gathered = {}
+    try:
+        yield
+    finally:
+        _gathering.vm_ids = None
+    for vm_id in gathered:
+        _on_commit("tpus.tasks.reconcile_vm", vm_id)
 
 
 def recheck_disks(vm_id: int, seconds: float) -> None:

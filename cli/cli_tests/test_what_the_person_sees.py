@@ -108,7 +108,9 @@ def test_ls_shows_no_chips_line_for_a_summary_that_is_missing_or_makes_no_sense(
 
 
 def test_ls_says_which_vms_come_from_a_grant_of_every_vm_of_a_kind(portal, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")  # a terminal wide enough for one line a VM
+    from tpu_cli import session
+
+    monkeypatch.setattr(session.out, "width", 200)  # wide enough for one line a VM
     _vm_scene(portal, from_kind="v4-8")
     portal.on("GET", "/labs/vision/usage/now", {"items": [], "next": None})
     code, out, err = run(capsys, "ls")

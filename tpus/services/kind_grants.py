@@ -21,6 +21,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from portal import audit
+from tpus import queue
 from tpus.models import AuditAction, Grant, KindGrant, Lab, TpuVm
 from tpus.models.grants import WANTED_STATES, GrantState, KindGrantState
 from tpus.models.inventory import validate_accelerator_type
@@ -170,7 +171,8 @@ def apply_kind_grants(vm: TpuVm) -> list[Grant]:
     }
     ended = (GrantState.REVOKING, GrantState.REVOKED)
     made = []
-    with transaction.atomic():  # one reconcile of the VM for everyone given it
+    # One reconcile of the VM for everyone given it.
+    with transaction.atomic(), queue.reconciles_gathered():
         for kind in kinds:
             state, changed_at = held.get(kind.user_id, (None, None))
             if state in WANTED_STATES or (state in ended and changed_at >= kind.granted_at):

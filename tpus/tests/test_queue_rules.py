@@ -125,28 +125,32 @@ def test_queued_work_is_dropped_when_the_transaction_rolls_back(cast):
     assert listed.exists()
 
 
-def test_a_vm_reconciled_twice_in_one_transaction_is_queued_once(
+def test_reconciles_gathered_queue_each_vm_once_after_commit(
     db, queued_tasks, django_capture_on_commit_callbacks
 ):
     from django.db import transaction
 
     with django_capture_on_commit_callbacks(execute=True):
-        with transaction.atomic():
+        with transaction.atomic(), queue.reconciles_gathered():
             queue.reconcile_vm(5)
-            queue.reconcile_vm(5)
-            queue.reconcile_vm(6)
-    assert queued_tasks.take("tpus.tasks.reconcile_vm") == [((5,), None), ((6,), None)]
-
-
-def test_a_reconcile_rolled_back_with_its_savepoint_does_not_hide_the_next_one(
-    db, queued_tasks, django_capture_on_commit_callbacks
-):
-    from django.db import transaction
-
-    with django_capture_on_commit_callbacks(execute=True):
-        with transaction.atomic():
-            with pytest.raises(RuntimeError), transaction.atomic():
+            with queue.reconciles_gathered():
                 queue.reconcile_vm(5)
-                raise RuntimeError("rolled back")
+            queue.reconcile_vm(6)
+            assert queued_tasks.tasks == []
+    assert queued_tasks.take("tpus.tasks.reconcile_vm") == [((5,), None), ((6,), None)]
+    with django_capture_on_commit_callbacks(execute=True):
+        queue.reconcile_vm(5)  # outside: as before, one each time
+        queue.reconcile_vm(5)
+    assert len(queued_tasks.take("tpus.tasks.reconcile_vm")) == 2
+
+
+def test_reconciles_gathered_queue_nothing_when_left_by_an_error(
+    db, queued_tasks, django_capture_on_commit_callbacks
+):
+    from django.db import transaction
+
+    with django_capture_on_commit_callbacks(execute=True):
+        with pytest.raises(RuntimeError), transaction.atomic(), queue.reconciles_gathered():
             queue.reconcile_vm(5)
-    assert queued_tasks.take("tpus.tasks.reconcile_vm") == [((5,), None)]
+            raise RuntimeError("rolled back")
+    assert queued_tasks.take("tpus.tasks.reconcile_vm") == []
