@@ -247,7 +247,7 @@ def test_the_migration_gives_everyone_the_recent_use_of_jobs_counted_before_it(s
 
     from django.apps import apps
 
-    migration = importlib.import_module("tpus.migrations.0041_fair_share_of_the_pool")
+    migration = importlib.import_module("tpus.migrations.0042_fair_share_of_the_pool")
     now = timezone.now()
     make_job(scene.vm, scene.milo, "succeeded", started_at=now - 3 * HOUR, ended_at=now - HOUR)
     make_job(scene.vm, scene.ann, "succeeded", started_at=now - 90 * 24 * HOUR,

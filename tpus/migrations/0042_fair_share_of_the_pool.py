@@ -56,7 +56,7 @@ def recent_use_of_counted_jobs(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tpus', '0040_lab_sync_lease'),
+        ('tpus', '0041_worker_ssh_generation'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tpus', '0040_lab_sync_lease'),
+        ('tpus', '0042_fair_share_of_the_pool'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

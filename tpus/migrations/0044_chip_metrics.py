@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tpus', '0040_lab_sync_lease'),
+        ('tpus', '0043_kind_grants'),
     ]
 
     operations = [
