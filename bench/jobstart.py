@@ -90,6 +90,8 @@ class StartBench(Bench):
                 break
             if seen["state"] in {"succeeded", "failed", "cancelled", "lost", "rejected"}:
                 raise RuntimeError(f"job {job_id} {seen['state']}: {seen.get('reason')}")
+            if time.perf_counter() - t1 > 120:
+                raise RuntimeError(f"job {job_id} is still {seen['state']} after 120 s")
             time.sleep(POLL_SECONDS)
         self._after(size, job_id)
         return t2 - t1, t1 - t0

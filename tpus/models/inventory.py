@@ -141,6 +141,9 @@ class TpuVm(models.Model):
     # a reconcile; and what the last look at the workers found holding a chip outside
     # the portal ([{worker, device, pid, user, command}]) and when.
     jobs_claimed_until = models.DateTimeField(null=True, blank=True)
+    # A pass found the VM held by another: the holder passes again once it ends, so a
+    # job submitted meanwhile starts then, not at the next poll.
+    jobs_pass_wanted = models.BooleanField(default=False)
     outside_holders = models.JSONField(default=list, blank=True)
     usage_checked_at = models.DateTimeField(null=True, blank=True)
     # When the scheduled pass last asked for such a look (answered or not), so a VM

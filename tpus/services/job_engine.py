@@ -98,23 +98,36 @@ def poll_all() -> None:
 
 
 def _claim(vm_id: int) -> bool:
+    """Hold the VM for one pass (which looks at everything: no pass is wanted after)."""
     now = timezone.now()
     return bool(
         TpuVm.objects.filter(pk=vm_id)
         .filter(Q(jobs_claimed_until__isnull=True) | Q(jobs_claimed_until__lt=now))
-        .update(jobs_claimed_until=now + leases.length())
+        .update(jobs_claimed_until=now + leases.length(), jobs_pass_wanted=False)
     )
+
+
+def _claim_or_ask(vm_id: int) -> bool:
+    """Hold the VM for one pass, or ask the pass holding it to pass again when it ends
+    (what changed meanwhile, a job submitted, is then seen at once). The second try
+    covers a holder that ended between the first and the asking."""
+    if _claim(vm_id):
+        return True
+    TpuVm.objects.filter(pk=vm_id).update(jobs_pass_wanted=True)
+    return _claim(vm_id)
 
 
 def _release(vm_id: int) -> None:
     TpuVm.objects.filter(pk=vm_id).update(jobs_claimed_until=None)
+    if TpuVm.objects.filter(pk=vm_id, jobs_pass_wanted=True).update(jobs_pass_wanted=False):
+        queue.advance_jobs(vm_id)
 
 
 def advance(vm_id: int, *, max_steps: int = 20) -> PassReport:
     """One pass over a VM's jobs (see the module's text). Another pass holding the VM
     means this one does nothing: that pass sees the same rows."""
     report = PassReport(vm_id)
-    if not _claim(vm_id):
+    if not _claim_or_ask(vm_id):
         report.busy = True
         return report
     connections = _PassConnections()

@@ -668,6 +668,34 @@ def test_a_pass_held_by_another_process_is_not_run_twice(jobs_pod):
     assert job_engine.advance(jobs_pod.vm.pk).busy
 
 
+def test_a_pass_turned_away_has_the_holder_pass_again_once_when_it_ends(
+    jobs_pod, queued_tasks, django_capture_on_commit_callbacks
+):
+    # A job submitted while another pass holds the VM starts when that pass ends, not
+    # at the next poll: the pass its submit queued was turned away.
+    from django.utils import timezone
+
+    vm_id = jobs_pod.vm.pk
+    TpuVm.objects.filter(pk=vm_id).update(
+        jobs_claimed_until=timezone.now() + dt.timedelta(seconds=30)
+    )
+    assert job_engine.advance(vm_id).busy
+    assert queued_tasks.take("tpus.tasks.advance_jobs") == []
+
+    with django_capture_on_commit_callbacks(execute=True):
+        job_engine._release(vm_id)  # the holder's pass ends
+
+    assert queued_tasks.take("tpus.tasks.advance_jobs") == [((vm_id,), None)]
+    with django_capture_on_commit_callbacks(execute=True):
+        job_engine._release(vm_id)
+    assert queued_tasks.take("tpus.tasks.advance_jobs") == []
+    # A pass that got the VM has seen everything: nobody asks for another after it.
+    TpuVm.objects.filter(pk=vm_id).update(jobs_pass_wanted=True)
+    with django_capture_on_commit_callbacks(execute=True):
+        job_engine.advance(vm_id)
+    assert queued_tasks.take("tpus.tasks.advance_jobs") == []
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_submissions_racing_for_one_vm_one_runs_and_one_waits(
     jobs_pod, django_capture_on_commit_callbacks
