@@ -56,7 +56,7 @@ def recent_use_of_counted_jobs(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('tpus', '0041_worker_ssh_generation'),
+        ('tpus', '0041_worker_ssh_generation_vm_jobs_pass_wanted'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
