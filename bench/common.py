@@ -222,3 +222,17 @@ def machine() -> str:
         f"{os.cpu_count()} cores ({model or platform.machine()}), {platform.platform()}; "
         f"load average now {load}"
     )
+
+
+def run_on_fleet(bench) -> int:
+    """Starts a fleet bench, runs it and takes its scene down whatever happens; the
+    fleet's network namespaces need root."""
+    if os.geteuid() != 0:
+        print("the fleet needs root (network namespaces)", file=sys.stderr)
+        return 2
+    try:
+        bench.start()
+        bench.run()
+    finally:
+        bench.close()
+    return 0

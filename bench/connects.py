@@ -37,7 +37,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from django.utils import timezone
 
-from bench.common import Stack, machine, median, table
+from bench.common import Stack, machine, median, run_on_fleet, table
 from bench.poll import Sink
 
 ZONE = "us-central1-f"
@@ -282,16 +282,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.sync = max(5, args.sync)
     args.reps = max(1, min(args.reps, 10))
-    if os.geteuid() != 0:
-        print("the fleet needs root (network namespaces)", file=sys.stderr)
-        return 2
-    bench = ConnectsBench(args)
-    try:
-        bench.start()
-        bench.run()
-    finally:
-        bench.close()
-    return 0
+    return run_on_fleet(ConnectsBench(args))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from bench import jobpages
-from bench.common import Stack, machine, median, table
+from bench.common import Stack, machine, median, run_on_fleet, table
 from bench.provision import SSH_OPTIONS, new_keypair
 
 PROJECT, ZONE = "bench-jobs", "us-central2-b"
@@ -779,16 +779,7 @@ def main(argv=None) -> int:
     args.sizes = sorted({int(s) for s in args.sizes.split(",")})
     args.reps = max(1, min(args.reps, 20))
     args.parts = set(args.parts.split(","))
-    if os.geteuid() != 0:
-        print("the fleet needs root (network namespaces)", file=sys.stderr)
-        return 2
-    bench = Bench(args)
-    try:
-        bench.start()
-        bench.run()
-    finally:
-        bench.close()
-    return 0
+    return run_on_fleet(Bench(args))
 
 
 if __name__ == "__main__":

@@ -31,12 +31,11 @@ Nothing leaves the machine. Targets (DESIGN.md): ≤ 1 s on 4 workers; on 32,
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
 
-from bench.common import machine, median, table
+from bench.common import machine, median, run_on_fleet, table
 from bench.jobs import Bench
 from bench.provision import SSH_OPTIONS
 
@@ -237,16 +236,7 @@ def main(argv=None) -> int:
     args.sizes = sorted({int(s) for s in args.sizes.split(",")})
     args.reps = max(1, min(args.reps, 20))
     args.poll, args.grace = 5, 1  # the shared scene's settings; no beat runs here
-    if os.geteuid() != 0:
-        print("the fleet needs root (network namespaces)", file=sys.stderr)
-        return 2
-    bench = StartBench(args)
-    try:
-        bench.start()
-        bench.run()
-    finally:
-        bench.close()
-    return 0
+    return run_on_fleet(StartBench(args))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from django.utils import timezone
 
-from bench.common import Stack, machine, median, table
+from bench.common import Stack, machine, median, run_on_fleet, table
 
 PROJECT, ZONE = "bench-lab", "us-central1-f"
 ACCELERATORS = {1: "v4-8", 8: "v4-64", 32: "v4-256"}
@@ -610,16 +610,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.sizes = sorted({int(s) for s in args.sizes.split(",")})
     args.reps = max(3, min(args.reps, 10))
-    if os.geteuid() != 0:
-        print("the fleet needs root (network namespaces)", file=sys.stderr)
-        return 2
-    bench = Bench(args)
-    try:
-        bench.start()
-        bench.run()
-    finally:
-        bench.close()
-    return 0
+    return run_on_fleet(Bench(args))
 
 
 if __name__ == "__main__":

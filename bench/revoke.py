@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from bench.common import machine, median, table
+from bench.common import machine, median, run_on_fleet, table
 from bench.provision import SSH_OPTIONS, Bench
 
 REFUSE_LIMIT = 60.0
@@ -140,16 +140,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.sizes = [max(2, args.workers)]
     args.reps = max(1, min(args.reps, 10))
-    if os.geteuid() != 0:
-        print("the fleet needs root (network namespaces)", file=sys.stderr)
-        return 2
-    bench = RevokeBench(args)
-    try:
-        bench.start()
-        bench.run()
-    finally:
-        bench.close()
-    return 0
+    return run_on_fleet(RevokeBench(args))
 
 
 if __name__ == "__main__":

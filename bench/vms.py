@@ -47,7 +47,7 @@ from pathlib import Path
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from bench.common import Stack, machine, median, table
+from bench.common import Stack, machine, median, run_on_fleet, table
 from bench.provision import SSH_OPTIONS, new_keypair
 
 PROJECT, ZONE = "bench-vms", "us-central2-b"
@@ -604,16 +604,7 @@ def main(argv=None) -> int:
     args.types = [t.strip() for t in args.types.split(",") if t.strip()]
     args.reps = max(1, min(args.reps, 20))
     args.sync, args.follow = max(5, args.sync), max(2, args.follow)
-    if os.geteuid() != 0:
-        print("the fleet needs root (network namespaces)", file=sys.stderr)
-        return 2
-    bench = Bench(args)
-    try:
-        bench.start()
-        bench.run()
-    finally:
-        bench.close()
-    return 0
+    return run_on_fleet(Bench(args))
 
 
 if __name__ == "__main__":
