@@ -30,6 +30,7 @@ away), ends the run with nothing more done.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import logging
 import re
@@ -231,6 +232,11 @@ class Connection:
         except RemoteError:
             self.drop()  # a broken connection is not used again
             raise
+        if status != 0:
+            # A login keeps the groups it was given (sudo's among them): after a script
+            # that failed, perhaps for want of one the host has given the account since,
+            # the next run logs in anew.
+            self.drop()
         return _result(self.worker, script, status, out, err, time.monotonic() - started)
 
     def begin(
@@ -444,24 +450,50 @@ def open_socket(address: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def _transport(sock, **kwargs) -> paramiko.Transport:
-    """paramiko's Transport with the key exchanges in the door's order of preference."""
+def _transport(sock, *, host_key_types: tuple[str, ...] = (), **kwargs) -> paramiko.Transport:
+    """paramiko's Transport with the key exchanges in the door's order of preference, and
+    the pinned host key types asked for first."""
     transport = paramiko.Transport(sock, **kwargs)
     options = transport.get_security_options()
     known = list(options.kex)
     first = [name for name in _KEX_ORDER if name in known]
     options.kex = first + [name for name in known if name not in first]
+    offered = list(options.key_types)
+    wanted = [name for name in host_key_types if name in offered]
+    options.key_types = wanted + [name for name in offered if name not in wanted]
     return transport
+
+
+class _PinnedHostKeys(paramiko.MissingHostKeyPolicy):
+    """Lets in a host that presents one of the pinned keys, and no other. paramiko's own
+    known-hosts check holds one key per type and host, so of two pinned keys of one type
+    (a host's old and new key while it is pinned anew) it would accept only one."""
+
+    def __init__(self, worker: Worker):
+        self.keys = worker.pins.paramiko_keys()
+        self.pinned = {(key.get_name(), key.get_base64()) for key in self.keys}
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        if (key.get_name(), key.get_base64()) not in self.pinned:
+            same_type = [k for k in self.keys if k.get_name() == key.get_name()]
+            raise paramiko.BadHostKeyException(hostname, key, (same_type or self.keys)[0])
+
+
+def _host_key_types(keys: list[paramiko.PKey]) -> tuple[str, ...]:
+    """The host key algorithms that prove the pinned keys, in the pins' order (an RSA
+    key signs with SHA-2, never SHA-1)."""
+    types: list[str] = []
+    for key in keys:
+        name = key.get_name()
+        names = ["rsa-sha2-512", "rsa-sha2-256"] if name == "ssh-rsa" else [name]
+        types += [n for n in names if n not in types]
+    return tuple(types)
 
 
 def _connect(worker: Worker, cfg: remote_config.RemoteConfig) -> paramiko.SSHClient:
     client = paramiko.SSHClient()
-    client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    # paramiko looks the server up under "ip" for port 22 and "[ip]:port" otherwise.
-    lookup = worker.address if worker.port == 22 else f"[{worker.address}]:{worker.port}"
-    known = client.get_host_keys()
-    for key in worker.pins.paramiko_keys():
-        known.add(lookup, key.get_name(), key)
+    policy = _PinnedHostKeys(worker)
+    client.set_missing_host_key_policy(policy)
     where = str(worker)
     login = worker.login
     try:
@@ -480,7 +512,9 @@ def _connect(worker: Worker, cfg: remote_config.RemoteConfig) -> paramiko.SSHCli
             look_for_keys=False,
             compress=False,
             disabled_algorithms=_DISABLED_ALGORITHMS,
-            transport_factory=_transport,
+            transport_factory=functools.partial(
+                _transport, host_key_types=_host_key_types(policy.keys)
+            ),
         )
     except paramiko.BadHostKeyException as exc:
         client.close()

@@ -104,6 +104,35 @@ def test_a_changed_host_key_stops_the_run_before_anything_runs(fleet, fleet_sett
     assert b"ran" not in ls
 
 
+def _ed25519_line() -> str:
+    key = ed25519.Ed25519PrivateKey.generate().public_key()
+    return key.public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    ).decode()
+
+
+def test_a_host_is_let_in_under_any_pinned_key_two_of_one_type_among_them(
+    fleet, fleet_settings, fleet_host
+):
+    """A host pinned anew may have an old and a new key of one type pinned at once;
+    whichever of them it presents lets it in, and only those."""
+    real = next(k for k in fleet.host_keys(fleet_host.name) if k.startswith("ssh-ed25519 "))
+    before = after = None
+    while before is None or after is None:  # one sorts ahead of the host's key, one behind
+        line = _ed25519_line()
+        if line < real:
+            before = line
+        else:
+            after = line
+    others = [before, after]
+    worker = worker_for(fleet, fleet_host, pins=HostKeyPins.parse([real, *others]))
+    assert run_script(worker, "whoami.sh").values["hostname"] == fleet_host.hostname
+
+    stranger = worker_for(fleet, fleet_host, pins=HostKeyPins.parse(others))
+    with pytest.raises(HostKeyMismatch):
+        run_script(stranger, "whoami.sh")
+
+
 def test_another_hosts_pin_is_refused_before_authentication(fleet, fleet_settings, fleet_hosts):
     target, impostor = fleet_hosts(2)
     before = fleet.log(target.name)
