@@ -241,10 +241,11 @@ def test_a_check_looks_once_and_queues_the_next_while_the_workers_refuse_the_key
         assert 0 < countdown <= settings.PORTAL_CONNECT_POLL_SECONDS
         time.sleep(countdown)
 
-    # Each look came back at once, well before the wait was over; the wait as a whole
-    # still ends as it did, failed with the reason, once PORTAL_CONNECT_WAIT_SECONDS
-    # passed (the last look may end a moment after it, as it always could).
-    assert max(took) < 1.0, took
+    # Each look came back without waiting for the wait to be over (a look that waited
+    # would take all of its 4 s; a loaded machine may stretch a look past 1 s); the wait
+    # as a whole still ends as it did, failed with the reason, once
+    # PORTAL_CONNECT_WAIT_SECONDS passed (the last look may end a moment after it).
+    assert max(took) < settings.PORTAL_CONNECT_WAIT_SECONDS / 2, took
     assert looks >= 4
     assert connection.state == ConnectionState.FAILED
     assert connection.reason == connect.WHY_REFUSED
