@@ -11,7 +11,6 @@ import datetime as dt
 import pytest
 from django.core import mail
 from django.urls import reverse
-from django.utils import timezone
 
 from accounts.services import create_token
 from portal.models import OutboxMessage
@@ -102,7 +101,7 @@ def test_a_job_idle_for_the_minutes_to_warn_gets_its_person_one_email(scene, idl
     assert len(mails("idle_warned")) == 1
 
 
-def test_the_admins_are_told_the_minutes_to_admins_after_the_warning_and_nothing_is_released_with_release_off(
+def test_the_admins_are_told_the_minutes_to_admins_after_the_warning_and_release_off_ends_nothing(
     scene, idle_job, queued_tasks
 ):
     idle_until(scene.vm, 30)
@@ -296,9 +295,7 @@ def test_an_idle_process_outside_the_portal_is_warned_then_stopped_on_its_worker
     assert len(door.calls) == 1
 
 
-def test_a_worker_that_cannot_be_reached_leaves_the_release_for_the_next_pass(
-    outside, monkeypatch
-):
+def test_a_worker_that_cannot_be_reached_leaves_the_release_for_the_next_pass(outside, monkeypatch):
     from tpus.remote import RemoteError
 
     def unreachable(worker, script, data=b"", **options):
