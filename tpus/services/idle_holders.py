@@ -137,10 +137,12 @@ def look_at_vm(vm_id: int, *, now: dt.datetime | None = None, report: PassReport
             if row is not None:
                 row.delete()
             continue
-        since, used = _idle_since(held, samples, threshold)
-        if since is None:
-            if row is not None and used is not None and row.idle_since is not None:
+        since, used, busy_at = _idle_since(held, samples, threshold)
+        if row is not None and row.idle_since is not None and busy_at is not None:
+            if busy_at >= row.idle_since:  # busy since, whether or not it still is
                 _busy_again(row, lab, report)
+                row.idle_since = row.warned_at = row.admins_told_at = None
+        if since is None:
             continue
         if held.job is not None and held.job.started_at and since < held.job.started_at:
             since = held.job.started_at
@@ -209,10 +211,10 @@ def _samples(vm: TpuVm, now) -> list[tuple[dt.datetime, dict]]:
 
 
 def _idle_since(held: Held, samples, threshold: float):
-    """(since when every chip of ``held`` stayed below ``threshold``, or None when its
-    last sample is busy; the HBM its chips used at their last sample, or None when no
-    sample has them)."""
-    since, used = None, None
+    """Since when every chip of ``held`` stayed below ``threshold`` (None when its last
+    sample is busy), the HBM its chips used at their last sample (None: no sample has
+    them), and the time of its last busy sample (None: none kept)."""
+    since, used, busy_at = None, None, None
     for at, chips in samples:
         mine = [chips[c] for c in held.chips if c in chips]
         if not mine:
@@ -221,8 +223,8 @@ def _idle_since(held: Held, samples, threshold: float):
         if all(duty < threshold for duty, _ in mine):
             since = since or at
         else:
-            since = None
-    return since, used
+            since, busy_at = None, at
+    return since, used, busy_at
 
 
 def _minutes(n: int) -> dt.timedelta:

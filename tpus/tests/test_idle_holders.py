@@ -176,6 +176,20 @@ def test_a_holding_busy_again_starts_over(scene, idle_job):
     assert not mails("idle_admins")
 
 
+def test_a_busy_spell_between_two_passes_starts_the_holding_over_too(scene, idle_job):
+    idle_until(scene.vm, 30)
+    run(minutes(30))
+    sample(scene.vm, minutes(35), 70.0)
+    idle_until(scene.vm, 60, first=40)
+    run(minutes(60))  # the pass did not run while the chips were busy
+    row = IdleHolding.objects.get()
+    assert row.idle_since == minutes(40) and row.warned_at is None
+    assert not mails("idle_admins") and len(mails("idle_warned")) == 1
+    run(minutes(70))
+    row.refresh_from_db()
+    assert row.warned_at == minutes(70) and len(mails("idle_warned")) == 2
+
+
 def test_one_busy_chip_keeps_the_job_busy(scene, idle_job):
     for n in (0, 10, 20, 30):
         sample(scene.vm, minutes(n), 0.0, chips=(0, 1, 2))
