@@ -38,7 +38,7 @@ from tpus.forms.labs import (
 )
 from tpus.models import Membership, TpuVm
 from tpus.models.labs import ZONE_PATTERN, Role
-from tpus.services import fair_share, idle_holders
+from tpus.services import fair_share, idle_exemptions
 from tpus.services import labs as lab_services
 from tpus.services.labs import LabError
 
@@ -177,11 +177,11 @@ class LabSettingsOut(Schema):
 
     @staticmethod
     def resolve_idle_exempt_people(lab) -> list[str]:
-        return idle_holders.exemptions(lab)["idle_exempt_people"]
+        return idle_exemptions.exemptions(lab)["idle_exempt_people"]
 
     @staticmethod
     def resolve_idle_exempt_vms(lab) -> list[str]:
-        return idle_holders.exemptions(lab)["idle_exempt_vms"]
+        return idle_exemptions.exemptions(lab)["idle_exempt_vms"]
 
 
 class LabSettingsIn(StrictIn):
@@ -217,7 +217,7 @@ class LabSettingsIn(StrictIn):
 def _exemption_ids(lab, given: dict[str, Any]) -> dict[str, list]:
     """The form's exemptions: the current ones, or the given emails and VM names as the
     page's ids (a name that is not the lab's stays as given, and the form refuses it)."""
-    people, vms = idle_holders.exempt_objects(lab)
+    people, vms = idle_exemptions.exempt_objects(lab)
     ids = {"idle_exempt_people": [m.pk for m in people], "idle_exempt_vms": [v.pk for v in vms]}
     if "idle_exempt_people" in given:
         wanted = [str(e).strip().lower() for e in given["idle_exempt_people"]]

@@ -20,7 +20,7 @@ twice, each claimed with a conditional update):
 
 A holding whose chips are busy again starts over; one that ended by itself is
 forgotten; people (``Membership.idle_exempt``) and VMs (``TpuVm.idle_exempt``) the
-lab's admin exempted are left alone. Every step is in the audit log.
+lab's admin exempted (``idle_exemptions``) are left alone. Every step is in the audit log.
 """
 
 from __future__ import annotations
@@ -376,62 +376,7 @@ def _released(row: IdleHolding, lab: Lab, now, outcome: str, report) -> bool:
     return True
 
 
-# --- the lab admin's exemptions and what the VM's page shows ----------------------------
-
-
-def set_exemptions(admin, lab: Lab, people, vms, *, request=None) -> bool:
-    """Exempt exactly these memberships and VMs of ``lab`` from the policy; audited
-    when anything changed. True when it did."""
-    people, vms = list(people), list(vms)
-    people_ids = {m.pk for m in people}
-    vm_ids = {v.pk for v in vms}
-    before_people = set(
-        Membership.objects.filter(lab=lab, idle_exempt=True).values_list("pk", flat=True)
-    )
-    before_vms = set(TpuVm.objects.filter(lab=lab, idle_exempt=True).values_list("pk", flat=True))
-    if before_people == people_ids and before_vms == vm_ids:
-        return False
-    Membership.objects.filter(lab=lab).exclude(pk__in=people_ids).update(idle_exempt=False)
-    Membership.objects.filter(lab=lab, pk__in=people_ids).update(idle_exempt=True)
-    TpuVm.objects.filter(lab=lab).exclude(pk__in=vm_ids).update(idle_exempt=False)
-    TpuVm.objects.filter(lab=lab, pk__in=vm_ids).update(idle_exempt=True)
-    audit.record(
-        AuditAction.IDLE_EXEMPTIONS_SET,
-        actor=admin,
-        lab=lab,
-        summary=f"{len(people_ids)} people, {len(vm_ids)} VMs exempt",
-        data={
-            "people": sorted(
-                m.user.email
-                for m in Membership.objects.filter(pk__in=people_ids).select_related("user")
-            ),
-            "vms": sorted(v.name for v in vms),
-        },
-        request=request,
-    )
-    return True
-
-
-def exempt_objects(lab: Lab) -> tuple[list[Membership], list[TpuVm]]:
-    """The memberships and VMs of ``lab`` exempt from the policy now."""
-    return (
-        list(Membership.objects.filter(lab=lab, idle_exempt=True).select_related("user")),
-        list(TpuVm.objects.filter(lab=lab, idle_exempt=True)),
-    )
-
-
-def exemptions(lab: Lab) -> dict[str, list[str]]:
-    """The exempt people (emails) and VMs (names) of ``lab``, for the API."""
-    return {
-        "idle_exempt_people": sorted(
-            Membership.objects.filter(lab=lab, idle_exempt=True).values_list(
-                "user__email", flat=True
-            )
-        ),
-        "idle_exempt_vms": sorted(
-            TpuVm.objects.filter(lab=lab, idle_exempt=True).values_list("name", flat=True)
-        ),
-    }
+# --- what the VM's page shows -----------------------------------------------------------
 
 
 def state_text(row: IdleHolding) -> str:

@@ -13,7 +13,7 @@ from portal import audit
 from portal.validators import validate_multiline_text, validate_plain_text
 from tpus.models import AuditAction, Invite, Lab, Membership
 from tpus.models.labs import MembershipState, Role, hash_invite_token
-from tpus.services import emails, idle_holders
+from tpus.services import emails, idle_exemptions
 
 PURPOSE_MAX = 500
 INVITE_DAYS = 14
@@ -23,7 +23,7 @@ INVITE_DAYS = 14
 # the right to make or start them.
 SITE_ADMIN_FIELDS = ("gcp_project_id", "zones", "grant_end_date")
 # The settings form's exemptions from the policy on idle chips: the memberships and the
-# VMs exempted (not fields of the lab; ``idle_holders.set_exemptions``).
+# VMs exempted (not fields of the lab; ``idle_exemptions.set_exemptions``).
 IDLE_EXEMPTION_FIELDS = ("idle_exempt_people", "idle_exempt_vms")
 SITE_ADMIN_ONLY = (
     "Only a site admin can change a lab's GCP project, zones or TPU grant end date: ask one."
@@ -324,8 +324,8 @@ def update_lab(admin, lab: Lab, changes: dict, *, request=None) -> Lab:
     exempt = {k: changes[k] for k in IDLE_EXEMPTION_FIELDS if k in changes}
     changes = {k: v for k, v in changes.items() if k not in IDLE_EXEMPTION_FIELDS}
     if exempt:
-        current = idle_holders.exempt_objects(lab)
-        idle_holders.set_exemptions(
+        current = idle_exemptions.exempt_objects(lab)
+        idle_exemptions.set_exemptions(
             admin,
             lab,
             exempt.get("idle_exempt_people", current[0]),
