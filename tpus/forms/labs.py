@@ -114,7 +114,7 @@ class LabSettingsForm(forms.ModelForm):
         queryset=Membership.objects.none(),
         required=False,
         widget=forms.CheckboxSelectMultiple,
-        label="people the policy on idle chips leaves alone",
+        label="People the policy on idle chips leaves alone",
     )
     idle_exempt_vms = forms.ModelMultipleChoiceField(
         queryset=TpuVm.objects.none(),

@@ -1,4 +1,5 @@
-"""The lab's policy on idle chips on a real sshd host of the test fleet: a notebook-like
+"""The lab's policy on idle chips on a real sshd host of the test fleet. A job at 0 %
+duty cycle is cancelled as a cancel does, and the next job in line starts. A notebook-like
 process the portal did not start holds a chip, the stand-in of libtpu's metrics server
 reports 0 % duty cycle, the holder look records it and its samples, and the pass (with
 the lab's minutes set short) warns its person, tells the admins and releases it with
@@ -8,9 +9,13 @@ itself never signals a pid that is another process now, or one that let the chip
 from __future__ import annotations
 
 import datetime as dt
+import os
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
+from django.urls import reverse
 from django.utils import timezone
 
 from accounts.keys import add_key
@@ -18,14 +23,17 @@ from accounts.unix import choose_username
 from portal.models import OutboxMessage
 from testfleet import runtime_metrics
 from testfleet.fixtures import add_fleet_node, give_lab_key
-from tpus.models import ChipSample, IdleHolding, TpuVm
+from tests.requirements import need
+from tpus.models import ChipSample, IdleHolding, Job, TpuVm
 from tpus.services import idle_holders, inventory, job_engine
 from tpus.services.grants import grant_access
+from tpus.services.jobs import cancel_job
 
 pytestmark = pytest.mark.fleet
 
 PROJECT, ZONE = "vision-lab-1", "us-central1-f"
 GIB = 1024**3
+JAX_ENV = os.environ.get("TPU_PORTAL_TEST_JAX_ENV", "/opt/tpu-portal-test-jax")
 IDLE = [{"chip": c, "hbm_used": 5 * GIB, "hbm_total": 32 * GIB, "duty": 0.0} for c in range(4)]
 # Holds chip 1 (its sleeps do not), ignores TERM, idles.
 NOTEBOOK = "trap '' TERM; exec 3</dev/accel1; while :; do sleep 1 3<&-; done"
@@ -118,6 +126,80 @@ def test_an_idle_notebook_outside_the_portal_is_warned_then_released_by_the_lab_
         assert job_engine.check_usage(vm.pk) == []
     finally:
         fleet.exec(host.name, ["sh", "-c", f"kill -KILL {pid} 2>/dev/null || true"])
+
+
+def _poll(vm, capture) -> None:
+    with capture(execute=True):
+        job_engine.advance(vm.pk)
+
+
+def test_an_idle_job_is_cancelled_by_the_lab_policy_and_the_next_job_in_line_starts(
+    client, tpu5, fleet, tmp_path, django_capture_on_commit_callbacks
+):
+    vm, milo, admin, host = tpu5
+    need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
+    fleet.exec(host.name, ["ln", "-sfn", JAX_ENV, f"/home/{milo.unix_account.username}/venv"])
+    capture = django_capture_on_commit_callbacks
+    values = tmp_path / "chips.json"
+    runtime_metrics.write_values(values, IDLE)
+    with runtime_metrics.serve(fleet, host.name, values):
+        idle = _running_job(client, vm, milo, capture)
+        client.force_login(milo)
+        with capture(execute=True):
+            client.post(
+                reverse("job_submit", args=["vision", vm.pk]),
+                {"command": 'python -c "import time; time.sleep(300)"', "python": "~/venv"},
+            )
+        waiting = Job.objects.exclude(pk=idle.pk).get()
+        try:
+            _poll(vm, capture)  # the poll reads the chips at 0 %
+            assert ChipSample.objects.filter(vm=vm, duty=0.0).exists()
+            polled = timezone.now()
+            with capture(execute=True):
+                idle_holders.run_pass(now=polled + dt.timedelta(seconds=61))
+            _poll(vm, capture)
+            with capture(execute=True):
+                report = idle_holders.run_pass(now=polled + dt.timedelta(seconds=122))
+            [row] = IdleHolding.objects.all()
+            assert row.job == idle and report.released == [row.pk]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                _poll(vm, capture)
+                waiting.refresh_from_db()
+                if waiting.state == "running" or waiting.has_ended:
+                    break
+                time.sleep(0.3)
+            idle.refresh_from_db()
+            assert idle.state == "cancelled" and "policy on idle chips" in idle.reason
+            assert waiting.state == "running", (waiting.state, waiting.reason)
+            page = client.get(reverse("vm_jobs", args=["vision", vm.pk])).content.decode()
+            assert "by the lab&#x27;s policy" in page or "by the lab's policy" in page
+        finally:
+            for job in (idle, waiting):
+                with capture(execute=True):
+                    cancel_job(job, milo)
+            _poll(vm, capture)
+
+
+def _running_job(client, vm, milo, capture) -> Job:
+    """milo's job (it sleeps) queued with the form and started by the VM's pass."""
+    client.force_login(milo)
+    with capture(execute=True):
+        response = client.post(
+            reverse("job_submit", args=["vision", vm.pk]),
+            {"command": 'python -c "import time; time.sleep(300)"', "python": "~/venv"},
+        )
+    assert response.status_code == 302, response.content.decode()[-2000:]
+    job = Job.objects.get()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        _poll(vm, capture)
+        job.refresh_from_db()
+        if job.state == "running" or job.has_ended:
+            break
+        time.sleep(0.3)
+    assert job.state == "running", (job.state, job.reason, job.preflight)
+    return job
 
 
 # --- the script on a host, through the remote door ---------------------------------
