@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
@@ -147,11 +147,16 @@ def look_at_vm(vm_id: int, *, now: dt.datetime | None = None, report: PassReport
         if held.job is not None and held.job.started_at and since < held.job.started_at:
             since = held.job.started_at
         if row is None:
-            row = IdleHolding.objects.create(
-                vm=vm, job=held.job, worker=held.worker, pid=held.pid, start=held.start,
-                person_id=held.person_id, unix_user=held.unix_user, command=held.command[:200],
-                chips=sorted(held.chips), hbm_used=used, idle_since=since,
-            )  # fmt: skip
+            try:
+                with transaction.atomic():
+                    row = IdleHolding.objects.create(
+                        vm=vm, job=held.job, worker=held.worker, pid=held.pid,
+                        start=held.start, person_id=held.person_id, unix_user=held.unix_user,
+                        command=held.command[:200], chips=sorted(held.chips), hbm_used=used,
+                        idle_since=since,
+                    )  # fmt: skip
+            except IntegrityError:
+                continue  # a pass that overlaps this one follows it; the next run takes it
         else:
             row.chips, row.hbm_used = sorted(held.chips), used
             row.idle_since = row.idle_since or since
