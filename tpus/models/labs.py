@@ -177,11 +177,13 @@ class Lab(models.Model):
         "minutes idle before the holder is told",
         default=30,
         validators=[MinValueValidator(1), MaxValueValidator(10080)],
+        help_text="The holder gets one email with what they hold, 1 to 10080 (a week).",
     )
     idle_admins_minutes = models.PositiveIntegerField(
         "minutes after that before the admins are told",
         default=30,
         validators=[MinValueValidator(1), MaxValueValidator(10080)],
+        help_text="Counted from the holder's email, 1 to 10080.",
     )
     idle_release = models.BooleanField(
         "release idle chips",
