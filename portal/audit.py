@@ -78,6 +78,11 @@ class AuditAction(models.TextChoices):
     JOB_SUBMITTED = "job.submitted", "Job submitted"
     JOB_STARTED = "job.started", "Job running on every worker"
     JOB_ENDED = "job.ended", "Job ended"
+    IDLE_WARNED = "idle.warned", "Told of chips held idle"
+    IDLE_ADMINS_TOLD = "idle.admins_told", "Admins told of chips held idle"
+    IDLE_RELEASED = "idle.released", "Idle chips released by the lab's policy"
+    IDLE_BUSY_AGAIN = "idle.busy_again", "Chips held idle are in use again"
+    IDLE_EXEMPTIONS_SET = "idle.exemptions_set", "Exemptions from the idle-chips policy set"
     JOB_CANCEL_REQUESTED = "job.cancel_requested", "Job cancelled"
 
 

@@ -397,6 +397,14 @@ if (
     )
 PORTAL_CHIP_METRICS_KEEP_MINUTES = env.integer("PORTAL_CHIP_METRICS_KEEP_MINUTES", 60, minimum=1)
 PORTAL_CHIP_METRICS_EVERY_SECONDS = env.integer("PORTAL_CHIP_METRICS_EVERY_SECONDS", 10, minimum=1)
+# The labs' policy on idle chips (services/idle_holders.py): how often the pass reads the
+# kept samples, how many held VMs one run looks at (least recently first), and how long
+# a process outside the portal has between TERM and KILL when the policy releases it.
+PORTAL_IDLE_PASS_SECONDS = env.integer("PORTAL_IDLE_PASS_SECONDS", 60, minimum=1)
+PORTAL_IDLE_PASS_VMS = env.integer("PORTAL_IDLE_PASS_VMS", 200, minimum=1)
+PORTAL_IDLE_RELEASE_GRACE_SECONDS = min(
+    600, env.integer("PORTAL_IDLE_RELEASE_GRACE_SECONDS", 30, minimum=0)
+)
 
 # --- Remote hosts (TPU VM workers over SSH, tpus/remote) -------------------------------
 # The portal logs in to every worker as PORTAL_ADMIN_SSH_USER (passwordless sudo) with

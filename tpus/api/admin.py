@@ -14,6 +14,7 @@ from typing import Any
 
 from django.core.exceptions import PermissionDenied
 from django.db.models import Q, TextChoices
+from django.db.models.functions import Lower
 from django.forms.models import model_to_dict
 from django.urls import reverse
 from django.utils import timezone
@@ -35,8 +36,9 @@ from tpus.forms.labs import (
     ShareForm,
     SiteLabSettingsForm,
 )
+from tpus.models import Membership, TpuVm
 from tpus.models.labs import ZONE_PATTERN, Role
-from tpus.services import fair_share
+from tpus.services import fair_share, idle_exemptions
 from tpus.services import labs as lab_services
 from tpus.services.labs import LabError
 
@@ -160,6 +162,26 @@ class LabSettingsOut(Schema):
     fair_share_half_life_days: float
     # API tokens its members make expire after this many days (the shortest of their labs').
     token_lifetime_days: int
+    # The policy on idle chips (off by default): chips held with a duty cycle below the
+    # threshold (percent) for the minutes to warn get their holder an email; the minutes
+    # to admins after that, the lab's admins are told and, with release on, the portal
+    # ends the job or process that holds them.
+    idle_policy_enabled: bool
+    idle_threshold_percent: float
+    idle_warn_minutes: int
+    idle_admins_minutes: int
+    idle_release: bool
+    # Left alone by that policy: people (their emails) and TPU VMs (their names).
+    idle_exempt_people: list[str]
+    idle_exempt_vms: list[str]
+
+    @staticmethod
+    def resolve_idle_exempt_people(lab) -> list[str]:
+        return idle_exemptions.exemptions(lab)["idle_exempt_people"]
+
+    @staticmethod
+    def resolve_idle_exempt_vms(lab) -> list[str]:
+        return idle_exemptions.exemptions(lab)["idle_exempt_vms"]
 
 
 class LabSettingsIn(StrictIn):
@@ -182,13 +204,48 @@ class LabSettingsIn(StrictIn):
     max_waiting_jobs_per_person: int = None
     fair_share_half_life_days: float = None
     token_lifetime_days: int = None
+    idle_policy_enabled: bool = None
+    idle_threshold_percent: float = None
+    idle_warn_minutes: int = None
+    idle_admins_minutes: int = None
+    idle_release: bool = None
+    # The whole list each: the people (emails of approved members) and VMs (names).
+    idle_exempt_people: list[str] = None
+    idle_exempt_vms: list[str] = None
+
+
+def _exemption_ids(lab, given: dict[str, Any]) -> dict[str, list]:
+    """The form's exemptions: the current ones, or the given emails and VM names as the
+    page's ids (a name that is not the lab's stays as given, and the form refuses it)."""
+    people, vms = idle_exemptions.exempt_objects(lab)
+    ids = {"idle_exempt_people": [m.pk for m in people], "idle_exempt_vms": [v.pk for v in vms]}
+    if "idle_exempt_people" in given:
+        wanted = [str(e).strip().lower() for e in given["idle_exempt_people"]]
+        found = dict(
+            Membership.objects.filter(lab=lab)
+            .annotate(email=Lower("user__email"))
+            .filter(email__in=wanted)
+            .values_list("email", "pk")
+        )
+        ids["idle_exempt_people"] = [found.get(e, e) for e in wanted]
+    if "idle_exempt_vms" in given:
+        wanted = [str(n) for n in given["idle_exempt_vms"]]
+        found = {}
+        for name, pk in TpuVm.objects.filter(lab=lab, name__in=wanted).values_list("name", "pk"):
+            found.setdefault(name, []).append(pk)
+        ids["idle_exempt_vms"] = [pk for n in wanted for pk in found.get(n, [n])]
+    return ids
 
 
 def _settings_form(request, lab, given: dict[str, Any]):
     """The page's settings form for this person, bound to the lab's current values
     with ``given`` on top (a partial change is the whole form with a few fields moved)."""
     form_class = SiteLabSettingsForm if request.user.is_site_admin else LabSettingsForm
-    data = {**model_to_dict(lab, fields=form_class._meta.fields), **given}
+    data = {
+        **model_to_dict(lab, fields=form_class._meta.fields),
+        **given,
+        **_exemption_ids(lab, given),
+    }
     if "zones" in data:
         data["zones"] = ", ".join(data["zones"])  # the page types them on one line
     return form_class(data, instance=lab)

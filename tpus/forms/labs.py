@@ -8,10 +8,10 @@ from django.core.exceptions import ValidationError
 
 from portal.validators import validate_multiline_text, validate_plain_text
 from portal.widgets import PlainSelect
-from tpus.models import Lab
+from tpus.models import Lab, Membership, TpuVm
 from tpus.models.fair_share import MAX_SHARE, MIN_SHARE
 from tpus.models.labs import MembershipState, Role, validate_zones
-from tpus.services.labs import PURPOSE_MAX, SITE_ADMIN_FIELDS
+from tpus.services.labs import IDLE_EXEMPTION_FIELDS, PURPOSE_MAX, SITE_ADMIN_FIELDS
 
 
 class JoinForm(forms.Form):
@@ -101,8 +101,27 @@ class LabSettingsForm(forms.ModelForm):
             "max_waiting_jobs_per_person",
             "fair_share_half_life_days",
             "token_lifetime_days",
+            "idle_policy_enabled",
+            "idle_threshold_percent",
+            "idle_warn_minutes",
+            "idle_admins_minutes",
+            "idle_release",
         ]
         widgets = {"grant_end_date": forms.DateInput(attrs={"type": "date"})}
+
+    # Exemptions from the policy on idle chips: the lab's approved members and its VMs.
+    idle_exempt_people = forms.ModelMultipleChoiceField(
+        queryset=Membership.objects.none(),
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        label="People the policy on idle chips leaves alone",
+    )
+    idle_exempt_vms = forms.ModelMultipleChoiceField(
+        queryset=TpuVm.objects.none(),
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        label="TPU VMs the policy on idle chips leaves alone",
+    )
 
     # Left out (an older form, a script that predates them): the lab keeps what it has,
     # and a new lab gets the defaults.
@@ -114,6 +133,9 @@ class LabSettingsForm(forms.ModelForm):
         "max_waiting_jobs_per_person",
         "fair_share_half_life_days",
         "token_lifetime_days",
+        "idle_threshold_percent",
+        "idle_warn_minutes",
+        "idle_admins_minutes",
     )
 
     def __init__(self, *args, **kwargs):
@@ -121,6 +143,23 @@ class LabSettingsForm(forms.ModelForm):
         for name in self.KEPT_WHEN_LEFT_OUT:
             if name in self.fields:
                 self.fields[name].required = False
+        lab = self.instance if self.instance.pk else None
+        if lab is None:
+            for name in IDLE_EXEMPTION_FIELDS:
+                self.fields.pop(name, None)
+            return
+        people = self.fields["idle_exempt_people"]
+        people.queryset = (
+            Membership.objects.filter(lab=lab, state=MembershipState.APPROVED)
+            .select_related("user")
+            .order_by("user__email")
+        )
+        people.label_from_instance = lambda m: m.user.email
+        people.initial = [m.pk for m in people.queryset if m.idle_exempt]
+        vms = self.fields["idle_exempt_vms"]
+        vms.queryset = TpuVm.objects.filter(lab=lab, missing_since__isnull=True).order_by("name")
+        vms.label_from_instance = lambda vm: f"{vm.name} ({vm.zone})"
+        vms.initial = [vm.pk for vm in vms.queryset if vm.idle_exempt]
 
     def clean(self):
         data = super().clean()

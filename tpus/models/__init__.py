@@ -4,6 +4,7 @@ from tpus.models.chip_metrics import ChipSample
 from tpus.models.connections import ConnectionState, VmConnection
 from tpus.models.fair_share import FairShare
 from tpus.models.grants import Grant, KindGrant, WorkerSync
+from tpus.models.idle import IdleHolding
 from tpus.models.inventory import DataDisk, DiskAttachment, HostKeyScan, TpuVm, Worker
 from tpus.models.jobs import Job, JobState, JobWorker
 from tpus.models.labs import Invite, Lab, LabKey, Membership
@@ -28,6 +29,7 @@ __all__ = [
     "DiskAttachment",
     "FairShare",
     "HostKeyScan",
+    "IdleHolding",
     "Grant",
     "Invite",
     "KindGrant",

@@ -146,6 +146,11 @@ class TpuVm(models.Model):
     jobs_pass_wanted = models.BooleanField(default=False)
     outside_holders = models.JSONField(default=list, blank=True)
     usage_checked_at = models.DateTimeField(null=True, blank=True)
+    # Set by a lab admin: the lab's policy on idle chips leaves whoever holds this VM's
+    # chips alone (``services.idle_holders``).
+    idle_exempt = models.BooleanField(default=False)
+    # When the idle pass last looked at the VM: the least recently looked at go first.
+    idle_looked_at = models.DateTimeField(null=True, blank=True, editable=False)
     # When the scheduled pass last asked for such a look (answered or not), so a VM
     # whose workers cannot answer does not keep its place at the head of the line
     # (``services.holders``).

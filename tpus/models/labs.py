@@ -156,6 +156,40 @@ class Lab(models.Model):
         help_text="API tokens (the command-line client's sign-in too) made by the lab's "
         "members expire after this long; someone in several labs gets the shortest.",
     )
+    # The policy on idle chips (``services.idle_holders``): chips held with a duty cycle
+    # below the threshold for the minutes to warn get their holder an email; the
+    # minutes to admins after it, the lab's admins are told and, with release on, the
+    # portal ends the job or the process that holds them.
+    idle_policy_enabled = models.BooleanField(
+        "act on idle chips",
+        default=False,
+        help_text="Tell whoever holds a TPU's chips without using them, then the lab's admins.",
+    )
+    idle_threshold_percent = models.DecimalField(
+        "idle below duty cycle (%)",
+        max_digits=4,
+        decimal_places=1,
+        default=Decimal(1),
+        validators=[MinValueValidator(Decimal("0.1")), MaxValueValidator(Decimal(100))],
+        help_text="Chips whose TensorCore duty cycle stays below this are idle.",
+    )
+    idle_warn_minutes = models.PositiveIntegerField(
+        "minutes idle before the holder is told",
+        default=30,
+        validators=[MinValueValidator(1), MaxValueValidator(10080)],
+        help_text="The holder gets one email with what they hold, 1 to 10080 (a week).",
+    )
+    idle_admins_minutes = models.PositiveIntegerField(
+        "minutes after that before the admins are told",
+        default=30,
+        validators=[MinValueValidator(1), MaxValueValidator(10080)],
+        help_text="Counted from the holder's email, 1 to 10080.",
+    )
+    idle_release = models.BooleanField(
+        "release idle chips",
+        default=False,
+        help_text="When the admins are told, also end the job or process holding the chips.",
+    )
     created_at = models.DateTimeField(default=timezone.now)
     # The lease of the task listing the lab's zones now (``sync.sync_lab``): one at a
     # time per lab, however many beats and Refresh clicks ask.
@@ -215,6 +249,8 @@ class Membership(models.Model):
         related_name="+",
     )
     decision_note = models.TextField(max_length=500, blank=True)
+    # Set by a lab admin: the lab's policy on idle chips leaves this person alone.
+    idle_exempt = models.BooleanField(default=False)
     # When the state, role or accepted policy last changed (the API's updated_since).
     changed_at = models.DateTimeField(default=timezone.now)
 

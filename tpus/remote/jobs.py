@@ -24,6 +24,13 @@ environment values) travels as base64, so no byte of it is ever read by a shell:
     chips <device glob>  (optional)       end
     metrics <port>[,<port>…]  (optional)
     end
+
+    tpu-portal-holder-stop 1   (a process outside the portal holding a chip)
+    pid <pid>
+    start <ticks>
+    chips <device glob>
+    grace <seconds>
+    end
 """
 
 from __future__ import annotations
@@ -216,6 +223,18 @@ def encode_cancel(job_id: str, grace: int) -> bytes:
     return _finish(lines)
 
 
+def encode_holder_stop(pid: int, start: int, device_glob: str, grace: int) -> bytes:
+    """holder-stop.sh's input: the process (pid and start time) and the TPU's chips."""
+    lines = [
+        "tpu-portal-holder-stop 1",
+        f"pid {_int(pid, 'pid', 1, 9_999_999_999)}",
+        f"start {_int(start, 'start', 0, 10**20 - 1)}",
+        f"chips {check_device_glob(device_glob)}",
+        f"grace {_int(grace, 'grace', 0, MAX_GRACE)}",
+    ]
+    return _finish(lines)
+
+
 # --- answers -------------------------------------------------------------------------
 
 
@@ -372,6 +391,7 @@ class ChipHolder:
     user: str
     command: str
     job: str = ""
+    start: int | None = None  # its start time (clock ticks after boot): who it is
 
 
 @dataclass(frozen=True)
@@ -476,7 +496,8 @@ def parse_metrics(lines: Sequence[tuple[str, str]]) -> WorkerMetrics:
 
 
 _HOLDER = re.compile(
-    r"(/dev/\S+) pid=([0-9]+) pgid=([0-9]+|\?) user=(\S+)(?: job=([a-z0-9-]+))? command=(.*)"
+    r"(/dev/\S+) pid=([0-9]+) pgid=([0-9]+|\?)(?: start=([0-9]+|\?))? user=(\S+)"
+    r"(?: job=([a-z0-9-]+))? command=(.*)"
 )
 
 
@@ -485,8 +506,9 @@ def _holder(value: str) -> ChipHolder:
     if not match:
         raise ValueError(f"not a holder line: {value[:100]!r}")
     pgid = None if match[3] == "?" else int(match[3])
-    job = "" if match[5] in (None, "-") else match[5]
-    return ChipHolder(match[1], int(match[2]), pgid, match[4], match[6].strip(), job)
+    start = None if match[4] in (None, "?") else int(match[4])
+    job = "" if match[6] in (None, "-") else match[6]
+    return ChipHolder(match[1], int(match[2]), pgid, match[5], match[7].strip(), job, start)
 
 
 def _job_id_of(value: str) -> str:
@@ -524,6 +546,18 @@ def parse_cancel(values: Mapping[str, str]) -> tuple[str, bool]:
     if how not in ("term", "kill", "ended", "lost", "unknown"):
         raise ValueError(f"job-cancel.sh gave no outcome: {how!r}")
     return how, values.get("lock") == "free"
+
+
+HOLDER_STOPS = ("term", "kill", "gone", "other", "released")
+
+
+def parse_holder_stop(values: Mapping[str, str]) -> tuple[str, bool]:
+    """How holder-stop.sh ended the process (``term``, ``kill``; ``gone``, ``other``,
+    ``released``: nothing was signalled) and whether it still runs."""
+    how = values.get("stop", "")
+    if how not in HOLDER_STOPS:
+        raise ValueError(f"holder-stop.sh gave no outcome: {how!r}")
+    return how, values.get("alive") == "1"
 
 
 def cancel_emptied(values: Mapping[str, str]) -> bool:

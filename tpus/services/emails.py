@@ -266,3 +266,31 @@ def send_grant_ending(lab_id: int, holding: list[dict]) -> None:
         admin_emails(lab),
         {"lab": lab, "days": days, "holding": holding, "vms": lab.vms.filter(missing_since=None)},
     )
+
+
+def send_idle_email(holding_id: int, kind: str) -> None:
+    """The lab's policy on idle chips: ``warned`` tells the holder what they hold idle
+    and since when; ``admins`` tells the lab's admins; ``released`` tells the holder
+    the chips were released. Nobody is told of a holding that is gone or busy again."""
+    from tpus.models import IdleHolding
+
+    row = IdleHolding.objects.select_related("vm__lab", "person", "job").filter(pk=holding_id)
+    row = row.first()
+    if row is None or row.idle_since is None:
+        return
+    lab = row.vm.lab
+    context = {
+        "row": row,
+        "vm": row.vm,
+        "lab": lab,
+        "hbm_gib": f"{row.hbm_used / 1024**3:.1f}",
+        "chips": ", ".join(f"worker {w} chip {c}" for w, c in row.chips) or "its chips",
+        "path": reverse("vm_jobs", args=[lab.slug, row.vm_id]),
+        "release": lab.idle_release,
+        "admins_minutes": lab.idle_admins_minutes,
+        "threshold": lab.idle_threshold_percent,
+    }
+    if kind == "admins":
+        mail.send("idle_admins", admin_emails(lab), context)
+    elif kind in ("warned", "released") and row.person is not None:
+        mail.send(f"idle_{kind}", [row.person.email], context)

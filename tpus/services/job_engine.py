@@ -856,6 +856,7 @@ def _outside(index: int, found, *, own_group: int | None = None) -> list[dict]:
             "worker": index,
             "device": h.device,
             "pid": str(h.pid),
+            "start": "" if h.start is None else str(h.start),
             "user": h.user,
             "command": h.command,
         }

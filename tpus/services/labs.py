@@ -13,7 +13,7 @@ from portal import audit
 from portal.validators import validate_multiline_text, validate_plain_text
 from tpus.models import AuditAction, Invite, Lab, Membership
 from tpus.models.labs import MembershipState, Role, hash_invite_token
-from tpus.services import emails
+from tpus.services import emails, idle_exemptions
 
 PURPOSE_MAX = 500
 INVITE_DAYS = 14
@@ -22,6 +22,9 @@ INVITE_DAYS = 14
 # grant, and ends (or, moved later, gives back) everyone's access to the lab's VMs and
 # the right to make or start them.
 SITE_ADMIN_FIELDS = ("gcp_project_id", "zones", "grant_end_date")
+# The settings form's exemptions from the policy on idle chips: the memberships and the
+# VMs exempted (not fields of the lab; ``idle_exemptions.set_exemptions``).
+IDLE_EXEMPTION_FIELDS = ("idle_exempt_people", "idle_exempt_vms")
 SITE_ADMIN_ONLY = (
     "Only a site admin can change a lab's GCP project, zones or TPU grant end date: ask one."
 )
@@ -312,11 +315,23 @@ def _save_lab(lab: Lab) -> None:
 
 @transaction.atomic
 def update_lab(admin, lab: Lab, changes: dict, *, request=None) -> Lab:
-    """Change a lab's settings from already-validated form data. A changed policy gets
+    """Change a lab's settings from already-validated form data (the exemptions from
+    the policy on idle chips among them). A changed policy gets
     a new version, which members accept again. Only a site admin changes the lab's GCP
     project, zones and grant end date (``SITE_ADMIN_FIELDS``); the audit entry of a
     moved end date has the old date and the new."""
     lab = Lab.objects.select_for_update().get(pk=lab.pk)
+    exempt = {k: changes[k] for k in IDLE_EXEMPTION_FIELDS if k in changes}
+    changes = {k: v for k, v in changes.items() if k not in IDLE_EXEMPTION_FIELDS}
+    if exempt:
+        current = idle_exemptions.exempt_objects(lab)
+        idle_exemptions.set_exemptions(
+            admin,
+            lab,
+            exempt.get("idle_exempt_people", current[0]),
+            exempt.get("idle_exempt_vms", current[1]),
+            request=request,
+        )
     changed = sorted(field for field, value in changes.items() if getattr(lab, field) != value)
     if not changed:
         return lab

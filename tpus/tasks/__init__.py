@@ -26,7 +26,13 @@ from tpus.tasks.hosts import (
     run_disk_operation,
     scan_worker_host_keys,
 )
-from tpus.tasks.jobs import advance_jobs, check_tpu_usage, look_at_idle_chips, poll_jobs
+from tpus.tasks.jobs import (
+    advance_jobs,
+    check_tpu_usage,
+    follow_idle_holders,
+    look_at_idle_chips,
+    poll_jobs,
+)
 from tpus.tasks.periodic import (
     expire_grants,
     reconcile_sweep,
@@ -50,6 +56,7 @@ __all__ = [
     "expire_grants",
     "follow_vm_change",
     "follow_vm_requests",
+    "follow_idle_holders",
     "look_at_idle_chips",
     "poll_jobs",
     "reconcile_sweep",

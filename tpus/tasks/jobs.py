@@ -7,7 +7,7 @@ from django.conf import settings
 
 from portal.celery import every
 from tpus.models import TpuVm
-from tpus.services import holders, job_engine, usage
+from tpus.services import holders, idle_holders, job_engine, usage
 from tpus.tasks.naming import task
 
 
@@ -40,3 +40,11 @@ def look_at_idle_chips() -> None:
     """Queue a look at who holds the chips of a few VMs no job holds, least recently
     looked at first (PORTAL_HOLDER_PASS_VMS a run)."""
     holders.look_at_idle_vms()
+
+
+@every(settings.PORTAL_IDLE_PASS_SECONDS, name="idle-holders")
+@task(ignore_result=True)
+def follow_idle_holders() -> None:
+    """The labs' policy on idle chips: read the kept chip samples of up to
+    PORTAL_IDLE_PASS_VMS held VMs, tell holders and admins, release when due."""
+    idle_holders.run_pass()

@@ -21,7 +21,15 @@ from tpus import access
 from tpus.forms.jobs import JobForm, PeriodForm
 from tpus.models import Job
 from tpus.models.jobs import JobState, JobWorkerState
-from tpus.services import chip_metrics, holders, job_logs, sshconfig, usage, usage_charts
+from tpus.services import (
+    chip_metrics,
+    holders,
+    idle_holders,
+    job_logs,
+    sshconfig,
+    usage,
+    usage_charts,
+)
 from tpus.services import jobs as job_services
 
 RECENT_JOBS = 10
@@ -56,7 +64,7 @@ def vm_jobs_context(user, lab, vm, *, is_admin: bool, may_run: bool) -> dict:
     if not is_admin:
         recent = recent.filter(user=user)
     return {
-        **_now_context(vm),
+        **_now_context(vm, lab),
         "may_run_jobs": may_run,
         "libtpu_required": settings.PORTAL_JOB_REQUIRE_LIBTPU,
         "job_form": blank_job_form() if may_run else "",
@@ -72,7 +80,7 @@ def blank_job_form() -> str:
     return render_to_string("tpus/_job_form.html", {"form": JobForm()})
 
 
-def _now_context(vm) -> dict:
+def _now_context(vm, lab) -> dict:
     now, queue = usage.vm_now(vm)
     holders.look_when_stale([now])  # someone is looking at this VM
     return {
@@ -83,6 +91,8 @@ def _now_context(vm) -> dict:
         ),
         "chips_kept_minutes": settings.PORTAL_CHIP_METRICS_KEEP_MINUTES,
         "refresh_seconds": settings.PORTAL_JOB_USAGE_REFRESH_SECONDS,
+        # What the lab's policy on idle chips did here (one query, with the policy on).
+        "idle_now": idle_holders.for_vm(vm) if lab.idle_policy_enabled else [],
     }
 
 
@@ -92,7 +102,7 @@ def vm_jobs(request, slug, vm_id):
     lab = access.get_member_lab(request.user, slug)
     is_admin = access.is_lab_admin(request.user, lab)
     vm = access.get_vm_for_viewer(request.user, lab, vm_id, is_admin=is_admin)
-    context = {"lab": lab, "vm": vm, "is_admin": is_admin, **_now_context(vm)}
+    context = {"lab": lab, "vm": vm, "is_admin": is_admin, **_now_context(vm, lab)}
     return render(request, "tpus/_vm_jobs_now.html", context)
 
 

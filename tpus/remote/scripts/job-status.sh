@@ -19,7 +19,9 @@
 # with <state> running, ended, lost (the worker rebooted or the supervisor died before
 # the end was written), or unknown (no such job here). With a chips line, one line per
 # process holding a chip (the portal's own jobs' among them, known by their cgroup):
-#   holder=<device> pid=<pid> pgid=<pgid> user=<user> job=<id>|- command=<cmdline>
+#   holder=<device> pid=<pid> pgid=<pgid> start=<ticks> user=<user> job=<id>|- command=<cmdline>
+# (start: the process's start time, the 22nd field of its stat, so that a later signal
+# reaches this process and not another that got its pid)
 # With a metrics line, metrics=ok and one line per chip libtpu reported, or
 # metrics=none <why> (nothing listens on the ports, no python3, no answer in time):
 #   chip=<device id> used=<HBM bytes> total=<HBM bytes> duty=<percent>
@@ -327,7 +329,9 @@ find /proc/[0-9]*/fd -maxdepth 1 -type l -printf '%h %l\n' 2>/dev/null |
         pid != self && ($2 in chip) && !(pid in seen) { seen[pid] = 1; print pid, $2 }' \
         "$work/chips" - >"$work/holders"
 while read -r pid target; do
-    pgid=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -d ' ' -f 3)
+    stat=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null || true)
+    pgid=$(printf '%s' "$stat" | cut -d ' ' -f 3)
+    start=$(printf '%s' "$stat" | cut -d ' ' -f 20)
     owner=$(stat -c %U "/proc/$pid" 2>/dev/null || echo "?")
     command=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | tr -c 'A-Za-z0-9 ._:,/()=@+~#%*-' ' ' | cut -c 1-200)
     # A portal job's process, known by its cgroup (whatever its group): root's
@@ -345,6 +349,6 @@ while read -r pid target; do
     case $in_job in
         - | *[!a-z0-9-]* | "") in_job=- ;;
     esac
-    echo "holder=$target pid=$pid pgid=${pgid:-?} user=$owner job=$in_job command=${command:-?}"
+    echo "holder=$target pid=$pid pgid=${pgid:-?} start=${start:-?} user=$owner job=$in_job command=${command:-?}"
 done <"$work/holders"
 exit 0
