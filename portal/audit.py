@@ -79,6 +79,7 @@ class AuditAction(models.TextChoices):
     JOB_STARTED = "job.started", "Job running on every worker"
     JOB_ENDED = "job.ended", "Job ended"
     JOB_CANCEL_REQUESTED = "job.cancel_requested", "Job cancelled"
+    JOB_MOVED = "job.moved", "Job moved to another VM of its kind"
 
 
 def record(

@@ -780,8 +780,13 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
     if outcome == JobState.CANCELLED:
         job.refresh_from_db()
         reason = job.reason or "Cancelled."
-    _end(job, outcome, reason)
-    if outcome == JobState.LOST and (taken_back or vm.is_missing):
+    # A pool job lost with its VM whose owner asked to run it again moves to another
+    # VM of its kind: they hear once, where it went (or, when it does not move, that
+    # it was lost), not first that it was lost.
+    with_its_vm = outcome == JobState.LOST and (taken_back or vm.is_missing)
+    moving = with_its_vm and job.is_pool_job and job.rerun_after_preemption
+    _end(job, outcome, reason, tell=not moving)
+    if with_its_vm:
         run_again_after_preemption(job)
     report.ended.append(job.pk)
     return True
@@ -990,7 +995,7 @@ def _back_in_line(
     return _ended_by_cancel(job, job.preflight, report or PassReport(job.vm_id))
 
 
-def _end(job: Job, state: JobState, reason: str) -> None:
+def _end(job: Job, state: JobState, reason: str, *, tell: bool = True) -> None:
     with transaction.atomic():
         job = Job.objects.select_for_update(of=("self",)).select_related("vm__lab").get(pk=job.pk)
         if job.has_ended:
@@ -1010,6 +1015,6 @@ def _end(job: Job, state: JobState, reason: str) -> None:
             + (f" ({reason[:200]})" if reason else ""),
             data={"job": job.pk, "vm": job.vm_id, "state": state.value},
         )
-        if job.notify or state == JobState.LOST:
+        if tell and (job.notify or state == JobState.LOST):
             # In the outbox with the job's end, in one transaction: no task to lose.
             emails.send_job_email(job.pk)
