@@ -588,5 +588,7 @@ def _not_moved(job: Job, why: str) -> None:
     """A lost pool job that is not run again: its reason says why, and its owner hears
     that it was lost (the email it would have had without "run again")."""
     log.info("job %s is not run again after its VM was lost: %s", job.pk, why)
-    Job.objects.filter(pk=job.pk).update(reason=f"{job.reason} {why}".strip())
+    if why not in job.reason:
+        # Asked again when the VM is back (``keep_alive``): said once.
+        Job.objects.filter(pk=job.pk).update(reason=f"{job.reason} {why}".strip())
     emails.send_job_email(job.pk)

@@ -17,7 +17,13 @@ from accounts.services import create_token
 from portal.models import OutboxMessage
 from tpus.models import AuditEvent, Grant, Job, TpuVm
 from tpus.services import job_engine, scheduler
-from tpus.services.jobs import MAX_MOVES, JobSpec, Kind, submit_pool_job
+from tpus.services.jobs import (
+    MAX_MOVES,
+    JobSpec,
+    Kind,
+    run_again_after_preemption,
+    submit_pool_job,
+)
 from tpus.tests import jobs_support
 from tpus.tests.jobs_support import make_job, make_vm
 
@@ -153,6 +159,10 @@ def test_a_job_that_keeps_losing_its_vms_stops_after_the_cap(pool):
     [told] = mails("job_ended")
     assert "not run again" in told.body
     assert not mails("job_moved")
+    # Asked again when the VM is back: still lost, said once.
+    assert run_again_after_preemption(job) is None
+    job.refresh_from_db()
+    assert job.reason.count("not run again") == 1 and len(mails("job_ended")) == 1
 
 
 def test_the_last_allowed_move_still_happens(pool):
