@@ -16,7 +16,7 @@ from django.utils import timezone
 from accounts.services import create_token
 from portal.models import OutboxMessage
 from tpus.models import AuditEvent, Grant, Job, TpuVm
-from tpus.services import job_engine, scheduler
+from tpus.services import inventory, job_engine, scheduler, sync
 from tpus.services.jobs import (
     MAX_MOVES,
     JobSpec,
@@ -229,3 +229,27 @@ def test_a_moved_job_is_another_labs_404(pool, moved, client, cast):
     for path in (f"/me/jobs/{again.pk}", f"/labs/other/jobs/{again.pk}"):
         answer = client.get(f"/api/v1{path}", HTTP_AUTHORIZATION=f"Bearer {token}")
         assert answer.status_code == 404, path
+
+
+def test_the_sync_that_sees_a_preemption_asks_for_the_vms_pass_at_once(
+    tpu_emulator, scene, monkeypatch
+):
+    """So a job run again elsewhere starts one sync after the loss, not a job poll later."""
+    asked = []
+    monkeypatch.setattr(sync.queue, "advance_jobs", asked.append)
+    scene.lab.gcp_project_id, scene.lab.zones = "vision-lab-1", ["us-central1-f"]
+    scene.lab.save()
+    for name in ("tpu7", "tpu8"):
+        tpu_emulator.controls.add_node(
+            "vision-lab-1", "us-central1-f", name, workers=1, preemptible=True
+        )
+    busy, idle = inventory.import_vms(
+        scene.admin, scene.lab, ["us-central1-f/tpu7", "us-central1-f/tpu8"]
+    )
+    make_job(busy, scene.milo, "running")
+    sync.sync_inventory([scene.lab])
+    assert asked == []
+    tpu_emulator.controls.preempt("tpu7")
+    tpu_emulator.controls.preempt("tpu8")
+    sync.sync_inventory([scene.lab])
+    assert asked == [busy.pk]  # not the VM without a job
