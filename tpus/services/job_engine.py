@@ -53,6 +53,10 @@ GONE_STATES = {
     TpuVm.State.REIMAGING,
     TpuVm.State.DELETING,
 }
+# Node states in which the machines are gone for good (Google took them back): the
+# job's processes went with them, and asking the workers would only wait out the
+# connect timeout before the job could end and run again elsewhere.
+TAKEN_STATES = {TpuVm.State.PREEMPTED, TpuVm.State.TERMINATED}
 # Checks that fail because something outside the portal holds the TPU: the job waits
 # (``blocked``) instead of being refused.
 HELD_CHECKS = {"chip_holder", "libtpu_lockfile", "portal_lock"}
@@ -711,7 +715,13 @@ def _poll(
 
 def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, recovering: bool):
     parts = {p.index: p for p in job.parts.all()}
-    statuses = _status_round(job, vm, hosts, parts)
+    if vm.state in TAKEN_STATES:
+        # (A VM no longer listed is still asked: a listing may be wrong for a while,
+        # and its processes are stopped if they are there.)
+        statuses = False
+        _gone_with(job, vm)
+    else:
+        statuses = _status_round(job, vm, hosts, parts)
     # The round can take long with workers gone: decide on what the VM is now.
     vm.refresh_from_db()
     job.refresh_from_db()
@@ -790,6 +800,14 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
         run_again_after_preemption(job)
     report.ended.append(job.pk)
     return True
+
+
+def _gone_with(job: Job, vm: TpuVm) -> None:
+    """The job's running parts went with the VM's machines (no worker is asked)."""
+    gone = vm.get_state_display().lower()
+    job.parts.filter(state=JobWorkerState.RUNNING).update(
+        state=JobWorkerState.LOST, error=f"{vm.name} is {gone}: the process went with it"
+    )
 
 
 def _made_anew_under(job: Job, vm: TpuVm) -> bool:

@@ -92,8 +92,11 @@ def test_a_lost_pool_job_goes_to_the_head_of_its_kinds_line_then_runs_on_another
     assert [(p.job_id, p.vm_id) for p in placed] == [(again.pk, pool.b.pk)]
     again.refresh_from_db()
     assert again.move_text == "a was preempted; your job moved to b."
-    # The earlier run keeps its workers' rows and log.
-    assert job.parts.get().log_tail == "hello from worker 0\n"
+    # The earlier run keeps its workers' rows and log; its process went with the VM
+    # (no worker of a preempted VM is waited for).
+    part = job.parts.get()
+    assert part.log_tail == "hello from worker 0\n"
+    assert (part.state, part.error) == ("lost", "a is preempted: the process went with it")
     [moved] = AuditEvent.objects.filter(action="job.moved")
     assert moved.data == {
         "job": again.pk,
