@@ -559,7 +559,9 @@ def run_again_after_preemption(job: Job) -> Job | None:
             log.info("job %s is not run again after the preemption: %s", job.pk, exc)
             return None
         Job.objects.filter(pk=again.pk).update(
-            queued_at=job.queued_at, reason=f"Run again after {job.vm.name} was preempted."
+            queued_at=job.queued_at,
+            attempt=job.attempt + 1,
+            reason=f"Run again after {job.vm.name} was preempted.",
         )
         return again
     if job.attempt > MAX_MOVES:

@@ -137,7 +137,7 @@ def test_a_job_named_for_its_vm_still_waits_for_that_vm(pool):
     with_name = make_job(pool.a, pool.milo, "running", rerun_after_preemption=True, lab=pool.lab)
     lose(pool.a)
     again = Job.objects.get(rerun_of=with_name)
-    assert again.vm_id == pool.a.pk and again.state == "queued"
+    assert again.vm_id == pool.a.pk and again.state == "queued" and again.attempt == 2
     assert not again.moved_from and again.returned_at is None
     assert scheduler.place(pool.lab.pk) == []
     assert mails("job_ended") and not mails("job_moved")
