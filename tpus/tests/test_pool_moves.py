@@ -86,6 +86,8 @@ def test_a_lost_pool_job_goes_to_the_head_of_its_kinds_line_then_runs_on_another
     assert (again.attempt, again.moved_from, again.moved_why) == (2, "a", "preempted")
     lines = scheduler.waiting_lines(pool.lab.pk)
     assert lines[again.pk].place == 1 and lines[theirs.pk].place == 2
+    # ann's share is not what put the job ahead of hers: her reason does not say so.
+    assert lines[theirs.pk].reason == "All 2 v4-8 you may use are busy; 1 job before yours."
 
     Job.objects.filter(vm=pool.b, state="running").update(state="succeeded")
     placed = scheduler.place(pool.lab.pk)
