@@ -84,6 +84,7 @@ class AuditAction(models.TextChoices):
     IDLE_BUSY_AGAIN = "idle.busy_again", "Chips held idle are in use again"
     IDLE_EXEMPTIONS_SET = "idle.exemptions_set", "Exemptions from the idle-chips policy set"
     JOB_CANCEL_REQUESTED = "job.cancel_requested", "Job cancelled"
+    JOB_MOVED = "job.moved", "Job moved to another VM of its kind"
 
 
 def record(

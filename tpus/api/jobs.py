@@ -234,6 +234,15 @@ class JobOut(JobSummaryOut):
     rerun_after_preemption: bool
     use_tcmalloc: bool
     rerun_of: int | None
+    # Which run of the job this is (1, or one more than the run lost with its VM it
+    # runs again). A job submitted to a kind and run again after its VM was lost:
+    # that VM's name, what happened to it ("preempted", "under maintenance",
+    # "deleted"), and in words where the job went ("tpu7 was preempted; your job
+    # moved to tpu3."); "" for any other job.
+    attempt: int
+    moved_from: str
+    moved_why: str
+    move: str
     cancel_requested_at: datetime | None
     # Once it has ended: 0 when it succeeded, else the exit status of the worker whose
     # process failed first (128 + N for one killed by signal N); null while it waits or
@@ -268,6 +277,10 @@ class JobOut(JobSummaryOut):
     @staticmethod
     def resolve_rerun_of(obj):
         return obj.rerun_of_id
+
+    @staticmethod
+    def resolve_move(obj):
+        return obj.move_text
 
     @staticmethod
     def resolve_position(obj, context):

@@ -113,6 +113,16 @@ class Job(models.Model):
     rerun_of = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="reruns"
     )
+    # Which run of the job this is: 1, or one more than the run lost with its VM that
+    # it runs again (``services.jobs.run_again_after_preemption``, bounded by
+    # ``MAX_MOVES`` for a job submitted to a kind).
+    attempt = models.PositiveSmallIntegerField(default=1)
+    # A pool job run again after its VM was lost: the VM it was lost with, what
+    # happened to it ("preempted", "deleted" …), and when it went back to the head of
+    # its kind's line (ahead of fair share, first come first served among such jobs).
+    moved_from = models.CharField(max_length=128, blank=True)
+    moved_why = models.CharField(max_length=40, blank=True)
+    returned_at = models.DateTimeField(null=True, blank=True)
 
     queued_at = models.DateTimeField(default=timezone.now)
     # When the portal began with it (the pre-flight), when every worker ran it, when
@@ -213,6 +223,17 @@ class Job(models.Model):
         if self.vm_id is not None:
             return self.vm.name
         return f"any {self.kind_text}"
+
+    @property
+    def move_text(self) -> str:
+        """Where a pool job run again after its VM was lost went, for its owner: "tpu7
+        was preempted; your job moved to tpu3." ('' for any other job)."""
+        if not self.moved_from:
+            return ""
+        lost = f"{self.moved_from} was {self.moved_why}"
+        if self.vm_id is not None:
+            return f"{lost}; your job moved to {self.vm.name}."
+        return f"{lost}; your job waits at the head of the line for another {self.kind_text}."
 
     @property
     def argv(self) -> list[str]:

@@ -197,6 +197,29 @@ def send_job_email(job_id: int) -> None:
         )
 
 
+def send_job_moved(job_id: int) -> None:
+    """A pool job run again after its VM was lost, placed on another VM of its kind:
+    its owner hears where it went ("tpu7 was preempted; your job moved to tpu3"), in
+    the transaction that placed it."""
+    job = (
+        Job.objects.select_related("vm__lab", "user")
+        .filter(pk=job_id, vm__isnull=False, returned_at__isnull=False)
+        .first()
+    )
+    if job is None:
+        return
+    mail.send(
+        "job_moved",
+        [job.user.email],
+        {
+            "job": job,
+            "vm": job.vm,
+            "lab": job.vm.lab,
+            "path": reverse("job_detail", args=[job.vm.lab.slug, job.vm_id, job.pk]),
+        },
+    )
+
+
 def send_vm_back(vm_id: int) -> None:
     """A VM kept alive is up again after Google took it back: one message to each
     person with access, who can log in as before (the same name in their config)."""

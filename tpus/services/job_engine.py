@@ -53,6 +53,10 @@ GONE_STATES = {
     TpuVm.State.REIMAGING,
     TpuVm.State.DELETING,
 }
+# Node states in which the machines are gone for good (Google took them back): the
+# job's processes went with them, and asking the workers would only wait out the
+# connect timeout before the job could end and run again elsewhere.
+TAKEN_STATES = {TpuVm.State.PREEMPTED, TpuVm.State.TERMINATED}
 # Checks that fail because something outside the portal holds the TPU: the job waits
 # (``blocked``) instead of being refused.
 HELD_CHECKS = {"chip_holder", "libtpu_lockfile", "portal_lock"}
@@ -711,7 +715,13 @@ def _poll(
 
 def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, recovering: bool):
     parts = {p.index: p for p in job.parts.all()}
-    statuses = _status_round(job, vm, hosts, parts)
+    if vm.state in TAKEN_STATES:
+        # (A VM no longer listed is still asked: a listing may be wrong for a while,
+        # and its processes are stopped if they are there.)
+        statuses = False
+        _gone_with(job, vm)
+    else:
+        statuses = _status_round(job, vm, hosts, parts)
     # The round can take long with workers gone: decide on what the VM is now.
     vm.refresh_from_db()
     job.refresh_from_db()
@@ -780,11 +790,24 @@ def _follow(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: PassReport, rec
     if outcome == JobState.CANCELLED:
         job.refresh_from_db()
         reason = job.reason or "Cancelled."
-    _end(job, outcome, reason)
-    if outcome == JobState.LOST and (taken_back or vm.is_missing):
+    # A pool job lost with its VM whose owner asked to run it again moves to another
+    # VM of its kind: they hear once, where it went (or, when it does not move, that
+    # it was lost), not first that it was lost.
+    with_its_vm = outcome == JobState.LOST and (taken_back or vm.is_missing)
+    moving = with_its_vm and job.is_pool_job and job.rerun_after_preemption
+    _end(job, outcome, reason, tell=not moving)
+    if with_its_vm:
         run_again_after_preemption(job)
     report.ended.append(job.pk)
     return True
+
+
+def _gone_with(job: Job, vm: TpuVm) -> None:
+    """The job's running parts went with the VM's machines (no worker is asked)."""
+    gone = vm.get_state_display().lower()
+    job.parts.filter(state=JobWorkerState.RUNNING).update(
+        state=JobWorkerState.LOST, error=f"{vm.name} is {gone}: the process went with it"
+    )
 
 
 def _made_anew_under(job: Job, vm: TpuVm) -> bool:
@@ -991,7 +1014,7 @@ def _back_in_line(
     return _ended_by_cancel(job, job.preflight, report or PassReport(job.vm_id))
 
 
-def _end(job: Job, state: JobState, reason: str) -> None:
+def _end(job: Job, state: JobState, reason: str, *, tell: bool = True) -> None:
     with transaction.atomic():
         job = Job.objects.select_for_update(of=("self",)).select_related("vm__lab").get(pk=job.pk)
         if job.has_ended:
@@ -1011,6 +1034,6 @@ def _end(job: Job, state: JobState, reason: str) -> None:
             + (f" ({reason[:200]})" if reason else ""),
             data={"job": job.pk, "vm": job.vm_id, "state": state.value},
         )
-        if job.notify or state == JobState.LOST:
+        if tell and (job.notify or state == JobState.LOST):
             # In the outbox with the job's end, in one transaction: no task to lose.
             emails.send_job_email(job.pk)

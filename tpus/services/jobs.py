@@ -28,7 +28,7 @@ from tpus.models.grants import GrantState
 from tpus.models.inventory import validate_accelerator_type
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
 from tpus.remote import jobs as wire
-from tpus.services import scheduler
+from tpus.services import emails, scheduler
 
 log = logging.getLogger(__name__)
 MAX_TIME_LIMIT_MINUTES = 7 * 24 * 60
@@ -328,6 +328,7 @@ def submit_pool_job(
     spec: JobSpec,
     *,
     rerun_of: Job | None = None,
+    moved_why: str = "",
     request=None,
     dry_run: bool = False,
 ) -> Job | None:
@@ -335,7 +336,9 @@ def submit_pool_job(
     a VM until the scheduler gives it one it may run on, then runs as a job of that VM.
     The same checks as ``submit_job``, with access on at least one VM of the kind
     instead of on one VM; the lab's limit of waiting jobs counts per kind. With
-    ``dry_run``, the checks alone (None)."""
+    ``dry_run``, the checks alone (None). With ``moved_why`` ("preempted"), the job
+    ``rerun_of`` was lost with its VM and this is its next run: it goes to the head of
+    the kind's line (see ``run_again_after_preemption``)."""
     account = getattr(user, "unix_account", None)
     if account is None or not account.username:
         raise PermissionDenied("Choose a username first: jobs run as your account on the VM.")
@@ -374,19 +377,42 @@ def submit_pool_job(
             provisioning=kind.provisioning,
             rerun_of=rerun_of,
             **_fields(spec),
+            **(_move_fields(rerun_of, moved_why, what) if moved_why else {}),
         )
+        summary = f"job {job.pk} on any {what}: {job.command_text[:200]}"
+        if moved_why:
+            summary = (
+                f"job {job.pk} on any {what}, run {job.attempt} of job {rerun_of.pk} after "
+                f"{job.moved_from} was {moved_why}: {job.command_text[:200]}"
+            )
         audit.record(
             AuditAction.JOB_SUBMITTED,
-            actor=user,
+            actor=None if moved_why else user,
             lab=lab,
             target_user=user,
-            summary=f"job {job.pk} on any {what}: {job.command_text[:200]}",
+            summary=summary,
             data={"job": job.pk, "accelerator_type": kind.accelerator_type},
             request=request,
         )
         # A free VM of the kind takes it at once: its pass is queued with the commit.
         scheduler.place(lab.pk, kind.accelerator_type)
     return job
+
+
+def _move_fields(lost: Job, why: str, what: str) -> dict:
+    """The fields of a pool job's next run after ``lost`` was lost with its VM: one
+    more attempt, where from and why, at the head of its kind's line (as early as the
+    lost run was queued, and back now)."""
+    now = timezone.now()
+    return dict(
+        attempt=lost.attempt + 1,
+        moved_from=lost.vm.name,
+        moved_why=why,
+        returned_at=now,
+        queued_at=lost.queued_at,
+        changed_at=now,
+        reason=f"{lost.vm.name} was {why}; waiting at the head of the line for another {what}.",
+    )
 
 
 def check_waiting_limit(user, lab: Lab, *, locked: bool = False) -> None:
@@ -492,29 +518,79 @@ def _new_host_id() -> str:
     return f"{timezone.now():%Y%m%d}-{secrets.token_hex(6)}"
 
 
+# A job submitted to a kind and lost with its VM is moved to another VM of the kind at
+# most this many times: lost once more, it stays lost (its owner is told why), so a job
+# that keeps losing its VMs does not go round for ever. Its first run is attempt 1.
+MAX_MOVES = 3
+
+
+def lost_because(vm: TpuVm) -> str:
+    """What happened to the VM a job was lost with, in a few words: "preempted",
+    "under maintenance", "deleted" ("tpu7 was …")."""
+    if vm.is_missing or vm.state == TpuVm.State.DELETING:
+        return "deleted"
+    if vm.state == TpuVm.State.REPAIRING:
+        return "under maintenance"
+    if vm.state in (TpuVm.State.PREEMPTED, TpuVm.State.READY, TpuVm.State.CREATING):
+        # Back already, or being made anew: Google took it back.
+        return "preempted"
+    return vm.get_state_display().lower()
+
+
 def run_again_after_preemption(job: Job) -> Job | None:
-    """A job lost because Google took its VM back, whose owner asked for it: the same
-    job again at the head of the VM's line (queued as early as the lost one was), to
-    start once the VM is back; a job submitted to a kind goes back to the head of its
-    kind's line, for any free VM of it. None when it was not asked for or cannot be queued now
-    (the person lost access, or the lab's limit of waiting jobs)."""
+    """A job lost because Google took its VM back (preempted, under maintenance,
+    deleted), whose owner asked for it: the same job again. One named for its VM goes
+    to the head of that VM's line (queued as early as the lost one was), to start once
+    the VM is back. One submitted to a kind goes to the head of its kind's line (ahead
+    of fair share) for the next free VM of it, not only the one it lost, at most
+    ``MAX_MOVES`` times; its owner hears where it went when it is placed
+    (``scheduler.place``), or, when it is not run again, that it was lost. None when it
+    was not asked for or cannot be queued now (the person lost access, the lab's limit
+    of waiting jobs, the cap)."""
     job = Job.objects.select_related("vm__lab", "user__unix_account").get(pk=job.pk)
     if not job.rerun_after_preemption or job.state != JobState.LOST:
         return None
     if Job.objects.filter(rerun_of=job).exists():
         return None
-    try:
-        if job.is_pool_job:
-            # Any free VM of its kind takes it, not only the one Google took back.
-            again = submit_pool_job(
-                job.user, job.lab or job.vm.lab, Kind.of(job), JobSpec.of(job), rerun_of=job
-            )
-        else:
+    if not job.is_pool_job:
+        try:
             again = submit_job(job.user, job.vm, JobSpec.of(job), rerun_of=job)
-    except (PermissionDenied, ValidationError) as exc:
-        log.info("job %s is not run again after the preemption: %s", job.pk, exc)
+        except (PermissionDenied, ValidationError) as exc:
+            log.info("job %s is not run again after the preemption: %s", job.pk, exc)
+            return None
+        Job.objects.filter(pk=again.pk).update(
+            queued_at=job.queued_at,
+            attempt=job.attempt + 1,
+            reason=f"Run again after {job.vm.name} was preempted.",
+        )
+        return again
+    if job.attempt > MAX_MOVES:
+        _not_moved(
+            job,
+            f"It was moved to another {job.accelerator_type} {MAX_MOVES} times already, so it "
+            "is not run again.",
+        )
         return None
-    Job.objects.filter(pk=again.pk).update(
-        queued_at=job.queued_at, reason=f"Run again after {job.vm.name} was preempted."
-    )
-    return again
+    try:
+        return submit_pool_job(
+            job.user,
+            job.lab or job.vm.lab,
+            Kind.of(job),
+            JobSpec.of(job),
+            rerun_of=job,
+            moved_why=lost_because(job.vm),
+        )
+    except (PermissionDenied, ValidationError) as exc:
+        text = " ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
+        _not_moved(job, f"It is not run again: {text}")
+        return None
+
+
+def _not_moved(job: Job, why: str) -> None:
+    """A lost pool job that is not run again: its reason says why, and its owner hears
+    that it was lost (the email it would have had without "run again")."""
+    log.info("job %s is not run again after its VM was lost: %s", job.pk, why)
+    if why not in job.reason:
+        # Asked again when the VM is back (``keep_alive``): said once.
+        Job.objects.filter(pk=job.pk).update(reason=f"{job.reason} {why}".strip())
+    emails.send_job_email(job.pk)

@@ -14,8 +14,11 @@ A VM is free for the pool when it is READY, listed by Google, not being set up a
 no job holds or waits for it, and the last look at its chips found nothing holding
 them outside the portal. A job goes only where its person has an active grant.
 
-Order: a kind's line is served by fair share (``fair_share_order``): the jobs of the
-person with the least recent use for their share first, first come, first served
+Order: a job back from a lost VM (preempted, under maintenance, deleted; its owner
+asked to run it again) is at the head of its kind's line, first come first served
+among such jobs (``returned_first``); its owner is told where it went once it is
+placed. The rest of a kind's line is served by fair share (``fair_share_order``): the
+jobs of the person with the least recent use for their share first, first come, first served
 within one person (``services.fair_share`` keeps the figures); a job that cannot go on
 any free VM (no grant there, the person's chip limit) lets the next one in line have
 it. Placement takes the lab's row lock for its few queries only, so two placements of
@@ -25,6 +28,7 @@ one lab never give one VM two jobs; it never waits on a worker.
 from __future__ import annotations
 
 import bisect
+import datetime as dt
 import functools
 import json
 from collections import Counter, defaultdict
@@ -44,12 +48,14 @@ from django.db.models import (
 from django.db.models.functions import Cast
 from django.utils import timezone
 
+from portal import audit
+from portal.audit import AuditAction
 from tpus import queue
 from tpus.models import Grant, Job, Lab, TpuVm
 from tpus.models.grants import GrantState
 from tpus.models.inventory import chip_count
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
-from tpus.services import fair_share
+from tpus.services import emails, fair_share
 
 # --- the snapshot --------------------------------------------------------------------
 
@@ -75,6 +81,8 @@ class JobRow:
     provisioning: str
     # Its place among the lab's waiting pool jobs by submission (queued_at, then id).
     seq: int
+    # When it went back to the head of its kind's line, its VM lost (None: never).
+    returned_at: dt.datetime | None = None
 
     def fits(self, vm: VmRow) -> bool:
         """The VM is of the kind the job asked for."""
@@ -169,10 +177,15 @@ def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = F
     if not every_vm:
         waiting = waiting.filter(accelerator_type__in={vm.accelerator_type for vm in rows})
     jobs = [
-        JobRow(pk, user_id, kind, _zones(zones), provisioning, seq)
-        for seq, (pk, user_id, kind, zones, provisioning) in enumerate(
+        JobRow(pk, user_id, kind, _zones(zones), provisioning, seq, returned_at)
+        for seq, (pk, user_id, kind, zones, provisioning, returned_at) in enumerate(
             waiting.order_by("queued_at", "id").values_list(
-                "id", "user_id", "accelerator_type", Cast("zones", TextField()), "provisioning"
+                "id",
+                "user_id",
+                "accelerator_type",
+                Cast("zones", TextField()),
+                "provisioning",
+                "returned_at",
             )
         )
     ]
@@ -211,15 +224,26 @@ FREE = {
 
 
 def fifo(job: JobRow, snapshot: Snapshot):
-    """First come, first served (a sort key of a kind's line)."""
-    return job.seq
+    """First come, first served (a sort key of a kind's line), after the jobs back
+    from a lost VM (``returned_first``)."""
+    return returned_first(job) or (1, job.seq)
 
 
 def fair_share_order(job: JobRow, snapshot: Snapshot):
-    """Fair share: the order a kind's line is served in (a sort key). The jobs of the
-    person with the least recent use for their share first; first come, first served
-    within one person and between equals."""
-    return (snapshot.per_share[job.user_id], job.seq)
+    """Fair share: the order a kind's line is served in (a sort key). The jobs back
+    from a lost VM first (``returned_first``); then the jobs of the person with the
+    least recent use for their share; first come, first served within one person and
+    between equals."""
+    return returned_first(job) or (1, snapshot.per_share[job.user_id], job.seq)
+
+
+def returned_first(job: JobRow) -> tuple | None:
+    """The head of the line: a job run again after its VM was lost (preempted, under
+    maintenance, deleted) goes before every other of its kind, in the order they came
+    back (first come, first served among them); None for any other job."""
+    if job.returned_at is None:
+        return None
+    return (0, job.returned_at, job.seq)
 
 
 @dataclass(frozen=True)
@@ -292,7 +316,9 @@ def lines(
         ahead[job.accelerator_type] += 1
         seqs = seqs_ahead[job.accelerator_type]
         overtaken = len(seqs) - bisect.bisect_right(seqs, job.seq)
-        bisect.insort(seqs, job.seq)
+        if job.returned_at is None:
+            # A job back from a lost VM is ahead of all: no one's share put it there.
+            bisect.insort(seqs, job.seq)
         line = f"{before} job{'s' if before != 1 else ''} before yours."
         usable = [
             vm
@@ -383,7 +409,32 @@ def place(lab_id: int, accelerator_type: str | None = None) -> list[Placement]:
         placed = [p for p in decided if (p.job_id, p.vm_id) in taken]
         for placement in placed:
             queue.advance_jobs(placement.vm_id)
+        _tell_moved([p.job_id for p in placed])
     return placed
+
+
+def _tell_moved(job_ids: list[int]) -> None:
+    """Jobs back from a lost VM that were just placed: each move in the audit, and one
+    email to its owner saying where it went ("tpu7 was preempted; your job moved to
+    tpu3"). A job is placed once, so each hears once."""
+    moved = Job.objects.filter(pk__in=job_ids, returned_at__isnull=False).select_related(
+        "vm__lab", "user"
+    )
+    for job in moved:
+        audit.record(
+            AuditAction.JOB_MOVED,
+            lab=job.vm.lab,
+            target_user=job.user,
+            summary=f"job {job.pk} (run {job.attempt} of job {job.rerun_of_id}): {job.move_text}",
+            data={
+                "job": job.pk,
+                "rerun_of": job.rerun_of_id,
+                "attempt": job.attempt,
+                "from": job.moved_from,
+                "vm": job.vm_id,
+            },
+        )
+        emails.send_job_moved(job.pk)
 
 
 def labs_with_waiting_jobs() -> list[int]:

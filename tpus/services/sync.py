@@ -27,9 +27,17 @@ from portal import audit
 from tpus import queue
 from tpus.cloud import CloudError, NodeInfo
 from tpus.cloud.config import cloud_tpu
-from tpus.models import AuditAction, IpChange, Lab, Worker
+from tpus.models import AuditAction, IpChange, Job, Lab, Worker
 from tpus.models.inventory import API_SOURCES, NodeHealth, NodeState, TpuVm
-from tpus.services import ipchanges, leases, made_anew, published_keys, sync_health
+from tpus.models.jobs import ACTIVE_STATES
+from tpus.services import (
+    ipchanges,
+    job_engine,
+    leases,
+    made_anew,
+    published_keys,
+    sync_health,
+)
 from tpus.services.inventory import apply_node
 
 log = logging.getLogger(__name__)
@@ -151,6 +159,8 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
                 ipchanges.hosts_must_be_checked(
                     vm, "external address changed" if moved else "ready and healthy again"
                 )
+            if vm.state != before[0] and vm.state in job_engine.GONE_STATES:
+                _pass_for_lost_jobs(vm)
             if before != (vm.state, vm.health) or came_back:
                 audit.record(
                     AuditAction.VM_STATE_CHANGED,
@@ -160,6 +170,14 @@ def _sync_zone(lab: Lab, zone: str, nodes: dict[str, NodeInfo], report: SyncRepo
                 )
     TpuVm.objects.filter(pk__in=seen).update(last_seen_at=now)
     report.listed_vms.update(seen)
+
+
+def _pass_for_lost_jobs(vm: TpuVm) -> None:
+    """A VM whose job's processes went with it (preempted, repairing, deleted): its
+    pass ends the job now, not at the next job poll, so a job run again elsewhere
+    (``scheduler``) starts on another VM of its kind one sync after the loss."""
+    if Job.objects.filter(vm=vm, state__in=ACTIVE_STATES).exists():
+        queue.advance_jobs(vm.pk)
 
 
 def _recreated(vm: TpuVm, node: NodeInfo) -> bool:
@@ -176,6 +194,7 @@ def _mark_missing(lab: Lab, vm: TpuVm, now, report: SyncReport) -> None:
     with transaction.atomic():
         if TpuVm.objects.filter(pk=vm.pk, missing_since=None).update(missing_since=now):
             report.missing += 1
+            _pass_for_lost_jobs(vm)
             audit.record(
                 AuditAction.VM_MISSING,
                 lab=lab,

@@ -1,7 +1,8 @@
 """The pool on real sshd hosts of the test fleet, with the emulator as the Cloud TPU
 API: two v4-8 of the lab, one busy with a job named for it; milo runs a job on "any
 free v4-8" through the API, and it is placed on the other one and runs there, start
-to end; a second job for the kind waits, saying why, until a VM is free."""
+to end; a second job for the kind waits, saying why, until a VM is free. A pool job
+whose VM Google takes back runs again on the other one."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import pytest
 from accounts.models import User
 from accounts.services import create_token
 from accounts.unix import choose_username
+from portal.models import OutboxMessage
 from testfleet.fixtures import add_fleet_node, give_lab_key
 from tests.requirements import need
 from tpus.models import Job
-from tpus.services import inventory, job_engine, scheduler
+from tpus.services import inventory, job_engine, scheduler, sync
 from tpus.services.grants import grant_access
-from tpus.services.jobs import JobSpec, submit_job
+from tpus.services.jobs import JobSpec, Kind, submit_job, submit_pool_job
 
 pytestmark = pytest.mark.fleet
 
@@ -140,3 +142,38 @@ def test_a_job_for_any_free_v4_8_runs_on_the_free_one_end_to_end(
     assert third_job.vm_id in (tpu5.pk, tpu6.pk)
     third_job = _passes_until(third_job, capture, lambda j: j.has_ended)
     assert third_job.state == "succeeded", (third_job.reason, third_job.preflight)
+
+
+def test_a_pool_job_on_a_preempted_vm_runs_again_on_the_other_vm_of_its_kind(
+    two_v4_8, tpu_emulator, django_capture_on_commit_callbacks
+):
+    lab, (tpu5, tpu6), milo = two_v4_8
+    capture = django_capture_on_commit_callbacks
+    spec = JobSpec(
+        args=["python", "-c", "import socket, time; print('on', socket.gethostname()); "
+              "time.sleep(6)"],
+        python="~/venv",
+        rerun_after_preemption=True,
+    )  # fmt: skip
+    with capture(execute=True):
+        job = submit_pool_job(milo, lab, Kind("v4-8"), spec)
+    job = _passes_until(job, capture, lambda j: j.state == "running")
+    assert job.vm_id == tpu5.pk  # the first free one by name
+
+    # Google takes tpu5 back; the sync sees it, and tpu5's pass finds the job lost.
+    tpu_emulator.controls.preempt("tpu5")
+    sync.sync_inventory([lab])
+    with capture(execute=True):
+        job_engine.advance(tpu5.pk)
+    job.refresh_from_db()
+    assert job.state == "lost" and "preempted" in job.reason
+
+    again = Job.objects.get(rerun_of=job)
+    assert (
+        again.vm_id == tpu6.pk and again.move_text == "tpu5 was preempted; your job moved to tpu6."
+    )
+    again = _passes_until(again, capture, lambda j: j.has_ended)
+    assert again.state == "succeeded", (again.reason, again.preflight)
+    assert again.parts.get().log_tail.startswith("on ")
+    [told] = OutboxMessage.objects.filter(kind="job_moved")
+    assert told.subject.endswith(f"Job {job.pk} moved from tpu5 to tpu6")

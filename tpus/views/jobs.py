@@ -224,7 +224,12 @@ def preflight_rows(preflight: dict, aliases: dict[int, str]) -> list[dict]:
 def job_detail(request, slug, vm_id, job_id):
     lab = access.get_member_lab(request.user, slug)
     job = access.get_job_for_viewer(request.user, lab, vm_id, job_id)
-    return render(request, "tpus/job_detail.html", _live_context(request, lab, job))
+    context = _live_context(request, lab, job)
+    if job.is_pool_job and job.state == JobState.LOST:
+        # Where its next run went, when it moved to another VM of its kind.
+        moved = job.reruns.filter(attempt=job.attempt + 1, returned_at__isnull=False)
+        context["moved_to"] = moved.select_related("vm").first()
+    return render(request, "tpus/job_detail.html", context)
 
 
 @login_required
