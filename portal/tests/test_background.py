@@ -41,6 +41,7 @@ def test_the_heartbeat_is_scheduled_in_code():
         "poll-jobs": "tpus.tasks.poll_jobs",
         "follow-vm-requests": "tpus.tasks.follow_vm_requests",
         "look-at-idle-chips": "tpus.tasks.look_at_idle_chips",
+        "idle-holders": "tpus.tasks.follow_idle_holders",
         "disk-recheck": "tpus.tasks.recheck_disks",
         "send-mail": "portal.tasks.send_mail",
     }
