@@ -189,8 +189,45 @@ fi
 case $glob in
     *..*) die "the device glob must not contain '..'" ;;
 esac
+# The bytes of a base64 field, decoded by the shell itself (a program for a long one);
+# fails on one that is not base64 (its length not a multiple of 4, '=' but at the end).
+B64=ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/
+b64d() {
+    if [ "${#1}" -gt 1024 ]; then
+        printf '%s' "$1" | base64 -d
+        return
+    fi
+    set -- "$1" ""
+    [ $((${#1} % 4)) = 0 ] || return 1
+    while [ -n "$1" ]; do
+        quad=${1%"${1#????}"}
+        set -- "${1#????}" "$2"
+        bits=0 pad=0
+        while [ -n "$quad" ]; do
+            char=${quad%"${quad#?}"}
+            quad=${quad#?}
+            if [ "$char" = = ]; then
+                pad=$((pad + 1)) value=0
+            else
+                [ "$pad" = 0 ] || return 1
+                value=${B64%%"$char"*}
+                value=${#value}
+                [ "$value" -lt 64 ] || return 1
+            fi
+            bits=$((bits << 6 | value))
+        done
+        if [ "$pad" -gt 0 ] && { [ -n "$1" ] || [ "$pad" -gt 2 ]; }; then return 1; fi
+        for shift in 16 8 0; do
+            [ "$shift" -ge $((pad * 8)) ] || break
+            byte=$((bits >> shift & 255))
+            set -- "$1" "$2\\$((byte >> 6))$((byte >> 3 & 7))$((byte & 7))"
+        done
+    done
+    # shellcheck disable=SC2059 # octal escapes only
+    printf "$2"
+}
 decode() {
-    printf '%s' "$1" | base64 -d 2>/dev/null || die "a base64 field is not valid"
+    b64d "$1" 2>/dev/null || die "a base64 field is not valid"
 }
 # The account: from /etc/passwd, read by the shell, where the portal's accounts are;
 # else from the name service (getent).
