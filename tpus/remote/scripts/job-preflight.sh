@@ -361,9 +361,11 @@ fi
 
 # --- the Python environment, read as the user --------------------------------------
 # Reading the versions starts the environment's Python (the slowest check), so the
-# answer is kept, root's, in /run (gone at reboot) under a key of what it depends on:
-# the interpreter and the folders its packages live in (installing, upgrading or
-# removing a package changes its folder's time).
+# answer is kept, root's, in /run (gone at reboot), one file per account and
+# environment (named by the uid and the environment's path in base64, '/' made '_'),
+# with what it depends on: the interpreter and the folders its packages live in
+# (installing, upgrading or removing a package changes its folder's time). It is used
+# while that is the same. (A very long path: a file named by a hash of it all.)
 PYCACHE=/run/tpu-portal/python-versions
 python_versions() {
     set -- "$python"
@@ -371,16 +373,41 @@ python_versions() {
         /usr/lib/python3/dist-packages /usr/local/lib/python3*/dist-packages; do
         [ ! -d "$dir" ] || set -- "$@" "$dir"
     done
-    key=$({ echo "$uid $python"; stat -L -c '%n %d %i %y %z %s' -- "$@"; } 2>/dev/null | sha256sum)
-    key=${key%% *}
-    if [ -f "$PYCACHE/$key" ] && IFS= read -r versions <"$PYCACHE/$key"; then
-        return 0
+    depends=$(stat -L -c '%n %d %i %y %z %s' -- "$@" 2>/dev/null || true)
+    if [ -z "$python_b64" ]; then
+        entry=$uid.system
+    elif [ "${#python_b64}" -le 200 ]; then
+        entry=$uid- rest=$python_b64
+        while :; do
+            case $rest in
+                */*) entry="$entry${rest%%/*}_" rest=${rest#*/} ;;
+                *) break ;;
+            esac
+        done
+        entry=$entry$rest
+    else
+        entry=$(printf '%s %s\n%s\n' "$uid" "$python" "$depends" | sha256sum)
+        entry=${entry%% *}
+    fi
+    if [ -f "$PYCACHE/$entry" ]; then
+        kept="" line=""
+        {
+            IFS= read -r versions || versions=""
+            while IFS= read -r line; do
+                kept="$kept$line
+"
+            done
+        } <"$PYCACHE/$entry"
+        if [ -n "$versions" ] && [ "$kept" = "$depends
+" ]; then
+            return 0
+        fi
     fi
     probe code python "$python" -E -c "$PYCODE" || return
     versions=$(first_line python)
     # shellcheck disable=SC2174 # /run is there: -m is for /run/tpu-portal, as job-start.sh makes it
     if [ -d "$PYCACHE" ] || { mkdir -p -m 0755 "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
-        printf '%s\n' "$versions" >"$PYCACHE/$key"
+        printf '%s\n%s\n' "$versions" "$depends" >"$PYCACHE/$entry"
     fi
 }
 if [ -n "$python_b64" ]; then
