@@ -109,7 +109,9 @@ sweep() {
     [ "$#" -eq 0 ] || kill -KILL "$@" 2>/dev/null || true
 }
 trap 'sweep; [ -z "$work" ] || rm -rf -- "$work"' EXIT
-trap 'exit 1' HUP INT TERM
+# (PIPE: the answer is written by the shell itself; a portal that went away must not
+# end it before the sweep.)
+trap 'exit 1' HUP INT TERM PIPE
 # The input, read and checked line by line by the shell itself (no program): each line
 # must be one of those above, exactly; at most MAX_INPUT bytes.
 # fits <value> <allowed characters> <longest>: not empty, only those, not too long.
