@@ -29,7 +29,6 @@ PORTAL_LOCK=/run/tpu-portal/tpu.lock
 KILL_AFTER=2
 HOLDER=/run/tpu-portal/holder
 MAX_INPUT=65536
-FORBIDDEN='^(TPU_VISIBLE_CHIPS|TPU_VISIBLE_DEVICES|TPU_CHIPS_PER_PROCESS_BOUNDS|TPU_CHIPS_PER_HOST_BOUNDS|TPU_PROCESS_BOUNDS|TPU_PROCESS_ADDRESSES|TPU_PROCESS_PORT|TPU_HOST_BOUNDS|TPU_WORKER_ID|TPU_WORKER_HOSTNAMES|TPU_ACCELERATOR_TYPE|TPU_SKIP_MDS_QUERY|TPU_MESH_CONTROLLER_ADDRESS|TPU_MESH_CONTROLLER_PORT|CLOUD_TPU_TASK_ID|ALLOW_MULTIPLE_LIBTPU_LOAD|JAX_COORDINATOR_ADDRESS|JAX_COORDINATOR_PORT|JAX_NUM_PROCESSES|JAX_PROCESS_ID|JAX_LOCAL_DEVICE_IDS|LD_LIBRARY_PATH|TPU_PORTAL_[A-Z0-9_]*|HOME|USER|LOGNAME|PATH|VIRTUAL_ENV|TPU_RUNTIME_METRICS_PORTS)$'
 # Reads the environment's versions from the packages' metadata: no jax import.
 PYCODE='import sys, importlib.metadata as m
 def v(n):
@@ -49,15 +48,39 @@ die() {
     echo "job-preflight: $*" >&2
     exit 1
 }
-# The checks are collected as NUL-ended records and written out at the end, each
-# made one line of safe characters (it goes back to the portal) by one pipeline
-# instead of three programs per check: a newline, like any character outside the
-# safe set, becomes a space.
+# Names that would break the one-process-per-TPU rule, fake the topology, or override
+# what the portal sets itself.
+forbidden() {
+    case $1 in
+        TPU_VISIBLE_CHIPS | TPU_VISIBLE_DEVICES | TPU_CHIPS_PER_PROCESS_BOUNDS | \
+            TPU_CHIPS_PER_HOST_BOUNDS | TPU_PROCESS_BOUNDS | TPU_PROCESS_ADDRESSES | \
+            TPU_PROCESS_PORT | TPU_HOST_BOUNDS | TPU_WORKER_ID | TPU_WORKER_HOSTNAMES | \
+            TPU_ACCELERATOR_TYPE | TPU_SKIP_MDS_QUERY | TPU_MESH_CONTROLLER_ADDRESS | \
+            TPU_MESH_CONTROLLER_PORT | CLOUD_TPU_TASK_ID | ALLOW_MULTIPLE_LIBTPU_LOAD | \
+            JAX_COORDINATOR_ADDRESS | JAX_COORDINATOR_PORT | JAX_NUM_PROCESSES | JAX_PROCESS_ID | \
+            JAX_LOCAL_DEVICE_IDS | LD_LIBRARY_PATH | HOME | USER | LOGNAME | PATH | VIRTUAL_ENV | \
+            TPU_RUNTIME_METRICS_PORTS) return 0 ;;
+        TPU_PORTAL_*) case ${1#TPU_PORTAL_} in *[!A-Z0-9_]*) return 1 ;; esac ;;
+        *) return 1 ;;
+    esac
+}
+# The checks are collected in the shell, each made one line of safe characters (it goes
+# back to the portal): a newline, like any character outside the safe set, becomes a
+# space, and a line is cut at 440 characters. Most lines are safe as they are and take
+# no program; only one that is not goes through tr and cut.
+SAFE="A-Za-z0-9 ._:,/()=@+~#%*!?;'\"-"
+checks=""
 check() {
-    printf 'check=%s %s %s\0' "$1" "$2" "$3" >>"$work/checks"
+    line="check=$1 $2 $3"
+    case $line in
+        *[!$SAFE]*) line=$(printf '%s' "$line" | tr -c "$SAFE" ' ' | cut -c 1-440) ;;
+        *) [ "${#line}" -le 440 ] || line=$(printf '%s\n' "$line" | cut -c 1-440) ;;
+    esac
+    checks="$checks$line
+"
 }
 answer() {
-    tr -c "A-Za-z0-9 ._:,/()=@+~#%*!?;'\"\\000-" ' ' <"$work/checks" | tr '\0' '\n' | cut -c 1-440
+    printf '%s' "$checks"
 }
 lock_key() {
     dev=$(stat -c %d "$1")
@@ -69,7 +92,12 @@ describe_pid() {
     printf 'pid=%s user=%s command=%s' "$1" "$owner" "${command:-?}"
 }
 
-work=$(mktemp -d)
+# A folder of root's for what the probes write, made by the first probe that runs: the
+# usual pre-flight (the versions kept, no script) starts no program for it.
+work=""
+workdir() {
+    [ -n "$work" ] || work=$(mktemp -d)
+}
 # The person's own code (their python) runs with this in its environment, and so does
 # whatever it starts (a process that left the probe's group with setsid as well): the
 # sweep finds them by it. Made only when their code runs (the versions are often kept).
@@ -80,23 +108,59 @@ sweep() {
     set -- $(grep -l -s -z -x -F "TPU_PORTAL_PROBE=$marker" /proc/[0-9]*/environ | cut -d/ -f3)
     [ "$#" -eq 0 ] || kill -KILL "$@" 2>/dev/null || true
 }
-trap 'sweep; rm -rf -- "$work"' EXIT
-trap 'exit 1' HUP INT TERM
-input=$work/input
-head -c $((MAX_INPUT + 1)) >"$input"
-[ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
-B64='[A-Za-z0-9+/]+={0,2}'
-if grep -n -v -E "^(tpu-portal-job-preflight 1|end|user [a-z][a-z0-9-]{0,30}|chips [0-9]{1,3} /dev/[A-Za-z0-9/_.*?-]{1,100}|min_disk_mb [0-9]{1,9}|min_mem_mb [0-9]{1,9}|port [0-9]{1,5}|python $B64|script $B64|env [A-Za-z_][A-Za-z0-9_]{0,127}|probe_seconds [0-9]{1,3})$" "$input" >"$work/bad"; then
-    die "line $(head -n 1 "$work/bad" | cut -d: -f1) of the input is not allowed"
-fi
-# Every line passed the pattern above: read them with the shell's own read (a last
-# line without its newline is not read, so "end" must be the last line read).
+trap 'sweep; [ -z "$work" ] || rm -rf -- "$work"' EXIT
+# (PIPE: the answer is written by the shell itself; a portal that went away must not
+# end it before the sweep.)
+trap 'exit 1' HUP INT TERM PIPE
+# The input, read and checked line by line by the shell itself (no program): each line
+# must be one of those above, exactly; at most MAX_INPUT bytes.
+# fits <value> <allowed characters> <longest>: not empty, only those, not too long.
+fits() {
+    case $1 in
+        "" | *[!$2]*) return 1 ;;
+    esac
+    [ "${#1}" -le "$3" ]
+}
+# Base64: [A-Za-z0-9+/]+ and at most two '=' at the end.
+base64_fits() {
+    set -- "${1%=}"
+    fits "${1%=}" "A-Za-z0-9+/" 1048576
+}
 user="" expected="" glob="" min_disk="" min_mem="" port="" python_b64="" script_b64="" probe_seconds=20
-n_line=0 n_user=0 n_chips=0 n_disk=0 n_mem=0 n_env=0 last="" sets_preload=""
-: >"$work/env"
-while read -r key value rest; do
+n_line=0 n_user=0 n_chips=0 n_disk=0 n_mem=0 n_env=0 last="" sets_preload="" env_names="" size=0
+partial=""
+while :; do
+    # A last line without its newline is checked, then refused as cut off.
+    line=""
+    if ! IFS= read -r line; then
+        [ -n "$line" ] || break
+        partial=1
+    fi
     n_line=$((n_line + 1))
-    [ "$n_line" -gt 1 ] || [ "$key $value" = "tpu-portal-job-preflight 1" ] ||
+    size=$((size + ${#line} + 1))
+    [ "$size" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
+    key=${line%% *} value=${line#* }
+    ok=""
+    case $line in
+        "tpu-portal-job-preflight 1" | end) ok=1 value="" ;;
+        "user "*) fits "$value" "a-z0-9-" 31 && case $value in [a-z]*) ok=1 ;; esac ;;
+        "chips "*)
+            case $value in
+                *" /dev/"*)
+                    rest=${value#* } value=${value%% *}
+                    fits "$value" 0-9 3 && fits "${rest#/dev/}" "A-Za-z0-9/_.*?-" 100 && ok=1
+                    ;;
+            esac
+            ;;
+        "min_disk_mb "* | "min_mem_mb "*) fits "$value" 0-9 9 && ok=1 ;;
+        "port "*) fits "$value" 0-9 5 && ok=1 ;;
+        "python "* | "script "*) base64_fits "$value" && ok=1 ;;
+        "env "*) fits "$value" "A-Za-z0-9_" 128 && case $value in [A-Za-z_]*) ok=1 ;; esac ;;
+        "probe_seconds "*) fits "$value" 0-9 3 && ok=1 ;;
+    esac
+    [ -n "$ok" ] || die "line $n_line of the input is not allowed"
+    [ -z "$partial" ] || die "the input was cut off (no final end)"
+    [ "$n_line" -gt 1 ] || [ "$key" = tpu-portal-job-preflight ] ||
         die "the input has no tpu-portal-job-preflight 1 header"
     last=$key
     case $key in
@@ -109,12 +173,12 @@ while read -r key value rest; do
         script) [ -n "$script_b64" ] || script_b64=$value ;;
         probe_seconds) probe_seconds=$value ;;
         env)
-            echo "$value" >>"$work/env"
+            env_names="$env_names $value"
             n_env=$((n_env + 1))
             [ "$value" != LD_PRELOAD ] || sets_preload=1
             ;;
     esac
-done <"$input"
+done
 [ "$n_line" -gt 0 ] || die "the input has no tpu-portal-job-preflight 1 header"
 [ "$last" = end ] || die "the input was cut off (no final end)"
 [ "$n_user" = 1 ] || die "the input needs exactly one user line"
@@ -127,16 +191,63 @@ fi
 case $glob in
     *..*) die "the device glob must not contain '..'" ;;
 esac
-decode() {
-    printf '%s' "$1" | base64 -d 2>/dev/null || die "a base64 field is not valid"
+# The bytes of a base64 field, decoded by the shell itself (a program for a long one);
+# fails on one that is not base64 (its length not a multiple of 4, '=' but at the end).
+B64=ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/
+b64d() {
+    if [ "${#1}" -gt 1024 ]; then
+        printf '%s' "$1" | base64 -d
+        return
+    fi
+    set -- "$1" ""
+    [ $((${#1} % 4)) = 0 ] || return 1
+    while [ -n "$1" ]; do
+        quad=${1%"${1#????}"}
+        set -- "${1#????}" "$2"
+        bits=0 pad=0
+        while [ -n "$quad" ]; do
+            char=${quad%"${quad#?}"}
+            quad=${quad#?}
+            if [ "$char" = = ]; then
+                pad=$((pad + 1)) value=0
+            else
+                [ "$pad" = 0 ] || return 1
+                value=${B64%%"$char"*}
+                value=${#value}
+                [ "$value" -lt 64 ] || return 1
+            fi
+            bits=$((bits << 6 | value))
+        done
+        if [ "$pad" -gt 0 ] && { [ -n "$1" ] || [ "$pad" -gt 2 ]; }; then return 1; fi
+        for shift in 16 8 0; do
+            [ "$shift" -ge $((pad * 8)) ] || break
+            byte=$((bits >> shift & 255))
+            set -- "$1" "$2\\$((byte >> 6))$((byte >> 3 & 7))$((byte & 7))"
+        done
+    done
+    # shellcheck disable=SC2059 # octal escapes only
+    printf "$2"
 }
-entry=$(getent passwd "$user") || die "no user $user on this worker"
-IFS=: read -r _ _ uid gid _ home _ <<EOF
+decode() {
+    b64d "$1" 2>/dev/null || die "a base64 field is not valid"
+}
+# The account: from /etc/passwd, read by the shell, where the portal's accounts are;
+# else from the name service (getent).
+uid=""
+while IFS=: read -r name _ uid gid _ home _; do
+    [ "$name" != "$user" ] || break
+    uid=""
+done </etc/passwd
+if [ -z "$uid" ]; then
+    entry=$(getent passwd "$user") || die "no user $user on this worker"
+    IFS=: read -r _ _ uid gid _ home _ <<EOF
 $entry
 EOF
+fi
 [ "$uid" -ge 1000 ] || die "jobs never run as a system account ($user has uid $uid)"
 # probe code|tool <name> <command...>: runs the command as the user, stdin from
-# /dev/null, stdout in $work/<name>.out and stderr in $work/<name>.err; its status, or
+# /dev/null, stdout in $work/<name>.out and stderr in $work/<name>.err (name -: neither
+# is kept); its status, or
 # 124 when it did not end within probe_seconds. "code" is the person's own program:
 # a clean environment carrying the marker. A "tool" is a system program that starts
 # nothing (test, realpath, sha256sum), which may still hang on a file (a FIFO, a dead
@@ -150,9 +261,14 @@ probe() {
         set -- env -i "HOME=$home" PATH=/usr/local/bin:/usr/bin:/bin LC_ALL=C \
             "TPU_PORTAL_PROBE=$marker" "$@"
     fi
+    out=/dev/null err=/dev/null
+    if [ "$name" != - ]; then
+        workdir
+        out=$work/$name.out err=$work/$name.err
+    fi
     timeout -k "$KILL_AFTER" "$probe_seconds" \
         setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- "$@" \
-        </dev/null >"$work/$name.out" 2>"$work/$name.err" &
+        </dev/null >"$out" 2>"$err" &
     group=$!
     status=0
     wait "$group" || status=$?
@@ -170,12 +286,13 @@ first_line() {
 }
 
 # --- the chips: there, and nobody holding one -------------------------------------
-found=0
-: >"$work/chips"
+found=0 chips="
+"
 for device in $glob; do
     if [ -e "$device" ]; then
         found=$((found + 1))
-        echo "$device" >>"$work/chips"
+        chips="$chips$device
+"
     fi
 done
 if [ "$found" -eq "$expected" ]; then
@@ -183,18 +300,24 @@ if [ "$found" -eq "$expected" ]; then
 else
     check chips fail "$found of $expected at $glob"
 fi
-# One find over every process's descriptors (not a program per descriptor): the first
-# chip each process has open, as "<pid> <device>".
-find /proc/[0-9]*/fd -maxdepth 1 -type l -printf '%h %l\n' 2>/dev/null |
-    awk -v self=$$ 'NR == FNR { chip[$0] = 1; next }
-        { split($1, p, "/"); pid = p[3] }
-        pid != self && ($2 in chip) && !(pid in seen) { seen[pid] = 1; print pid, $2 }' \
-        "$work/chips" - >"$work/holders"
-holders=0
-while read -r pid target; do
+# One find over every process's descriptors (not a program per descriptor), giving
+# those that point where the glob does (find's match is wider: its * takes a /); the
+# shell keeps the first chip each process has open.
+open_chips=$(find /proc/[0-9]*/fd -maxdepth 1 -type l -lname "$glob" -printf '%h %l\n' 2>/dev/null || true)
+holders=0 seen=" "
+while read -r fd_dir target; do
+    pid=${fd_dir#/proc/} pid=${pid%/fd}
+    case $chips in *"
+$target
+"*) ;; *) continue ;; esac
+    case $seen in *" $pid "*) continue ;; esac
+    [ "$pid" != $$ ] || continue
+    seen="$seen$pid "
     holders=$((holders + 1))
     check chip_holder fail "$target $(describe_pid "$pid")"
-done <"$work/holders"
+done <<EOF
+$open_chips
+EOF
 [ "$holders" -gt 0 ] || check chip_holder ok "no process has a chip open"
 
 # --- libtpu's lock file, and the portal's own lock ---------------------------------
@@ -219,9 +342,19 @@ fi
 
 # --- the coordinator's port (worker 0 only) ----------------------------------------
 if [ -n "$port" ]; then
+    # /proc/net/tcp{,6}, read by the shell: a socket in state 0A (LISTEN) on the port.
     hex=$(printf '%04X' "$port")
-    if cat /proc/net/tcp /proc/net/tcp6 2>/dev/null |
-        awk -v p=":$hex" '$4 == "0A" && substr($2, length($2) - 4) == p { found = 1 } END { exit !found }'; then
+    listening=""
+    for table in /proc/net/tcp /proc/net/tcp6; do
+        [ -r "$table" ] || continue
+        while read -r _ local _ state _; do
+            if [ "$state" = 0A ] && [ "${local##*:}" = "$hex" ]; then
+                listening=1
+                break
+            fi
+        done <"$table"
+    done
+    if [ -n "$listening" ]; then
         check port fail "port $port is already listening"
     else
         check port ok "port $port is free"
@@ -230,9 +363,11 @@ fi
 
 # --- the Python environment, read as the user --------------------------------------
 # Reading the versions starts the environment's Python (the slowest check), so the
-# answer is kept, root's, in /run (gone at reboot) under a key of what it depends on:
-# the interpreter and the folders its packages live in (installing, upgrading or
-# removing a package changes its folder's time).
+# answer is kept, root's, in /run (gone at reboot), one file per account and
+# environment (named by the uid and the environment's path in base64, '/' made '_'),
+# with what it depends on: the interpreter and the folders its packages live in
+# (installing, upgrading or removing a package changes its folder's time). It is used
+# while that is the same. (A very long path: a file named by a hash of it all.)
 PYCACHE=/run/tpu-portal/python-versions
 python_versions() {
     set -- "$python"
@@ -240,16 +375,41 @@ python_versions() {
         /usr/lib/python3/dist-packages /usr/local/lib/python3*/dist-packages; do
         [ ! -d "$dir" ] || set -- "$@" "$dir"
     done
-    key=$({ echo "$uid $python"; stat -L -c '%n %d %i %y %z %s' -- "$@"; } 2>/dev/null | sha256sum)
-    key=${key%% *}
-    if [ -f "$PYCACHE/$key" ] && IFS= read -r versions <"$PYCACHE/$key"; then
-        return 0
+    depends=$(stat -L -c '%n %d %i %y %z %s' -- "$@" 2>/dev/null || true)
+    if [ -z "$python_b64" ]; then
+        entry=$uid.system
+    elif [ "${#python_b64}" -le 200 ]; then
+        entry=$uid- rest=$python_b64
+        while :; do
+            case $rest in
+                */*) entry="$entry${rest%%/*}_" rest=${rest#*/} ;;
+                *) break ;;
+            esac
+        done
+        entry=$entry$rest
+    else
+        entry=$(printf '%s %s\n%s\n' "$uid" "$python" "$depends" | sha256sum)
+        entry=${entry%% *}
+    fi
+    if [ -f "$PYCACHE/$entry" ]; then
+        kept="" line=""
+        {
+            IFS= read -r versions || versions=""
+            while IFS= read -r line; do
+                kept="$kept$line
+"
+            done
+        } <"$PYCACHE/$entry"
+        if [ -n "$versions" ] && [ "$kept" = "$depends
+" ]; then
+            return 0
+        fi
     fi
     probe code python "$python" -E -c "$PYCODE" || return
     versions=$(first_line python)
     # shellcheck disable=SC2174 # /run is there: -m is for /run/tpu-portal, as job-start.sh makes it
     if [ -d "$PYCACHE" ] || { mkdir -p -m 0755 "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
-        printf '%s\n' "$versions" >"$PYCACHE/$key"
+        printf '%s\n%s\n' "$versions" "$depends" >"$PYCACHE/$entry"
     fi
 }
 if [ -n "$python_b64" ]; then
@@ -263,7 +423,7 @@ case $python in
     /*[![:print:]]* | [!/]*) check python fail "the environment path must be absolute and printable" ;;
     *)
         status=0
-        probe tool can_run test -x "$python" || status=$?
+        probe tool - test -x "$python" || status=$?
         if [ "$status" = 124 ]; then
             check python fail "$python $late (looking for it)"
         elif [ "$status" != 0 ]; then
@@ -300,7 +460,7 @@ if [ -n "$script_b64" ]; then
         case $resolved in
             "$real_home"/*)
                 status=0 step=regular sum=""
-                probe tool regular test -f "$resolved" || status=$?
+                probe tool - test -f "$resolved" || status=$?
                 if [ "$status" = 0 ]; then
                     step=sum
                     probe tool sum sha256sum -- "$resolved" || status=$?
@@ -348,8 +508,12 @@ else
 fi
 
 # --- the environment's names, and TCMalloc -----------------------------------------
-if grep -E "$FORBIDDEN" "$work/env" >"$work/bad"; then
-    check env fail "not allowed: $(tr '\n' ' ' <"$work/bad")"
+not_allowed=""
+for name in $env_names; do
+    if forbidden "$name"; then not_allowed="$not_allowed$name "; fi
+done
+if [ -n "$not_allowed" ]; then
+    check env fail "not allowed: $not_allowed"
 else
     check env ok "$n_env names"
 fi

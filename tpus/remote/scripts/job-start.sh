@@ -31,39 +31,109 @@ LOCK=$RUN/tpu.lock
 HOLDER=$RUN/holder
 MAX_INPUT=1048576
 UNIT_PREFIX=tpu-portal-job-
-# Names that would break the one-process-per-TPU rule, fake the topology, or override
-# what the portal sets itself. The portal refuses them before sending; so does this.
-FORBIDDEN='^(TPU_VISIBLE_CHIPS|TPU_VISIBLE_DEVICES|TPU_CHIPS_PER_PROCESS_BOUNDS|TPU_CHIPS_PER_HOST_BOUNDS|TPU_PROCESS_BOUNDS|TPU_PROCESS_ADDRESSES|TPU_PROCESS_PORT|TPU_HOST_BOUNDS|TPU_WORKER_ID|TPU_WORKER_HOSTNAMES|TPU_ACCELERATOR_TYPE|TPU_SKIP_MDS_QUERY|TPU_MESH_CONTROLLER_ADDRESS|TPU_MESH_CONTROLLER_PORT|CLOUD_TPU_TASK_ID|ALLOW_MULTIPLE_LIBTPU_LOAD|JAX_COORDINATOR_ADDRESS|JAX_COORDINATOR_PORT|JAX_NUM_PROCESSES|JAX_PROCESS_ID|JAX_LOCAL_DEVICE_IDS|LD_LIBRARY_PATH|TPU_PORTAL_[A-Z0-9_]*|HOME|USER|LOGNAME|PATH|VIRTUAL_ENV|TPU_RUNTIME_METRICS_PORTS)$'
 
 die() {
     echo "job-start: $*" >&2
     exit 1
 }
+# Names that would break the one-process-per-TPU rule, fake the topology, or override
+# what the portal sets itself. The portal refuses them before sending; so does this.
+forbidden() {
+    case $1 in
+        TPU_VISIBLE_CHIPS | TPU_VISIBLE_DEVICES | TPU_CHIPS_PER_PROCESS_BOUNDS | \
+            TPU_CHIPS_PER_HOST_BOUNDS | TPU_PROCESS_BOUNDS | TPU_PROCESS_ADDRESSES | \
+            TPU_PROCESS_PORT | TPU_HOST_BOUNDS | TPU_WORKER_ID | TPU_WORKER_HOSTNAMES | \
+            TPU_ACCELERATOR_TYPE | TPU_SKIP_MDS_QUERY | TPU_MESH_CONTROLLER_ADDRESS | \
+            TPU_MESH_CONTROLLER_PORT | CLOUD_TPU_TASK_ID | ALLOW_MULTIPLE_LIBTPU_LOAD | \
+            JAX_COORDINATOR_ADDRESS | JAX_COORDINATOR_PORT | JAX_NUM_PROCESSES | JAX_PROCESS_ID | \
+            JAX_LOCAL_DEVICE_IDS | LD_LIBRARY_PATH | HOME | USER | LOGNAME | PATH | VIRTUAL_ENV | \
+            TPU_RUNTIME_METRICS_PORTS) return 0 ;;
+        TPU_PORTAL_*) case ${1#TPU_PORTAL_} in *[!A-Z0-9_]*) return 1 ;; esac ;;
+        *) return 1 ;;
+    esac
+}
 
-work=$(mktemp -d)
-trap 'rm -rf -- "$work"' EXIT
 trap 'exit 1' HUP INT TERM
 
-# 1. The input, checked whole before anything changes.
-input=$work/input
-head -c $((MAX_INPUT + 1)) >"$input"
-[ "$(wc -c <"$input")" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
-B64='[A-Za-z0-9+/]+={0,2}'
-if LC_ALL=C grep -n -v -E "^(tpu-portal-job-start 1|end|job [a-z0-9][a-z0-9-]{0,63}|user [a-z][a-z0-9-]{0,30}|python $B64|cwd $B64|pod [A-Za-z0-9.:-]{1,255} [0-9]{1,4} [0-9]{1,4}|env [A-Za-z_][A-Za-z0-9_]{0,127} ($B64)?|arg $B64|tasks_max [0-9]{1,7}|memory_max_mb [0-9]{1,9}|log_max_bytes [0-9]{1,15}|keep_days [0-9]{1,5}|metrics_ports [0-9]{4,5}(,[0-9]{4,5}){0,7})$" "$input" >"$work/bad"; then
-    die "line $(head -n 1 "$work/bad" | cut -d: -f1) of the input is not allowed"
-fi
-# Every line passed the pattern above: read them with the shell's own read (a last
-# line without its newline is not read, so "end" must be the last line read).
-job="" user="" python_b64="" cwd_b64="" first_b64="" last=""
-n_line=0 n_job=0 n_user=0 n_arg=0 n_python=0 n_cwd=0 n_pod=0 seen_limits=" "
+# 1. The input, read and checked line by line by the shell itself (no program), whole
+#    before anything changes: each line must be one of those above, exactly; at most
+#    MAX_INPUT bytes. The lines the supervisor reads are kept for its spec.
+# fits <value> <allowed characters> <longest>: not empty, only those, not too long.
+fits() {
+    case $1 in
+        "" | *[!$2]*) return 1 ;;
+    esac
+    [ "${#1}" -le "$3" ]
+}
+# Base64: [A-Za-z0-9+/]+ and at most two '=' at the end.
+base64_fits() {
+    set -- "${1%=}"
+    fits "${1%=}" "A-Za-z0-9+/" "$MAX_INPUT"
+}
+# The ports: 4 or 5 digits each, one to eight of them, comma-separated.
+ports_fit() {
+    set -- "$1," 0
+    while [ -n "$1" ]; do
+        port=${1%%,*}
+        fits "$port" 0-9 5 && [ "${#port}" -ge 4 ] || return 1
+        set -- "${1#*,}" $(($2 + 1))
+    done
+    [ "$2" -le 8 ]
+}
+job="" user="" python_b64="" cwd_b64="" first_b64="" last="" spec="" bad_name=""
+n_line=0 n_job=0 n_user=0 n_arg=0 n_python=0 n_cwd=0 n_pod=0 seen_limits=" " size=0
 # The lab's limits for each job on each worker, unless the input says otherwise.
 tasks_max=4096 memory_max_mb=0 log_max_bytes=104857600 keep_days=0
-: >"$work/env"
-while read -r key value _; do
+partial=""
+while :; do
+    # A last line without its newline is checked, then refused as cut off.
+    line=""
+    if ! IFS= read -r line; then
+        [ -n "$line" ] || break
+        partial=1
+    fi
     n_line=$((n_line + 1))
-    [ "$n_line" -gt 1 ] || [ "$key $value" = "tpu-portal-job-start 1" ] ||
+    size=$((size + ${#line} + 1))
+    [ "$size" -le "$MAX_INPUT" ] || die "the input is larger than $MAX_INPUT bytes"
+    key=${line%% *} value=${line#* }
+    ok=""
+    case $line in
+        "tpu-portal-job-start 1" | end) ok=1 value="" ;;
+        "job "*) fits "$value" "a-z0-9-" 64 && case $value in [a-z0-9]*) ok=1 ;; esac ;;
+        "user "*) fits "$value" "a-z0-9-" 31 && case $value in [a-z]*) ok=1 ;; esac ;;
+        "python "* | "cwd "* | "arg "*) base64_fits "$value" && ok=1 ;;
+        "pod "*)
+            set -f
+            # shellcheck disable=SC2086 # the words, checked one by one
+            set -- $value
+            set +f
+            [ "$#" = 3 ] && [ "$value" = "$1 $2 $3" ] && fits "$1" "A-Za-z0-9.:-" 255 &&
+                fits "$2" 0-9 4 && fits "$3" 0-9 4 && ok=1
+            ;;
+        "env "*)
+            # The name, a space, and the value in base64 (none: empty).
+            name=${value%% *}
+            case $value in
+                *" "*) [ -z "${value#* }" ] || base64_fits "${value#* }" || name="" ;;
+                *) name="" ;;
+            esac
+            fits "$name" "A-Za-z0-9_" 128 && case $name in [A-Za-z_]*) ok=1 ;; esac
+            ;;
+        "tasks_max "*) fits "$value" 0-9 7 && ok=1 ;;
+        "memory_max_mb "*) fits "$value" 0-9 9 && ok=1 ;;
+        "log_max_bytes "*) fits "$value" 0-9 15 && ok=1 ;;
+        "keep_days "*) fits "$value" 0-9 5 && ok=1 ;;
+        "metrics_ports "*) ports_fit "$value" && ok=1 ;;
+    esac
+    [ -n "$ok" ] || die "line $n_line of the input is not allowed"
+    [ -z "$partial" ] || die "the input was cut off (no final end)"
+    [ "$n_line" -gt 1 ] || [ "$key" = tpu-portal-job-start ] ||
         die "the input has no tpu-portal-job-start 1 header"
     last=$key
+    case $key in
+        user | python | cwd | pod | env | arg | metrics_ports) spec="$spec$line
+" ;;
+    esac
     case $key in
         job) job=$value n_job=$((n_job + 1)) ;;
         user) user=$value n_user=$((n_user + 1)) ;;
@@ -77,13 +147,13 @@ while read -r key value _; do
             seen_limits="$seen_limits$key "
             eval "$key=\$value" # the name is one of the four above, the value digits
             ;;
-        env) echo "$value" >>"$work/env" ;;
+        env) [ -n "$bad_name" ] || ! forbidden "$name" || bad_name=$name ;;
         arg)
             [ -n "$first_b64" ] || first_b64=$value
             n_arg=$((n_arg + 1))
             ;;
     esac
-done <"$input"
+done
 [ "$last" = end ] || die "the input was cut off (no final end)"
 [ "$n_job" = 1 ] || die "the input names not exactly one job"
 [ "$n_user" = 1 ] || die "the input names not exactly one user"
@@ -99,17 +169,61 @@ log_max_bytes=${log_max_bytes:-0} keep_days=${keep_days:-0}
 if [ "$tasks_max" -lt 16 ] || [ "$tasks_max" -gt 4194304 ]; then die "tasks_max is 16 to 4194304"; fi
 [ "$memory_max_mb" = 0 ] || [ "$memory_max_mb" -ge 32 ] || die "memory_max_mb is 0 or at least 32"
 [ "$log_max_bytes" -ge 1024 ] || die "log_max_bytes is at least 1024"
-if grep -E "$FORBIDDEN" "$work/env" >"$work/bad"; then
-    die "the environment variable $(head -n 1 "$work/bad") is not allowed"
-fi
+[ -z "$bad_name" ] || die "the environment variable $bad_name is not allowed"
 
-decode() {
-    printf '%s' "$1" | base64 -d 2>/dev/null || die "a base64 field is not valid"
+# The bytes of a base64 field, decoded by the shell itself (a program for a long one);
+# fails on one that is not base64 (its length not a multiple of 4, '=' but at the end).
+B64=ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/
+b64d() {
+    if [ "${#1}" -gt 1024 ]; then
+        printf '%s' "$1" | base64 -d
+        return
+    fi
+    set -- "$1" ""
+    [ $((${#1} % 4)) = 0 ] || return 1
+    while [ -n "$1" ]; do
+        quad=${1%"${1#????}"}
+        set -- "${1#????}" "$2"
+        bits=0 pad=0
+        while [ -n "$quad" ]; do
+            char=${quad%"${quad#?}"}
+            quad=${quad#?}
+            if [ "$char" = = ]; then
+                pad=$((pad + 1)) value=0
+            else
+                [ "$pad" = 0 ] || return 1
+                value=${B64%%"$char"*}
+                value=${#value}
+                [ "$value" -lt 64 ] || return 1
+            fi
+            bits=$((bits << 6 | value))
+        done
+        if [ "$pad" -gt 0 ] && { [ -n "$1" ] || [ "$pad" -gt 2 ]; }; then return 1; fi
+        for shift in 16 8 0; do
+            [ "$shift" -ge $((pad * 8)) ] || break
+            byte=$((bits >> shift & 255))
+            set -- "$1" "$2\\$((byte >> 6))$((byte >> 3 & 7))$((byte & 7))"
+        done
+    done
+    # shellcheck disable=SC2059 # octal escapes only
+    printf "$2"
 }
-entry=$(getent passwd "$user") || die "no user $user on this worker"
-IFS=: read -r _ _ uid gid _ home _ <<EOF
+decode() {
+    b64d "$1" 2>/dev/null || die "a base64 field is not valid"
+}
+# The account: from /etc/passwd, read by the shell, where the portal's accounts are;
+# else from the name service (getent).
+uid=""
+while IFS=: read -r name _ uid gid _ home _; do
+    [ "$name" != "$user" ] || break
+    uid=""
+done </etc/passwd
+if [ -z "$uid" ]; then
+    entry=$(getent passwd "$user") || die "no user $user on this worker"
+    IFS=: read -r _ _ uid gid _ home _ <<EOF
 $entry
 EOF
+fi
 [ "$uid" -ge 1000 ] || die "jobs never run as a system account ($user has uid $uid)"
 
 python=""
@@ -233,7 +347,7 @@ cleanup_cgroups() {
         [ -z "$path" ] || rmdir "$path" 2>/dev/null || true
     done
 }
-trap 'cleanup_cgroups "$cgroup" "$pids_dir" "$memory_dir"; rm -f "$HOLDER"; rm -rf -- "$work" "$dir.new"' EXIT
+trap 'cleanup_cgroups "$cgroup" "$pids_dir" "$memory_dir"; rm -f "$HOLDER"; rm -rf -- "$dir.new"' EXIT
 
 # 3c. The job's cgroup, with the lab's limits on tasks and memory. Where systemd runs
 #     (a TPU VM), a transient scope in the person's user-<uid>.slice, made by the
@@ -316,9 +430,11 @@ memory $memory_dir"
 fi
 
 # 4. The job's folder: root's, readable by the user's group; the user cannot change it.
-#    Its group is set first: what is written into it (setgid) takes that group.
-mkdir -m 2750 "$dir.new"
-chown "root:$gid" "$dir.new"
+#    Its group is set before its mode: what is written into it (setgid) takes that
+#    group. (One install: mkdir, chown and chmod in one program.) A folder left by a
+#    start that never finished is refused, and removed by this one's end.
+[ ! -e "$dir.new" ] || die "$dir.new is there already"
+install -d -o root -g "$gid" -m 2750 "$dir.new"
 umask 027
 # The spec the supervisor runs: the account's ids and the input's own lines (free text
 # still in base64). The checked name, home, cwd and python are its arguments.
@@ -326,7 +442,7 @@ umask 027
     echo "uid $uid"
     echo "gid $gid"
     echo "job $job"
-    grep -E '^(user|python|cwd|pod|env|arg|metrics_ports) ' "$input"
+    printf '%s' "$spec"
 } >"$dir.new/spec"
 : >"$dir.new/log"
 # Where the job's cgroup is (cgroup), or where systemd runs the scope to make
@@ -347,7 +463,44 @@ export PATH
 umask 027  # files root's, readable by the user's group (the folder is setgid)
 dir=$1 uid=$2 gid=$3 user=$4 home=$5 cwd=$6 python=$7 log_max=$8
 cd "$dir"
-d() { printf '%s' "$1" | base64 -d; }
+# The bytes of a base64 field, decoded by the shell itself (a program for a long one);
+# fails on one that is not base64 (its length not a multiple of 4, '=' but at the end).
+B64=ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/
+b64d() {
+    if [ "${#1}" -gt 1024 ]; then
+        printf '%s' "$1" | base64 -d
+        return
+    fi
+    set -- "$1" ""
+    [ $((${#1} % 4)) = 0 ] || return 1
+    while [ -n "$1" ]; do
+        quad=${1%"${1#????}"}
+        set -- "${1#????}" "$2"
+        bits=0 pad=0
+        while [ -n "$quad" ]; do
+            char=${quad%"${quad#?}"}
+            quad=${quad#?}
+            if [ "$char" = = ]; then
+                pad=$((pad + 1)) value=0
+            else
+                [ "$pad" = 0 ] || return 1
+                value=${B64%%"$char"*}
+                value=${#value}
+                [ "$value" -lt 64 ] || return 1
+            fi
+            bits=$((bits << 6 | value))
+        done
+        if [ "$pad" -gt 0 ] && { [ -n "$1" ] || [ "$pad" -gt 2 ]; }; then return 1; fi
+        for shift in 16 8 0; do
+            [ "$shift" -ge $((pad * 8)) ] || break
+            byte=$((bits >> shift & 255))
+            set -- "$1" "$2\\$((byte >> 6))$((byte >> 3 & 7))$((byte & 7))"
+        done
+    done
+    # shellcheck disable=SC2059 # octal escapes only
+    printf "$2"
+}
+d() { b64d "$1"; }
 # The 22nd field of /proc/PID/stat (the start time), read by the shell itself.
 starttime() {
     read -r stat <"/proc/$1/stat" || return 1
@@ -502,9 +655,9 @@ else
 fi
 exec 5>&-
 # The answer waits until the command runs as the user (it has joined its cgroup and
-# left root's side), or is gone already.
-tries=0
-while [ "$tries" -lt 400 ]; do
+# left root's side), or is gone already. Looked at at once, then after waits that
+# grow (each is a program started: a busy worker is not asked often), 2 s at most.
+for pause in 0.002 0.005 0.01 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
     now_uid=""
     while read -r key real _; do
         if [ "$key" = Uid: ]; then
@@ -512,9 +665,8 @@ while [ "$tries" -lt 400 ]; do
             break
         fi
     done <"/proc/$child/status" 2>/dev/null || break
-    [ "$now_uid" != "$uid" ] || break
-    tries=$((tries + 1))
-    sleep 0.005
+    if [ "$now_uid" = "$uid" ] || [ "$pause" = - ]; then break; fi
+    sleep "$pause"
 done
 echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid.new
 mv -f pid.new pid
@@ -567,7 +719,7 @@ mv -f exit.new exit
 SUPERVISOR
 mv "$dir.new" "$dir"
 # From here the supervisor owns the folder, the cgroup and the holder file.
-trap 'rm -rf -- "$work"' EXIT
+trap - EXIT
 
 # 5. Detach: a new session, nothing of the SSH channel, the lock's descriptor kept.
 #    The supervisor's fd 3 is a pipe to here: it writes the command's pid, the boot id
