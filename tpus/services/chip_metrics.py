@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Avg, F, FloatField, Value
+from django.db.models import Avg, Case, DateField, F, FloatField, Sum, Value, When
 from django.db.models.functions import Greatest
 from django.utils import timezone
 
@@ -175,15 +175,25 @@ class DutyDay:
     busy: float
 
 
-def duty_days(lab, vm_ids, first: dt.date, last: dt.date) -> dict[int, dict[dt.date, DutyDay]]:
-    """The day rows of ``lab``'s VMs of ``vm_ids`` from ``first`` to ``last`` that
-    have any time observed, by VM id and day: one query."""
+def duty_days(lab, vm_ids, bars) -> dict[int, dict[dt.date, DutyDay]]:
+    """The day rows of ``lab``'s VMs of ``vm_ids`` over ``bars`` (``portal.charts.Bin``:
+    a day or a week each) that have any time observed, summed per VM and bar in the
+    database, by VM id and the bar's first day: one query, a row per VM and bar."""
+    if not bars:
+        return {}
     rows = VmDutyDay.objects.filter(
-        vm__lab=lab, vm_id__in=list(vm_ids), day__range=(first, last), observed__gt=0
-    ).values_list("vm_id", "day", "observed", "duty")
+        vm__lab=lab, vm_id__in=list(vm_ids), day__range=(bars[0].first, bars[-1].last),
+        observed__gt=0,
+    )  # fmt: skip
+    if all(b.first == b.last for b in bars):
+        rows = rows.annotate(bar=F("day"))
+    else:
+        weeks = [When(day__range=(b.first, b.last), then=Value(b.first)) for b in bars]
+        rows = rows.annotate(bar=Case(*weeks, output_field=DateField()))
     found: dict[int, dict[dt.date, DutyDay]] = {}
-    for vm_id, day, observed, duty in rows:
-        found.setdefault(vm_id, {})[day] = DutyDay(observed, duty)
+    summed = rows.values("vm_id", "bar").annotate(o=Sum("observed"), d=Sum("duty")).order_by()
+    for vm_id, bar, observed, busy in summed.values_list("vm_id", "bar", "o", "d"):
+        found.setdefault(vm_id, {})[bar] = DutyDay(observed, busy)
     return found
 
 

@@ -138,9 +138,10 @@ def held_chart(
 ) -> Chart:
     """A row per TPU VM of ``vms`` (id, name), a bar per bar of days: the share of
     that time a portal job held the VM's chips and, beside it, the chips' mean duty
-    cycle over the time they were read (``duty``: ``chip_metrics.duty_days``; none
-    read is "no reading", not 0). A job runs on every worker of its VM at once, so
-    its worker-time over the VM's ``workers`` is its time.
+    cycle over the time they were read (``duty``: ``chip_metrics.duty_days``, by
+    VM and day or a bar's first day; none read is "no reading", not 0). A job runs
+    on every worker of its VM at once, so its worker-time over the VM's ``workers``
+    is its time.
 
     What holds a chip outside the portal is seen only at a look, not over time, so
     is not in it."""
@@ -373,9 +374,7 @@ def read_series(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) ->
         vms=vms,
         more_vms=len(vm_rows) > HELD_VMS,
         vm_days=figures.per_day("vm", [ident for ident, _ in vms]),
-        duty=chip_metrics.duty_days(
-            figures.lab, [ident for ident, _ in vms], period.first, period.last
-        ),
+        duty=chip_metrics.duty_days(figures.lab, [ident for ident, _ in vms], bars),
         workers=usage.worker_counts(ident for ident, _ in vms),
         lengths=day_lengths(bars, figures.now),
         waits=figures.waits(),

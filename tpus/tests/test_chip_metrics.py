@@ -12,6 +12,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from accounts.services import create_token
+from portal.charts import bins
 from tpus.models import ChipSample, TpuVm, VmDutyDay
 from tpus.remote import jobs as wire
 from tpus.services import chip_metrics
@@ -300,7 +301,7 @@ def test_each_reading_adds_the_time_since_the_last_at_the_chips_mean_duty(scene,
     chip_metrics.record(scene.vm, _duty(100.0), now=noon + dt.timedelta(seconds=20))
     assert _days(scene.vm) == {dt.date(2026, 1, 10): (20.0, 15.0)}
     assert VmDutyDay.objects.get(vm=scene.vm).hbm_peak == 0.25
-    days = chip_metrics.duty_days(scene.lab, [scene.vm.pk], JAN_FIRST, JAN_LAST)
+    days = chip_metrics.duty_days(scene.lab, [scene.vm.pk], bins(JAN_FIRST, JAN_LAST))
     assert days == {scene.vm.pk: {dt.date(2026, 1, 10): chip_metrics.DutyDay(20.0, 15.0)}}
 
 
@@ -363,3 +364,18 @@ def test_a_reading_after_another_stored_meanwhile_is_not_counted_twice(scene, se
     chip_metrics.record(stale, _duty(50.0), now=noon + dt.timedelta(seconds=12))
     assert _days(scene.vm) == {dt.date(2026, 1, 10): (10.0, 5.0)}
     assert TpuVm.objects.get(pk=scene.vm.pk).chip_metrics_at == noon + dt.timedelta(seconds=12)
+
+
+@pytest.mark.django_db
+def test_a_long_periods_day_rows_are_summed_a_week_a_bar_in_the_database(scene):
+    for day, observed, busy in ((1, 100.0, 90.0), (4, 300.0, 30.0), (9, 50.0, 5.0), (9, 0, 0)):
+        vm = scene.vm if observed else make_vm(scene.lab, "tpu6")
+        VmDutyDay.objects.create(vm=vm, day=dt.date(2026, 1, day), observed=observed, duty=busy)
+    year = bins(JAN_FIRST, dt.date(2026, 12, 31))
+    vms = VmDutyDay.objects.values_list("vm", flat=True)
+    assert chip_metrics.duty_days(scene.lab, vms, year) == {
+        scene.vm.pk: {
+            JAN_FIRST: chip_metrics.DutyDay(400.0, 120.0),
+            dt.date(2026, 1, 8): chip_metrics.DutyDay(50.0, 5.0),
+        }
+    }

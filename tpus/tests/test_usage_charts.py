@@ -313,10 +313,10 @@ def test_another_labs_duty_cycle_is_never_read_for_this_lab(client, scene, histo
     theirs = make_vm(cast.other_lab, "theirs")
     make_job(theirs, cast.outsider, "succeeded", started_at=at(10, 1), ended_at=at(10, 2))
     _read_chips(theirs, at(10, 1), 90.0)
-    first, last = dt.date(2026, 1, 10), dt.date(2026, 1, 11)
-    assert chip_metrics.duty_days(scene.lab, [theirs.pk, scene.vm.pk], first, last) == {}
-    assert chip_metrics.duty_days(cast.other_lab, [theirs.pk], first, last) == {
-        theirs.pk: {first: DutyDay(10.0, 9.0)}
+    days = bins(dt.date(2026, 1, 10), dt.date(2026, 1, 11))
+    assert chip_metrics.duty_days(scene.lab, [theirs.pk, scene.vm.pk], days) == {}
+    assert chip_metrics.duty_days(cast.other_lab, [theirs.pk], days) == {
+        theirs.pk: {dt.date(2026, 1, 10): DutyDay(10.0, 9.0)}
     }
     client.force_login(scene.admin)
     body = _usage(client)
