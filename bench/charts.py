@@ -67,7 +67,9 @@ def add_waiting_jobs(lab: dict, count: int) -> float:
 
 
 def add_duty_days(lab: dict, days: int = 366) -> int:
-    """A duty-cycle row per VM of the lab and day of the last ``days``; returns how many."""
+    """A duty-cycle row per VM of the lab and day of the last ``days``, then ANALYZE;
+    returns how many."""
+    from django.db import connection
     from django.utils import timezone
 
     from tpus.models import TpuVm, VmDutyDay
@@ -81,6 +83,9 @@ def add_duty_days(lab: dict, days: int = 366) -> int:
             rows.append(VmDutyDay(vm_id=vm_id, day=today - dt.timedelta(days=n), observed=seen,
                                   duty=seen * rng.random(), hbm_peak=rng.random()))  # fmt: skip
     VmDutyDay.objects.bulk_create(rows, batch_size=5000)
+    # The planner's statistics of a table that grew over months (autovacuum keeps them).
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
     return len(rows)
 
 
