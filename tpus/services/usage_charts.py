@@ -11,9 +11,11 @@ people; ``draw`` makes the charts of them."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import math
 from dataclasses import dataclass
 
+from django.core.cache import cache
 from django.utils import timezone
 
 from portal.charts import (
@@ -338,6 +340,31 @@ def _wait(seconds: float) -> str:
 # --- the usage page's charts -----------------------------------------------------------
 
 
+# How long the chips' duty cycle per VM and bar stays in the shared cache: its rows
+# change at every reading, not when jobs are counted, so a day's bar may be this far
+# behind its latest readings.
+DUTY_CACHED_SECONDS = 60
+
+
+def duty_key(lab_id: int, vm_ids: list[int], bars: list[Bin]) -> str:
+    return ":".join(
+        ["tpu-portal:usage-duty", str(lab_id), bars[0].first.isoformat(),
+         bars[-1].last.isoformat(), bin_word(bars),
+         hashlib.sha256(",".join(map(str, sorted(vm_ids))).encode()).hexdigest()[:16]]
+    )  # fmt: skip
+
+
+def duty_of(lab, vm_ids: list[int], bars: list[Bin]) -> dict:
+    """``chip_metrics.duty_days`` of the VMs, from the shared cache when read less than
+    ``DUTY_CACHED_SECONDS`` ago (one query otherwise)."""
+    key = duty_key(lab.pk, vm_ids, bars)
+    found = cache.get(key)
+    if found is None:
+        found = chip_metrics.duty_days(lab, vm_ids, bars)
+        cache.set(key, found, timeout=DUTY_CACHED_SECONDS)
+    return found
+
+
 @dataclass
 class UsageSeries:
     """What the usage page's charts are drawn from (``read_series``)."""
@@ -360,7 +387,7 @@ def read_series(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) ->
     that of the TPU VMs of ``vm_rows`` (a page of ``usage.MostUsedFirst``, named; its
     first ``HELD_VMS``), their workers and their chips' duty cycle per day, and the
     waits. Seven queries at most, four of them kept in the cache until more jobs are
-    counted."""
+    counted, and the duty cycle for ``DUTY_CACHED_SECONDS`` (``duty_of``)."""
     period = figures.period
     bars = bins(period.first, period.last)
     top = usage.name_people(figures.ranked("user", 0, TOP_PEOPLE))
@@ -374,7 +401,7 @@ def read_series(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) ->
         vms=vms,
         more_vms=len(vm_rows) > HELD_VMS,
         vm_days=figures.per_day("vm", [ident for ident, _ in vms]),
-        duty=chip_metrics.duty_days(figures.lab, [ident for ident, _ in vms], bars),
+        duty=duty_of(figures.lab, [ident for ident, _ in vms], bars),
         workers=usage.worker_counts(ident for ident, _ in vms),
         lengths=day_lengths(bars, figures.now),
         waits=figures.waits(),
