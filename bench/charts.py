@@ -3,7 +3,9 @@
 Builds the lab of ``bench.pages`` (5,000 people, 500 TPU VMs with about 4,000 workers,
 5,000 jobs over the last 30 days) on a throw-away PostgreSQL database, adds as many
 jobs again that waited in the queue (seconds to hours) so the chart of waits has
-something to draw, counts them all into the per-day usage rows, and then, in this
+something to draw, counts them all into the per-day usage rows, gives every VM a row
+of its chips' duty cycle for each day of the last year (as the job poll folds its
+readings in), and then, in this
 process with Django's test client on PostgreSQL with Redis as the cache, times the
 usage page as the lab's admin and as a member, for the last 30 days and for a year
 (a week a bar): each sample once with the charts and once without (the page's view
@@ -62,6 +64,29 @@ def add_waiting_jobs(lab: dict, count: int) -> float:
     began = time.monotonic()
     usage.count_all_ended_jobs()
     return time.monotonic() - began
+
+
+def add_duty_days(lab: dict, days: int = 366) -> int:
+    """A duty-cycle row per VM of the lab and day of the last ``days``, then ANALYZE;
+    returns how many."""
+    from django.db import connection
+    from django.utils import timezone
+
+    from tpus.models import TpuVm, VmDutyDay
+
+    rng = random.Random(17)
+    today = timezone.localdate()
+    rows = []
+    for vm_id in TpuVm.objects.filter(lab=lab["lab"]).values_list("pk", flat=True):
+        for n in range(days):
+            seen = rng.uniform(60, 86400)
+            rows.append(VmDutyDay(vm_id=vm_id, day=today - dt.timedelta(days=n), observed=seen,
+                                  duty=seen * rng.random(), hbm_peak=rng.random()))  # fmt: skip
+    VmDutyDay.objects.bulk_create(rows, batch_size=5000)
+    # The planner's statistics of a table that grew over months (autovacuum keeps them).
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+    return len(rows)
 
 
 def measure(lab: dict, reps: int) -> list[list]:
@@ -191,11 +216,13 @@ def main() -> None:
         lab = build_lab(args.scale)
         more = int(5000 * args.scale)
         seconds = add_waiting_jobs(lab, more)
+        duty_rows = add_duty_days(lab)
         from tpus.models import Job
 
         print(
             f"Added {more} jobs that waited in the queue (counted in {seconds:.1f} s): "
-            f"{Job.objects.filter(vm__lab=lab['lab']).count()} jobs in the lab.\n"
+            f"{Job.objects.filter(vm__lab=lab['lab']).count()} jobs in the lab; "
+            f"{duty_rows} rows of duty cycle per VM and day.\n"
         )
         print(f"{machine()}\n")
         print(

@@ -1,6 +1,6 @@
 from tpus.models.audit import AuditAction, AuditEvent
 from tpus.models.changes import VmChange
-from tpus.models.chip_metrics import ChipSample
+from tpus.models.chip_metrics import ChipSample, VmDutyDay
 from tpus.models.connections import ConnectionState, VmConnection
 from tpus.models.fair_share import FairShare
 from tpus.models.grants import Grant, KindGrant, WorkerSync
@@ -48,6 +48,7 @@ __all__ = [
     "TpuVm",
     "VmChange",
     "UsageDay",
+    "VmDutyDay",
     "VmConnection",
     "VmRequest",
     "VmRequestState",

@@ -26,3 +26,25 @@ class ChipSample(models.Model):
 
     def __str__(self) -> str:
         return f"{self.vm_id}/{self.worker}/{self.chip} at {self.at:%H:%M:%S}"
+
+
+class VmDutyDay(models.Model):
+    """How busy ``vm``'s chips were on one ``day`` (a whole day in the portal's time
+    zone, as the usage rows' days are), folded in at each reading of its metrics:
+    ``observed``, the seconds between readings counted (each interval up to a cap, so
+    a gap with no reading is not counted), and ``duty``, those seconds times the mean
+    duty cycle of the chips read (a fraction), so ``duty / observed`` is the day's mean
+    duty cycle while observed; ``hbm_peak``, the largest share of a chip's HBM in use
+    at a reading. Kept like the usage rows: as long as the VM."""
+
+    vm = models.ForeignKey("tpus.TpuVm", on_delete=models.CASCADE, related_name="+")
+    day = models.DateField()
+    observed = models.FloatField(default=0.0)
+    duty = models.FloatField(default=0.0)
+    hbm_peak = models.FloatField(default=0.0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["vm", "day"], name="one_duty_day_per_vm")]
+
+    def __str__(self) -> str:
+        return f"{self.vm_id} {self.day}"

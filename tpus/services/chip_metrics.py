@@ -9,6 +9,10 @@ a short history per chip, pruned past PORTAL_CHIP_METRICS_KEEP_MINUTES in the sa
 pass (a fixed number of queries per poll, whatever the number of workers and chips).
 A VM's workers are asked at most about once per PORTAL_CHIP_METRICS_EVERY_SECONDS
 (``ports_to_ask``): the polls in between cost what they did before.
+
+Each reading is also folded into the VM's row of its day (``VmDutyDay``, kept like the
+usage rows), so the usage page can chart how busy the chips were over any period long
+after the samples are gone (``duty_days``): one more query per reading.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import Avg
+from django.db import IntegrityError, transaction
+from django.db.models import Avg, DateField, F, FloatField, Func, IntegerField, Sum, Value
+from django.db.models.functions import Greatest
 from django.utils import timezone
 
-from tpus.models import ChipSample, TpuVm
+from tpus.models import ChipSample, TpuVm, VmDutyDay
 from tpus.remote import WorkerOutcome
 from tpus.remote.jobs import WorkerMetrics, parse_status
 
@@ -91,8 +97,17 @@ def record(vm: TpuVm, answers: Mapping[int, WorkerMetrics | None], *, now=None) 
             for c in answer.chips
         ]
         latest.append({"worker": index, "chips": chips, "none": answer.none})
-    TpuVm.objects.filter(pk=vm.pk).update(chip_metrics=latest, chip_metrics_at=now)
+    before = vm.chip_metrics_at
+    # The reading follows ``before`` only if no other was stored meanwhile; otherwise
+    # its interval is not known, and it is not folded into the day rows.
+    follows = TpuVm.objects.filter(pk=vm.pk, chip_metrics_at=before).update(
+        chip_metrics=latest, chip_metrics_at=now
+    )
+    if not follows:
+        TpuVm.objects.filter(pk=vm.pk).update(chip_metrics=latest, chip_metrics_at=now)
     vm.chip_metrics, vm.chip_metrics_at = latest, now
+    if follows and before is not None:
+        _fold(vm, before, now, latest)
     samples = [
         ChipSample(vm=vm, worker=row["worker"], chip=c["chip"], at=now, hbm_used=c["used"],
                    hbm_total=c["total"], duty=c["duty"])
@@ -102,6 +117,101 @@ def record(vm: TpuVm, answers: Mapping[int, WorkerMetrics | None], *, now=None) 
     ChipSample.objects.filter(vm=vm, at__lt=now - _kept()).delete()
     if samples and not ChipSample.objects.filter(vm=vm, at__gt=now - _interval()).exists():
         ChipSample.objects.bulk_create(samples)
+
+
+def _cap() -> dt.timedelta:
+    """The longest interval a reading stands for: twice the time between readings
+    (the interval, or the job poll when that is slower). A longer gap is not counted
+    as observed beyond it."""
+    every = max(settings.PORTAL_CHIP_METRICS_EVERY_SECONDS, settings.PORTAL_JOB_POLL_SECONDS)
+    return dt.timedelta(seconds=2 * every)
+
+
+def day_seconds(begin: dt.datetime, end: dt.datetime) -> dict[dt.date, float]:
+    """The seconds of ``begin`` to ``end`` on each day of the portal's time zone."""
+    found: dict[dt.date, float] = {}
+    while begin < end:
+        day = timezone.localtime(begin).date()
+        midnight = timezone.make_aware(dt.datetime.combine(day + dt.timedelta(days=1), dt.time()))
+        stop = min(midnight, end)
+        found[day] = found.get(day, 0.0) + (stop - begin).total_seconds()
+        begin = stop
+    return found
+
+
+def _fold(vm: TpuVm, before: dt.datetime, now: dt.datetime, latest: list[dict]) -> None:
+    """Add the reading at ``now`` (the one before at ``before``) to the VM's day rows:
+    the time since ``before`` up to the cap, as observed, at the mean duty cycle of the
+    chips read. A reading without chips adds nothing. One UPDATE per day (two across a
+    midnight), and an INSERT for a day's first reading."""
+    chips = [c for row in latest for c in row["chips"]]
+    if not chips:
+        return
+    duty = sum(float(c["duty"]) for c in chips) / len(chips) / 100
+    peak = max((c["used"] / c["total"] for c in chips if c["total"]), default=0.0)
+    for day, seconds in day_seconds(max(before, now - _cap()), now).items():
+        added = {
+            "observed": F("observed") + seconds,
+            "duty": F("duty") + seconds * duty,
+            "hbm_peak": Greatest(F("hbm_peak"), Value(peak, FloatField())),
+        }
+        if VmDutyDay.objects.filter(vm=vm, day=day).update(**added):
+            continue
+        try:
+            with transaction.atomic():
+                VmDutyDay.objects.create(
+                    vm=vm, day=day, observed=seconds, duty=seconds * duty, hbm_peak=peak
+                )
+        except IntegrityError:  # made by another reading meanwhile
+            VmDutyDay.objects.filter(vm=vm, day=day).update(**added)
+
+
+@dataclass(frozen=True)
+class DutyDay:
+    """One VM's day: seconds observed, and those seconds times the chips' mean duty
+    cycle (``busy``; ``busy / observed`` is the day's mean, 0 to 1)."""
+
+    observed: float
+    busy: float
+
+
+class _WeekOf(Func):
+    """Which week from ``first`` a date is in (0: its first seven days), as a number:
+    cheaper for the database and to build than a CASE with a branch per week."""
+
+    output_field = IntegerField()
+    template = "((%(expressions)s) / 7)"
+    arg_joiner = " - "
+
+    def __init__(self, day, first: dt.date):
+        super().__init__(day, Value(first, DateField()))
+
+    def as_sqlite(self, compiler, connection, **extra):
+        return self.as_sql(
+            compiler, connection, arg_joiner=") - julianday(",
+            template="(CAST(julianday(%(expressions)s) AS INTEGER) / 7)", **extra
+        )  # fmt: skip
+
+
+def duty_days(lab, vm_ids, bars) -> dict[int, dict[dt.date, DutyDay]]:
+    """The day rows of ``lab``'s VMs of ``vm_ids`` over ``bars`` (``portal.charts.Bin``:
+    a day each, or a week from the first day) that have any time observed, summed per
+    VM and bar in the database, by VM id and the bar's first day: one query, a row per
+    VM and bar."""
+    if not bars:
+        return {}
+    first = bars[0].first
+    rows = VmDutyDay.objects.filter(
+        vm__lab=lab, vm_id__in=list(vm_ids), day__range=(first, bars[-1].last), observed__gt=0
+    )
+    weekly = any(b.first != b.last for b in bars)
+    rows = rows.annotate(bar=_WeekOf(F("day"), first) if weekly else F("day"))
+    found: dict[int, dict[dt.date, DutyDay]] = {}
+    summed = rows.values("vm_id", "bar").annotate(o=Sum("observed"), d=Sum("duty")).order_by()
+    for vm_id, bar, observed, busy in summed.values_list("vm_id", "bar", "o", "d"):
+        day = first + dt.timedelta(days=7 * bar) if weekly else bar
+        found.setdefault(vm_id, {})[day] = DutyDay(observed, busy)
+    return found
 
 
 # --- what the page, the API and the client show ---------------------------------------

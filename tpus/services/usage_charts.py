@@ -1,6 +1,7 @@
 """Charts of a lab's TPU usage over a period (``portal.charts`` draws them):
 worker-hours per person per day (stacked), the share of each day a portal job held
-each TPU VM, and how long jobs waited to start.
+each TPU VM beside how busy its chips were (their mean duty cycle while read), and
+how long jobs waited to start.
 
 Each chart is made by a pure function from its series to a ``Chart``, with the rows of
 the table that holds the same figures. ``read_series`` reads the series from
@@ -10,9 +11,11 @@ people; ``draw`` makes the charts of them."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import math
 from dataclasses import dataclass
 
+from django.core.cache import cache
 from django.utils import timezone
 
 from portal.charts import (
@@ -33,7 +36,7 @@ from portal.charts import (
     stack,
     styled,
 )
-from tpus.services import usage
+from tpus.services import chip_metrics, usage
 
 NAMES = 110  # room for a TPU VM's name at the left of its row
 ROW = 30  # one TPU VM's row in the chart of time held
@@ -42,10 +45,14 @@ HELD_VMS = 20
 
 HELD = (
     "Time held: the share of the time a job the portal started was running on the TPU VM "
-    "(a running job holds every chip of it). How busy the chips were inside the job (their "
-    "duty cycle) is not read yet, and a process outside the portal is seen only when the "
-    "portal looks, so neither is in this chart."
+    "(a running job holds every chip of it). Duty cycle: how busy the VM's chips were (the "
+    "mean of their TensorCore duty cycle), whoever ran on them, over the time the portal "
+    "read them (about every few seconds while a job runs); “no reading” where they were "
+    "not read. A process outside the portal is seen only when the portal looks, so its "
+    "time is not in time held."
 )
+HELD_SERIES = ["Time held", "Duty cycle (mean while observed)"]
+NO_READING = "no reading"
 WAITED = (
     "A job's wait: from when it was submitted until it ran on every worker, counted on the "
     "day it started. Jobs that have not started are not in it."
@@ -127,31 +134,53 @@ def held_chart(
     per_day: dict[dt.date, dict],
     workers: dict[int, int],
     lengths: dict[dt.date, dt.timedelta],
+    duty: dict[int, dict[dt.date, chip_metrics.DutyDay]] | None = None,
     *,
     whose: str = "a portal job",
 ) -> Chart:
     """A row per TPU VM of ``vms`` (id, name), a bar per bar of days: the share of
-    that time a portal job held the VM's chips. A job runs on every worker of its VM
-    at once, so its worker-time over the VM's ``workers`` is its time.
+    that time a portal job held the VM's chips and, beside it, the chips' mean duty
+    cycle over the time they were read (``duty``: ``chip_metrics.duty_days``, by
+    VM and day or a bar's first day; none read is "no reading", not 0). A job runs
+    on every worker of its VM at once, so its worker-time over the VM's ``workers``
+    is its time.
 
-    Each row can hold more than one series side by side (``series``); what holds a
-    chip outside the portal is seen only at a look, not over time, so is not in it."""
-    series = styled(["Time held"])
+    What holds a chip outside the portal is seen only at a look, not over time, so
+    is not in it."""
+    series = styled(HELD_SERIES)
     passed = per_bar(bars, {day: {None: time} for day, time in lengths.items()}, [None])[None]
     held = per_bar(bars, per_day, [ident for ident, _ in vms])
-    rows, overall = [], []
+    bar_of = {day: n for n, b in enumerate(bars) for day in b.days}
+    values, overall = [], []
     for ident, _ in vms:
         times = [time / (workers.get(ident) or 1) for time in held[ident]]
-        rows.append([_share(t, p) for t, p in zip(times, passed, strict=True)])
-        overall.append(_share(sum(times, dt.timedelta()), sum(passed, dt.timedelta())))
+        observed, busy = [0.0] * len(bars), [0.0] * len(bars)
+        for day, found in (duty or {}).get(ident, {}).items():
+            if day in bar_of:
+                observed[bar_of[day]] += found.observed
+                busy[bar_of[day]] += found.busy
+        values.append(
+            [
+                [_share(t, p) for t, p in zip(times, passed, strict=True)],
+                [_mean(b, o) for b, o in zip(busy, observed, strict=True)],
+            ]
+        )
+        overall.append(
+            [
+                _share(sum(times, dt.timedelta()), sum(passed, dt.timedelta())),
+                _mean(sum(busy), sum(observed)),
+            ]
+        )
     chart = _rows_chart(
         "chart-held",
-        f"Share of each {bin_word(bars).lower()} {whose} held each TPU VM",
+        f"Share of each {bin_word(bars).lower()} {whose} held each TPU VM, and its chips' "
+        "duty cycle",
         bars,
         [name for _, name in vms],
         series,
-        [[row] for row in rows],
+        values,
         overall=overall,
+        missing=["–", NO_READING],
     )
     chart.note = HELD
     return chart
@@ -162,6 +191,11 @@ def _share(held: dt.timedelta, passed: dt.timedelta) -> float | None:
     return min(held / passed, 1.0) if passed else None
 
 
+def _mean(busy: float, observed: float) -> float | None:
+    """The mean duty cycle over ``observed`` seconds (0 to 1); None when none was."""
+    return min(max(busy / observed, 0.0), 1.0) if observed > 0 else None
+
+
 def _rows_chart(
     chart_id: str,
     title: str,
@@ -170,15 +204,18 @@ def _rows_chart(
     series: list[Series],
     values: list[list[list[float | None]]],  # per row, per series, per bar: 0 to 1
     *,
-    overall: list[float | None],
+    overall: list[list[float | None]],  # per row, per series
+    missing: list[str],  # a cell without a value, per series
 ) -> Chart:
+    """A row per name, each series' bars side by side in it; in the table, a row per
+    name and series."""
     chart = Chart(
         id=chart_id,
         title=title,
         description="",
         height=TOP + ROW * max(len(names), 1) + BOTTOM,
         series=series,
-        head=["TPU VM", "Whole period", *(b.label for b in bars)],
+        head=["TPU VM", "Figure", "Whole period", *(b.label for b in bars)],
         left=NAMES,
     )
     slot = (WIDTH - NAMES - RIGHT) / len(bars)
@@ -195,17 +232,25 @@ def _rows_chart(
                     continue
                 x = NAMES + n * slot + slot * 0.1 + s * width
                 chart.rects.append(Rect(x, base - value * band, width, value * band, s, value))
-        cells = [_percent(v) for v in values[r][0]]
-        chart.rows.append([name, _percent(overall[r]), *cells])
+        for s, bar_values in enumerate(values[r]):
+            cells = [_percent(v, missing[s]) for v in [overall[r][s], *bar_values]]
+            chart.rows.append([name, series[s].label, *cells])
     every = math.ceil(len(bars) / 5)
     for n in range(0, len(bars), every):
         chart.texts.append(Text(NAMES + (n + 0.5) * slot, chart.height - 6, bars[n].short))
     chart.description = (
         f"A row per TPU VM ({len(names)}), a bar per {bin_word(bars).lower()} from "
-        f"{bars[0].label} to {bars[-1].label}; a full-height bar is the whole of that time. "
+        f"{bars[0].label} to {bars[-1].label}, "
+        + " and ".join(s.label.lower() for s in series)
+        + " side by side; a full-height bar is 100 %. "
         + (
             "; ".join(
-                f"{n}: {_percent(o)} of the period" for n, o in zip(names, overall, strict=True)
+                f"{n} over the period: "
+                + ", ".join(
+                    f"{series[s].label.lower()} {_percent(o, missing[s])}"
+                    for s, o in enumerate(whole)
+                )
+                for n, whole in zip(names, overall, strict=True)
             )
             if names
             else "No TPU VM was used"
@@ -219,8 +264,8 @@ def _short(name: str, size: int = 14) -> str:
     return name if len(name) <= size else name[: size - 1] + "…"
 
 
-def _percent(value: float | None) -> str:
-    return "–" if value is None else f"{value * 100:.0f} %"
+def _percent(value: float | None, missing: str = "–") -> str:
+    return missing if value is None else f"{value * 100:.0f} %"
 
 
 # --- waiting to start ------------------------------------------------------------------
@@ -295,6 +340,31 @@ def _wait(seconds: float) -> str:
 # --- the usage page's charts -----------------------------------------------------------
 
 
+# How long the chips' duty cycle per VM and bar stays in the shared cache: its rows
+# change at every reading, not when jobs are counted, so a day's bar may be this far
+# behind its latest readings.
+DUTY_CACHED_SECONDS = 60
+
+
+def duty_key(lab_id: int, vm_ids: list[int], bars: list[Bin]) -> str:
+    return ":".join(
+        ["tpu-portal:usage-duty", str(lab_id), bars[0].first.isoformat(),
+         bars[-1].last.isoformat(), bin_word(bars),
+         hashlib.sha256(",".join(map(str, sorted(vm_ids))).encode()).hexdigest()[:16]]
+    )  # fmt: skip
+
+
+def duty_of(lab, vm_ids: list[int], bars: list[Bin]) -> dict:
+    """``chip_metrics.duty_days`` of the VMs, from the shared cache when read less than
+    ``DUTY_CACHED_SECONDS`` ago (one query otherwise)."""
+    key = duty_key(lab.pk, vm_ids, bars)
+    found = cache.get(key)
+    if found is None:
+        found = chip_metrics.duty_days(lab, vm_ids, bars)
+        cache.set(key, found, timeout=DUTY_CACHED_SECONDS)
+    return found
+
+
 @dataclass
 class UsageSeries:
     """What the usage page's charts are drawn from (``read_series``)."""
@@ -306,6 +376,7 @@ class UsageSeries:
     vms: list[tuple[int, str]]
     more_vms: bool  # the page of VMs has more than the chart shows
     vm_days: dict[dt.date, dict]
+    duty: dict[int, dict[dt.date, chip_metrics.DutyDay]]
     workers: dict[int, int]
     lengths: dict[dt.date, dt.timedelta]
     waits: dict[dt.date, usage.Waits]
@@ -314,8 +385,9 @@ class UsageSeries:
 def read_series(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) -> UsageSeries:
     """The series of ``figures``' period: the most used people's worker-time per day,
     that of the TPU VMs of ``vm_rows`` (a page of ``usage.MostUsedFirst``, named; its
-    first ``HELD_VMS``) and their workers, and the waits. Six queries at most, four of
-    them kept in the cache until more jobs are counted."""
+    first ``HELD_VMS``), their workers and their chips' duty cycle per day, and the
+    waits. Seven queries at most, four of them kept in the cache until more jobs are
+    counted, and the duty cycle for ``DUTY_CACHED_SECONDS`` (``duty_of``)."""
     period = figures.period
     bars = bins(period.first, period.last)
     top = usage.name_people(figures.ranked("user", 0, TOP_PEOPLE))
@@ -329,6 +401,7 @@ def read_series(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) ->
         vms=vms,
         more_vms=len(vm_rows) > HELD_VMS,
         vm_days=figures.per_day("vm", [ident for ident, _ in vms]),
+        duty=duty_of(figures.lab, [ident for ident, _ in vms], bars),
         workers=usage.worker_counts(ident for ident, _ in vms),
         lengths=day_lengths(bars, figures.now),
         waits=figures.waits(),
@@ -343,6 +416,7 @@ def draw(series: UsageSeries) -> list[Chart]:
         series.vm_days,
         series.workers,
         series.lengths,
+        series.duty,
         whose="a portal job" if series.everyone else "your jobs",
     )
     if series.more_vms:

@@ -12,7 +12,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from accounts.services import create_token
-from tpus.models import ChipSample, TpuVm
+from portal.charts import bins
+from tpus.models import ChipSample, TpuVm, VmDutyDay
 from tpus.remote import jobs as wire
 from tpus.services import chip_metrics
 from tpus.tests import jobs_support
@@ -21,6 +22,7 @@ from tpus.tests.jobs_support import make_job, make_vm
 scene = jobs_support.scene
 GIB = 1024**3
 OK = ("metrics", "ok")
+JAN_FIRST, JAN_LAST = dt.date(2026, 1, 1), dt.date(2026, 1, 31)
 
 
 def chip(text: str) -> tuple[str, str]:
@@ -270,3 +272,110 @@ def test_a_chip_held_outside_the_portal_names_its_process(client, scene):
     vm.refresh_from_db()
     [worker, _] = chip_metrics.workers_now(vm)
     assert [c.holder for c in worker.chips] == ["", "eve (pid 77)"]
+
+
+# --- the day rows --------------------------------------------------------------------
+
+
+def _duty(duty: float, chips: int = 2) -> dict:
+    return {0: wire.WorkerMetrics([wire.ChipMetrics(n, GIB, 32 * GIB, duty)
+                                   for n in range(chips)])}  # fmt: skip
+
+
+def _days(vm) -> dict[dt.date, tuple[float, float]]:
+    return {row.day: (row.observed, row.duty) for row in VmDutyDay.objects.filter(vm=vm)}
+
+
+@pytest.mark.django_db
+def test_each_reading_adds_the_time_since_the_last_at_the_chips_mean_duty(scene, settings):
+    settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 10
+    settings.PORTAL_JOB_POLL_SECONDS = 5
+    noon = timezone.make_aware(dt.datetime(2026, 1, 10, 12))
+    chip_metrics.record(scene.vm, _duty(20.0), now=noon)  # the first: no interval yet
+    assert _days(scene.vm) == {}
+    # Two chips at 40 % and 60 %: 10 s observed at 50 %, 5 duty-seconds.
+    answer = {0: wire.WorkerMetrics([wire.ChipMetrics(0, GIB, 32 * GIB, 40.0),
+                                     wire.ChipMetrics(1, 8 * GIB, 32 * GIB, 60.0)])}  # fmt: skip
+    chip_metrics.record(scene.vm, answer, now=noon + dt.timedelta(seconds=10))
+    assert _days(scene.vm) == {dt.date(2026, 1, 10): (10.0, 5.0)}
+    chip_metrics.record(scene.vm, _duty(100.0), now=noon + dt.timedelta(seconds=20))
+    assert _days(scene.vm) == {dt.date(2026, 1, 10): (20.0, 15.0)}
+    assert VmDutyDay.objects.get(vm=scene.vm).hbm_peak == 0.25
+    days = chip_metrics.duty_days(scene.lab, [scene.vm.pk], bins(JAN_FIRST, JAN_LAST))
+    assert days == {scene.vm.pk: {dt.date(2026, 1, 10): chip_metrics.DutyDay(20.0, 15.0)}}
+
+
+@pytest.mark.django_db
+def test_a_gap_between_readings_longer_than_the_cap_is_not_counted_as_observed(scene, settings):
+    settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 10
+    settings.PORTAL_JOB_POLL_SECONDS = 5
+    noon = timezone.make_aware(dt.datetime(2026, 1, 10, 12))
+    chip_metrics.record(scene.vm, _duty(50.0), now=noon)
+    # An hour without a reading: only the 20 s before the next one (twice the interval).
+    chip_metrics.record(scene.vm, _duty(50.0), now=noon + dt.timedelta(hours=1))
+    assert _days(scene.vm) == {dt.date(2026, 1, 10): (20.0, 10.0)}
+    # Workers that did not answer add nothing, and the interval after them is their own.
+    chip_metrics.record(scene.vm, {0: None}, now=noon + dt.timedelta(hours=1, seconds=10))
+    chip_metrics.record(scene.vm, _duty(50.0), now=noon + dt.timedelta(hours=1, seconds=20))
+    assert _days(scene.vm) == {dt.date(2026, 1, 10): (30.0, 15.0)}
+
+
+@pytest.mark.django_db
+def test_an_interval_across_midnight_in_the_portals_time_zone_is_split_between_its_days(
+    scene, settings
+):
+    import zoneinfo
+
+    settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 10
+    settings.PORTAL_JOB_POLL_SECONDS = 5
+    with timezone.override(zoneinfo.ZoneInfo("America/New_York")):
+        # 23:59:54 in New York is 04:59:54 UTC on the next day.
+        before = timezone.make_aware(dt.datetime(2026, 1, 10, 23, 59, 54))
+        chip_metrics.record(scene.vm, _duty(50.0), now=before)
+        chip_metrics.record(scene.vm, _duty(50.0), now=before + dt.timedelta(seconds=10))
+    assert _days(scene.vm) == {dt.date(2026, 1, 10): (6.0, 3.0), dt.date(2026, 1, 11): (4.0, 2.0)}
+
+
+@pytest.mark.django_db
+def test_a_reading_folds_into_its_day_in_one_query_whatever_the_number_of_chips(
+    scene, settings, django_assert_num_queries
+):
+    settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 10
+    settings.PORTAL_JOB_POLL_SECONDS = 5
+    noon = timezone.make_aware(dt.datetime(2026, 1, 10, 12))
+    chip_metrics.record(scene.vm, _duty(50.0), now=noon)
+    chip_metrics.record(scene.vm, _duty(50.0), now=noon + dt.timedelta(seconds=10))
+    # The VM's last answer, the old samples, whether one is recent, the samples, the day.
+    for step, chips in enumerate((1, 8), start=2):
+        later = noon + dt.timedelta(seconds=10 * step)
+        with django_assert_num_queries(5):
+            chip_metrics.record(scene.vm, _duty(50.0, chips), now=later)
+    assert _days(scene.vm)[dt.date(2026, 1, 10)][0] == 30.0
+
+
+@pytest.mark.django_db
+def test_a_reading_after_another_stored_meanwhile_is_not_counted_twice(scene, settings):
+    settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 10
+    settings.PORTAL_JOB_POLL_SECONDS = 5
+    noon = timezone.make_aware(dt.datetime(2026, 1, 10, 12))
+    chip_metrics.record(scene.vm, _duty(50.0), now=noon)
+    stale = TpuVm.objects.get(pk=scene.vm.pk)
+    chip_metrics.record(scene.vm, _duty(50.0), now=noon + dt.timedelta(seconds=10))
+    chip_metrics.record(stale, _duty(50.0), now=noon + dt.timedelta(seconds=12))
+    assert _days(scene.vm) == {dt.date(2026, 1, 10): (10.0, 5.0)}
+    assert TpuVm.objects.get(pk=scene.vm.pk).chip_metrics_at == noon + dt.timedelta(seconds=12)
+
+
+@pytest.mark.django_db
+def test_a_long_periods_day_rows_are_summed_a_week_a_bar_in_the_database(scene):
+    for day, observed, busy in ((1, 100.0, 90.0), (4, 300.0, 30.0), (9, 50.0, 5.0), (9, 0, 0)):
+        vm = scene.vm if observed else make_vm(scene.lab, "tpu6")
+        VmDutyDay.objects.create(vm=vm, day=dt.date(2026, 1, day), observed=observed, duty=busy)
+    year = bins(JAN_FIRST, dt.date(2026, 12, 31))
+    vms = VmDutyDay.objects.values_list("vm", flat=True)
+    assert chip_metrics.duty_days(scene.lab, vms, year) == {
+        scene.vm.pk: {
+            JAN_FIRST: chip_metrics.DutyDay(400.0, 120.0),
+            dt.date(2026, 1, 8): chip_metrics.DutyDay(50.0, 5.0),
+        }
+    }

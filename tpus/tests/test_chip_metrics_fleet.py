@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from django.db.models import Max, Sum
 from django.urls import reverse
 
 from accounts.keys import add_key
@@ -20,7 +21,7 @@ from accounts.unix import choose_username
 from testfleet import runtime_metrics
 from testfleet.fixtures import add_fleet_node, give_lab_key
 from tests.requirements import need
-from tpus.models import ChipSample, Job, TpuVm
+from tpus.models import ChipSample, Job, TpuVm, VmDutyDay
 from tpus.services import inventory, job_engine
 from tpus.services.grants import grant_access
 from tpus.services.jobs import cancel_job
@@ -133,6 +134,14 @@ def test_numbers_a_metrics_server_on_the_worker_serves_reach_the_model_the_page_
                 job_engine.advance(vm.pk)
             vm.refresh_from_db()
             assert [c["used"] for c in vm.chip_metrics[0]["chips"]] == [30 * GIB]
+            # Each reading after the first added its interval to the VM's day row, at
+            # the chips' mean duty cycle then: 62.75 % for both, 85 % for the one.
+            days = VmDutyDay.objects.filter(vm=vm).aggregate(
+                observed=Sum("observed"), duty=Sum("duty"), peak=Max("hbm_peak")
+            )
+            assert days["observed"] > 0
+            assert 0.6275 - 1e-9 <= days["duty"] / days["observed"] <= 0.85 + 1e-9
+            assert days["peak"] == pytest.approx(30 / 32)
 
             client.force_login(milo)
             page = client.get(reverse("vm_jobs", args=["vision", vm.pk])).content.decode()

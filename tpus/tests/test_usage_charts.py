@@ -14,9 +14,10 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from portal.charts import Bin, bins
-from tpus.models import Grant
-from tpus.services import usage, usage_charts
-from tpus.services.usage_charts import held_chart, people_chart, wait_chart
+from tpus.models import Grant, TpuVm
+from tpus.services import chip_metrics, usage, usage_charts
+from tpus.services.chip_metrics import DutyDay
+from tpus.services.usage_charts import HELD_SERIES, held_chart, people_chart, wait_chart
 from tpus.tests import jobs_support, test_jobs_usage
 from tpus.tests.jobs_support import account, make_job, make_vm
 from tpus.tests.test_jobs_usage import PERIOD, at
@@ -26,6 +27,7 @@ scene = jobs_support.scene
 history = test_jobs_usage.history
 
 H = dt.timedelta(hours=1)
+HELD, DUTY = HELD_SERIES
 JAN = [dt.date(2026, 1, d) for d in range(1, 32)]
 
 
@@ -114,15 +116,61 @@ def test_time_held_is_a_jobs_worker_time_over_the_vms_workers_and_the_time_passe
     assert lengths[JAN[2]] == 12 * H and lengths[JAN[0]] == 24 * H
     per_day = {JAN[0]: {7: 48 * H, 8: 6 * H}, JAN[2]: {7: 24 * H}}
     chart = held_chart(days, [(7, "pod"), (8, "tpu5")], per_day, {7: 4, 8: 1}, lengths)
-    assert chart.head == ["TPU VM", "Whole period", "1 Jan 2026", "2 Jan 2026", "3 Jan 2026"]
+    assert chart.head == [
+        "TPU VM", "Figure", "Whole period", "1 Jan 2026", "2 Jan 2026", "3 Jan 2026",
+    ]  # fmt: skip
     # pod: 12 h of 24, none, 6 h of the 12 so far; 18 h of 60 over the period.
     assert chart.rows == [
-        ["pod", "30 %", "50 %", "0 %", "50 %"],
-        ["tpu5", "10 %", "25 %", "0 %", "0 %"],
+        ["pod", HELD, "30 %", "50 %", "0 %", "50 %"],
+        ["pod", DUTY, "no reading", "no reading", "no reading", "no reading"],
+        ["tpu5", HELD, "10 %", "25 %", "0 %", "0 %"],
+        ["tpu5", DUTY, "no reading", "no reading", "no reading", "no reading"],
     ]
     assert sorted(round(r.value, 2) for r in chart.rects) == [0.25, 0.5, 0.5]
-    assert [s.label for s in chart.series] == ["Time held"]
-    assert "duty cycle" in chart.note and "outside the portal" in chart.note
+    assert [s.label for s in chart.series] == [HELD, DUTY]
+    assert "no reading" in chart.note and "outside the portal" in chart.note
+
+
+def test_the_duty_cycle_is_the_mean_over_the_time_observed_beside_the_time_held():
+    days = bins(JAN[0], JAN[2])
+    lengths = usage_charts.day_lengths(days, dt.datetime(2026, 1, 4, tzinfo=dt.UTC))
+    duty = {
+        7: {JAN[0]: DutyDay(3600.0, 1800.0), JAN[2]: DutyDay(600.0, 0.0)},
+        9: {JAN[1]: DutyDay(100.0, 100.0)},  # not a VM of the chart
+    }
+    per_day = {JAN[0]: {7: 12 * H}}
+    chart = held_chart(days, [(7, "pod"), (8, "tpu5")], per_day, {7: 1, 8: 1}, lengths, duty)
+    # pod: 50 % of the hour read on the 1st, nothing read on the 2nd, idle chips on the
+    # 3rd; over the period 1,800 of 4,200 s. tpu5 was never read.
+    assert chart.rows == [
+        ["pod", HELD, "17 %", "50 %", "0 %", "0 %"],
+        ["pod", DUTY, "43 %", "50 %", "no reading", "0 %"],
+        ["tpu5", HELD, "0 %", "0 %", "0 %", "0 %"],
+        ["tpu5", DUTY, "no reading", "no reading", "no reading", "no reading"],
+    ]
+    # In pod's row, the 1st's two bars side by side, each half of the slot's 80 %.
+    slot = (360 - usage_charts.NAMES - 20) / 3
+    held, busy = sorted(chart.rects, key=lambda r: r.x)
+    assert (held.series, busy.series) == (0, 1)
+    assert held.width == busy.width == pytest.approx(slot * 0.4)
+    assert held.x == pytest.approx(usage_charts.NAMES + slot * 0.1)
+    assert busy.x == pytest.approx(held.x + held.width)
+    assert held.height == busy.height == pytest.approx(0.5 * (usage_charts.ROW - 6))
+    assert held.y + held.height == busy.y + busy.height  # on one base line
+    assert "pod over the period: time held 17 %, duty cycle (mean while observed) 43 %" in (
+        chart.description
+    )
+    assert "tpu5 over the period: time held 0 %, duty cycle (mean while observed) no reading" in (
+        chart.description
+    )
+
+
+def test_a_week_bar_of_duty_cycle_is_the_mean_over_the_time_read_in_that_week():
+    year = bins(JAN[0], dt.date(2026, 12, 31))
+    lengths = usage_charts.day_lengths(year, dt.datetime(2027, 1, 1, tzinfo=dt.UTC))
+    duty = {7: {JAN[0]: DutyDay(100.0, 90.0), JAN[3]: DutyDay(300.0, 30.0)}}
+    chart = held_chart(year, [(7, "pod")], {}, {7: 1}, lengths, duty)
+    assert chart.rows[1][:5] == ["pod", DUTY, "30 %", "30 %", "no reading"]
 
 
 def test_the_day_the_clocks_go_forward_is_23_hours_long():
@@ -140,7 +188,7 @@ def test_a_day_that_has_not_begun_is_no_bar_and_a_dash():
     days = bins(JAN[0], JAN[1])
     lengths = usage_charts.day_lengths(days, dt.datetime(2026, 1, 1, 6, tzinfo=dt.UTC))
     chart = held_chart(days, [(7, "pod")], {JAN[0]: {7: 3 * H}}, {7: 1}, lengths)
-    assert chart.rows == [["pod", "50 %", "50 %", "–"]]
+    assert chart.rows[0] == ["pod", HELD, "50 %", "50 %", "–"]
 
 
 def _waits(*seconds) -> usage.Waits:
@@ -221,13 +269,58 @@ def test_the_page_shows_the_three_charts_with_their_tables(client, scene, histor
     assert '<strong id="usage-total">22.50</strong>' in body
     # pod1: 5 h of its 11th (the two jobs overlap in these rows); tpu5: 2.5 h of the 10th.
     assert _chart_table(body, "chart-held") == [
-        ["pod1", "10 %", "0 %", "21 %"],
-        ["tpu5", "5 %", "10 %", "0 %"],
+        ["pod1", HELD, "10 %", "0 %", "21 %"],
+        ["pod1", DUTY, "no reading", "no reading", "no reading"],
+        ["tpu5", HELD, "5 %", "10 %", "0 %"],
+        ["tpu5", DUTY, "no reading", "no reading", "no reading"],
     ]
     assert [row[:2] for row in _chart_table(body, "chart-waits")] == [
         ["10 Jan 2026", "1"],
         ["11 Jan 2026", "2"],
     ]
+
+
+def _read_chips(vm, first: dt.datetime, duty: float, readings: int = 2) -> None:
+    """``readings`` of ``vm``'s chips 10 s apart from ``first``, each at ``duty`` %."""
+    from tpus.remote.jobs import ChipMetrics, WorkerMetrics
+
+    answer = {0: WorkerMetrics([ChipMetrics(0, 1, 2, duty), ChipMetrics(1, 1, 2, duty)])}
+    for n in range(readings):
+        chip_metrics.record(vm, answer, now=first + dt.timedelta(seconds=10 * n))
+
+
+def test_the_page_shows_each_vms_duty_cycle_beside_the_time_held(client, scene, history, settings):
+    settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 10
+    pod = TpuVm.objects.get(name="pod1")
+    _read_chips(pod, at(11, 21), 80.0, readings=4)
+    # 30 s at 80 %; then, an hour later, the 20 s cap and 10 s at 20 %: 50 %.
+    _read_chips(pod, at(11, 22), 20.0)
+    _read_chips(scene.vm, at(9, 23), 100.0)  # before the period
+    for who in (scene.admin, scene.ann):
+        client.force_login(who)
+        body = _usage(client)
+        rows = _chart_table(body, "chart-held")
+        assert ["pod1", DUTY, "50 %", "no reading", "50 %"] in rows
+        assert ["tpu5", DUTY, "no reading", "no reading", "no reading"] in rows
+        card = body[body.index('id="chart-held"') :]
+        card = card[: card.index("</section>")]
+        assert "Duty cycle (mean while observed)</li>" in card  # the legend
+        drawing = card[card.index('<svg class="chart"') :]
+        assert re.search(r'<rect x="[^"]+" [^>]*fill="url\(#chart-held-s1\)"/>', drawing)
+
+
+def test_another_labs_duty_cycle_is_never_read_for_this_lab(client, scene, history, cast):
+    theirs = make_vm(cast.other_lab, "theirs")
+    make_job(theirs, cast.outsider, "succeeded", started_at=at(10, 1), ended_at=at(10, 2))
+    _read_chips(theirs, at(10, 1), 90.0)
+    days = bins(dt.date(2026, 1, 10), dt.date(2026, 1, 11))
+    assert chip_metrics.duty_days(scene.lab, [theirs.pk, scene.vm.pk], days) == {}
+    assert chip_metrics.duty_days(cast.other_lab, [theirs.pk], days) == {
+        theirs.pk: {dt.date(2026, 1, 10): DutyDay(10.0, 9.0)}
+    }
+    client.force_login(scene.admin)
+    body = _usage(client)
+    assert "theirs" not in body and "90 %" not in _chart_table(body, "chart-held")
 
 
 def test_the_waits_are_from_submission_to_start_on_the_day_it_started(client, scene):
@@ -301,7 +394,10 @@ def test_another_labs_usage_and_its_charts_are_not_found(client, scene, cast):
         assert b"chart-people" not in response.content
     client.force_login(cast.outsider)
     body = client.get(reverse("lab_usage", args=["other"]) + PERIOD).content.decode()
-    assert _chart_table(body, "chart-held") == [["theirs", "2 %", "4 %", "0 %"]]
+    assert _chart_table(body, "chart-held") == [
+        ["theirs", HELD, "2 %", "4 %", "0 %"],
+        ["theirs", DUTY, "no reading", "no reading", "no reading"],
+    ]
 
 
 def _queries(client, url) -> int:
@@ -311,7 +407,7 @@ def _queries(client, url) -> int:
 
 
 @pytest.mark.parametrize("who", ["admin", "milo"])
-def test_the_charts_cost_six_queries_and_two_once_their_sums_are_in_the_cache(
+def test_the_charts_cost_seven_queries_and_two_once_their_sums_are_in_the_cache(
     client, scene, history, who, monkeypatch
 ):
     from django.core.cache import cache
@@ -324,10 +420,19 @@ def test_the_charts_cost_six_queries_and_two_once_their_sums_are_in_the_cache(
         cache.delete(f"tpu-portal:usage-version:{scene.lab.pk}")
         return _queries(client, url)
 
+    vms = sorted(TpuVm.objects.filter(lab=scene.lab).values_list("pk", flat=True))
+    duty = usage_charts.duty_key(scene.lab.pk, vms, bins(dt.date(2026, 1, 10), JAN[10]))
+
+    def colder():
+        cache.delete(duty)
+        return cold()
+
     _queries(client, url)
-    with_charts = (cold(), _queries(client, url))
+    with_charts = (colder(), cold(), _queries(client, url))
     monkeypatch.setattr(usage_charts, "for_usage", lambda *a, **k: [])
-    without = (cold(), _queries(client, url))
-    # Cold: the five most used people and their names, the per-day sums of people and
-    # of VMs, the VMs' workers, the waits. Then only the names and the workers.
-    assert (with_charts[0] - without[0], with_charts[1] - without[1]) == (6, 2)
+    without = (colder(), cold(), _queries(client, url))
+    # Nothing in the cache: the five most used people and their names, the per-day sums
+    # of people and of VMs, the VMs' workers and duty cycle, the waits. After jobs were
+    # counted, the duty cycle (kept a minute) is not read again. Then only the names
+    # and the workers.
+    assert [a - b for a, b in zip(with_charts, without, strict=True)] == [7, 6, 2]

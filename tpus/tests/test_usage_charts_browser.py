@@ -5,12 +5,14 @@ closed and open."""
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 
 from accounts.models import UnixAccount
 from tests.e2e import ARTIFACTS
 from tests.test_journey_a11y import BLOCKING, _check_pages, _sideways
-from tpus.models import Grant
+from tpus.models import Grant, VmDutyDay
 from tpus.tests.jobs_support import make_job, make_vm
 from tpus.tests.test_jobs_usage import at
 
@@ -34,7 +36,8 @@ _DRAWINGS = """() => ({
 @pytest.fixture
 def busy_lab(make_lab, make_user, add_member):
     """A lab with eight people's jobs on a pod with a long name and three single
-    hosts over January 2026, waits of minutes to hours, and a running job."""
+    hosts over January 2026, waits of minutes to hours, a running job, and the chips'
+    duty cycle read on some days."""
     lab = make_lab("Vision Lab", slug="vision")
     boss = make_user("boss@vision.example", password=PASSWORD)
     add_member(lab, boss, role="admin")
@@ -51,6 +54,12 @@ def busy_lab(make_lab, make_user, add_member):
             make_job(vm, person, "succeeded", queued_at=at(day, n), started_at=at(day, n + 1, n),
                      ended_at=at(day, n + 2 + day % 5))  # fmt: skip
     make_job(vms[0], person, "running", queued_at=at(31, 10), started_at=at(31, 12))
+    for n, vm in enumerate(vms):
+        VmDutyDay.objects.bulk_create(
+            VmDutyDay(vm=vm, day=dt.date(2026, 1, day), observed=3600.0,
+                      duty=36.0 * ((day * 7 + n * 13) % 100))
+            for day in range(1 + n, 32, 2)
+        )  # fmt: skip
     return lab
 
 
