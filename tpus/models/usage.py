@@ -11,7 +11,8 @@ from django.db import models
 
 class UsageDay(models.Model):
     """The ended jobs of ``user`` on ``vm`` on one ``day`` (whole days in the portal's
-    time zone): their worker-time inside that day, how many started that day, and how
+    time zone): their worker-time and chip-time (time × the VM's chips, as the pool's
+    fair share counts) inside that day, how many started that day, and how
     many were already running at its first moment (so a period counts each job once:
     those carried into its first day plus those started in it). A job is added once,
     when it has ended (``Job.usage_counted``); a running one is read from the jobs."""
@@ -23,6 +24,7 @@ class UsageDay(models.Model):
     started = models.PositiveIntegerField(default=0)
     carried = models.PositiveIntegerField(default=0)
     worker_time = models.DurationField(default=dt.timedelta)
+    chip_time = models.DurationField(default=dt.timedelta)
 
     class Meta:
         constraints = [

@@ -37,6 +37,7 @@ from django.utils import timezone
 
 from accounts.models import User
 from tpus.models import Job, Lab, TpuVm, UsageDay, Worker
+from tpus.models.inventory import chip_count
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES
 from tpus.services import fair_share
 
@@ -52,6 +53,7 @@ QUEUE_SHOWN = 50
 # What is read of each job not in the per-day rows yet (``Usage._live``).
 LIVE_FIELDS = (
     "user", "vm", "worker_time", "worker_count", "queued_at", "started_at", "ended_at",
+    "vm__accelerator_type",
 )  # fmt: skip
 
 
@@ -460,13 +462,14 @@ class Usage:
 
     # --- per day, for the charts (``services.usage_charts``) ---
 
-    def per_day(self, key: str, ids) -> dict[dt.date, dict]:
-        """Worker-time on each day of the period that has any: of each of ``ids``
-        (``key``: ``user`` or ``vm``) that used it, and of everyone under ``None``. One
-        query, a row per day for each of ``ids`` and one for the rest, kept in the cache
-        like the other sums; plus the jobs not counted yet, each cut at midnights as
-        counting would."""
+    def per_day(self, key: str, ids, *, chips: bool = False) -> dict[dt.date, dict]:
+        """Worker-time (or with ``chips`` chip-time: time × the VM's chips) on each day
+        of the period that has any: of each of ``ids`` (``key``: ``user`` or ``vm``)
+        that used it, and of everyone under ``None``. One query, a row per day for each
+        of ``ids`` and one for the rest, kept in the cache like the other sums; plus the
+        jobs not counted yet, each cut at midnights as counting would."""
         ids = sorted(ids)
+        column = "chip_time" if chips else "worker_time"
 
         def read() -> list[tuple]:
             who = Case(When(**{f"{key}__in": ids}, then=F(key)), default=Value(None))
@@ -474,30 +477,32 @@ class Usage:
                 self._days()
                 .annotate(who=who)
                 .values("day", "who")
-                .annotate(time=Sum("worker_time"))
+                .annotate(time=Sum(column))
                 .order_by()
             )
             return [(row["day"], row["who"], row["time"]) for row in rows]
 
         found: dict[dt.date, dict] = {}
-        for day, who, time in self._cached(f"{key}:days:{_digest(ids)}", read):
+        for day, who, time in self._cached(f"{key}:{column}:days:{_digest(ids)}", read):
             sums = found.setdefault(day, {None: dt.timedelta()})
             sums[None] += time
             if who is not None:
                 sums[who] = time
         wanted = set(ids)
         for job in self._live:
-            for day, time in self._live_days(job).items():
+            for day, time in self._live_days(job, chips=chips).items():
                 sums = found.setdefault(day, {None: dt.timedelta()})
                 sums[None] += time
                 if job[key] in wanted:
                     sums[job[key]] = sums.get(job[key], dt.timedelta()) + time
         return found
 
-    def _live_days(self, job: dict) -> dict[dt.date, dt.timedelta]:
-        """A job not counted yet cut into the period's days (until now while it runs)."""
+    def _live_days(self, job: dict, *, chips: bool = False) -> dict[dt.date, dt.timedelta]:
+        """A job not counted yet cut into the period's days (until now while it runs):
+        its worker-time in each, or with ``chips`` its chip-time."""
         ended = job["ended_at"] or self.now  # as ``worker_time`` takes it
-        pieces = day_pieces(job["started_at"], ended, job["worker_count"])
+        times = chip_count(job["vm__accelerator_type"]) if chips else job["worker_count"]
+        pieces = day_pieces(job["started_at"], ended, times)
         return {
             day: time
             for day, (_, _, time) in pieces.items()
@@ -733,7 +738,7 @@ def recount_all() -> int:
 def day_pieces(started: dt.datetime, ended: dt.datetime, workers: int) -> dict:
     """``{day: (started, carried, worker_time)}`` of one ended job: 1 on the day it
     started, 1 on each later day it was running at midnight, and its time inside each
-    day times its workers."""
+    day times its workers (or times its chips, for its chip-time)."""
     pieces = {}
     day = timezone.localtime(started).date()
     first = day
@@ -753,14 +758,17 @@ def _add_to_days(jobs: list[Job]) -> None:
     that exist, one to update them, one to make the others."""
     sums: dict[tuple, list] = {}
     for job in jobs:
+        # Chip-time as ``fair_share`` counts the job: its time × its VM's chips.
+        chip_pieces = day_pieces(job.started_at, job.ended_at, chip_count(job.vm_accelerator_type))
         for day, (started, carried, time) in day_pieces(
             job.started_at, job.ended_at, job.worker_count
         ).items():
             key = (job.vm_lab_id, day, job.user_id, job.vm_id)
-            row = sums.setdefault(key, [0, 0, dt.timedelta()])
+            row = sums.setdefault(key, [0, 0, dt.timedelta(), dt.timedelta()])
             row[0] += started
             row[1] += carried
             row[2] += time
+            row[3] += chip_pieces[day][2]
     existing = {
         (row.lab_id, row.day, row.user_id, row.vm_id): row
         for row in UsageDay.objects.select_for_update().filter(
@@ -771,18 +779,22 @@ def _add_to_days(jobs: list[Job]) -> None:
         )
     }
     changed, made = [], []
-    for key, (started, carried, time) in sums.items():
+    for key, (started, carried, time, chip_time) in sums.items():
         row = existing.get(key)
         if row is None:
             lab_id, day, user_id, vm_id = key
             made.append(UsageDay(lab_id=lab_id, day=day, user_id=user_id, vm_id=vm_id,
-                                 started=started, carried=carried, worker_time=time))  # fmt: skip
+                                 started=started, carried=carried, worker_time=time,
+                                 chip_time=chip_time))  # fmt: skip
         else:
             row.started += started
             row.carried += carried
             row.worker_time += time
+            row.chip_time += chip_time
             changed.append(row)
-    UsageDay.objects.bulk_update(changed, ["started", "carried", "worker_time"], batch_size=500)
+    UsageDay.objects.bulk_update(
+        changed, ["started", "carried", "worker_time", "chip_time"], batch_size=500
+    )
     # Two runs making the same new row at once: the second's unique constraint fails,
     # its transaction rolls back whole, and the next poll counts its jobs again.
     UsageDay.objects.bulk_create(made, batch_size=500)

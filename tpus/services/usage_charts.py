@@ -1,5 +1,5 @@
 """Charts of a lab's TPU usage over a period (``portal.charts`` draws them):
-worker-hours per person per day (stacked), the share of each day a portal job held
+chip-hours per person per day (stacked), the share of each day a portal job held
 each TPU VM beside how busy its chips were (their mean duty cycle while read), and
 how long jobs waited to start.
 
@@ -58,7 +58,7 @@ WAITED = (
     "day it started. Jobs that have not started are not in it."
 )
 
-# --- worker-hours per person per day ---------------------------------------------------
+# --- chip-hours per person per day -----------------------------------------------------
 
 
 def people_chart(
@@ -68,9 +68,9 @@ def people_chart(
     *,
     everyone: bool,
 ) -> Chart:
-    """Stacked bars of worker-hours per bar of days: one part per person of ``people``
+    """Stacked bars of chip-hours per bar of days: one part per person of ``people``
     (id, name: the most used first) and, when ``everyone`` was counted, one for the
-    rest of the lab. ``per_day``: ``Usage.per_day("user", ...)``."""
+    rest of the lab. ``per_day``: ``Usage.per_day("user", ..., chips=True)``."""
     labels = [name for _, name in people]
     sums = per_bar(bars, per_day, [ident for ident, _ in people] + [None])
     values = [[t.total_seconds() / 3600 for t in sums[ident]] for ident, _ in people]
@@ -85,7 +85,7 @@ def people_chart(
     word = bin_word(bars)
     chart = Chart(
         id="chart-people",
-        title=f"Worker-hours per person, a bar per {word.lower()}",
+        title=f"Chip-hours per person, a bar per {word.lower()}",
         description="",
         height=BARS_HEIGHT,
         series=styled(labels),
@@ -96,10 +96,10 @@ def people_chart(
         chart.rows.append([b.label, *(f"{v[n]:.2f}" for v in values), f"{total:.2f}"])
     busiest = max(range(len(bars)), key=lambda n: totals[n]) if bars else None
     chart.description = (
-        f"Stacked bars from {bars[0].label} to {bars[-1].label}, worker-hours of "
+        f"Stacked bars from {bars[0].label} to {bars[-1].label}, chip-hours of "
         + (", ".join(labels) if labels else "no one")
         + (
-            f". The largest bar is {bars[busiest].label}: {totals[busiest]:.2f} worker-hours"
+            f". The largest bar is {bars[busiest].label}: {totals[busiest]:.2f} chip-hours"
             if busiest is not None and totals[busiest] > 0
             else ". No job ran"
         )
@@ -383,7 +383,7 @@ class UsageSeries:
 
 
 def read_series(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) -> UsageSeries:
-    """The series of ``figures``' period: the most used people's worker-time per day,
+    """The series of ``figures``' period: the most used people's chip-time per day,
     that of the TPU VMs of ``vm_rows`` (a page of ``usage.MostUsedFirst``, named; its
     first ``HELD_VMS``), their workers and their chips' duty cycle per day, and the
     waits. Seven queries at most, four of them kept in the cache until more jobs are
@@ -397,7 +397,7 @@ def read_series(figures: usage.Usage, vm_rows: list[dict], *, everyone: bool) ->
         bars=bars,
         everyone=everyone,
         people=people,
-        people_days=figures.per_day("user", [ident for ident, _ in people]),
+        people_days=figures.per_day("user", [ident for ident, _ in people], chips=True),
         vms=vms,
         more_vms=len(vm_rows) > HELD_VMS,
         vm_days=figures.per_day("vm", [ident for ident, _ in vms]),

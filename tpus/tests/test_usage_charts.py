@@ -1,4 +1,4 @@
-"""The usage page's charts: worker-hours per person per day, the time a portal job held
+"""The usage page's charts: chip-hours per person per day, the time a portal job held
 each TPU VM, and how long jobs waited to start. Their shapes add up to the figures of
 the tables under them, they show one's own jobs only to a member, and they cost a
 fixed number of queries."""
@@ -260,13 +260,18 @@ def test_the_page_shows_the_three_charts_with_their_tables(client, scene, histor
     for chart in ("chart-people", "chart-held", "chart-waits"):
         assert f'<section class="card chart-card" id="{chart}"' in body
         assert f'<table id="{chart}-table">' in body
-    # ann ran 0.5 h on the 10th and a running pod job 4 h x 4 workers on the 11th;
-    # milo 2 h on the 10th and 1 h x 4 on the 11th: 22.50, the page's total.
+    # Chip-hours: ann ran 0.5 h on tpu5 (a v4-8, 4 chips) on the 10th and a running
+    # job on pod1 (a v4-32, 16 chips) 4 h on the 11th; milo 2 h on tpu5 on the 10th
+    # and 1 h on pod1 on the 11th. The page's total stays 22.50 worker-hours.
     assert _chart_table(body, "chart-people") == [
-        ["10 Jan 2026", "0.50", "2.00", "2.50"],
-        ["11 Jan 2026", "16.00", "4.00", "20.00"],
+        ["10 Jan 2026", "2.00", "8.00", "10.00"],
+        ["11 Jan 2026", "64.00", "16.00", "80.00"],
     ]
-    assert '<strong id="usage-total">22.50</strong>' in body
+    head = body.split('id="chart-people-table"')[1].split("</thead>")[0]
+    assert "Chip-hours per person, a bar per day" in body
+    assert re.findall(r'<th scope="col">([^<]+)</th>', head) == ["Day", "ann", "milo", "Total"]
+    assert "The largest bar is 11 Jan 2026: 80.00 chip-hours" in body
+    assert '<strong id="usage-total">22.50</strong> worker-hours' in body
     # pod1: 5 h of its 11th (the two jobs overlap in these rows); tpu5: 2.5 h of the 10th.
     assert _chart_table(body, "chart-held") == [
         ["pod1", HELD, "10 %", "0 %", "21 %"],
@@ -359,8 +364,8 @@ def test_a_member_sees_charts_of_their_own_jobs_only(client, scene, history):
     client.force_login(scene.milo)
     body = _usage(client)
     assert _chart_table(body, "chart-people") == [
-        ["10 Jan 2026", "2.00", "2.00"],
-        ["11 Jan 2026", "4.00", "4.00"],
+        ["10 Jan 2026", "8.00", "8.00"],
+        ["11 Jan 2026", "16.00", "16.00"],
     ]
     assert "ann" not in body.split('id="chart-people"')[1]
     assert "Everyone else" not in body
@@ -375,8 +380,9 @@ def test_many_people_on_the_page_are_the_five_most_used_and_everyone_else(client
         make_job(scene.vm, person, "succeeded", started_at=at(10, 0), ended_at=at(10, n + 1))
     client.force_login(scene.admin)
     body = _usage(client)
+    # n + 1 hours each on tpu5, a v4-8: 4 chip-hours an hour.
     assert _chart_table(body, "chart-people")[0] == [
-        "10 Jan 2026", "7.00", "6.00", "5.00", "4.00", "3.00", "3.00", "28.00",
+        "10 Jan 2026", "28.00", "24.00", "20.00", "16.00", "12.00", "12.00", "112.00",
     ]  # fmt: skip
     head = body.split('id="chart-people-table"')[1].split("</thead>")[0]
     assert re.findall(r'<th scope="col">([^<]+)</th>', head) == [
