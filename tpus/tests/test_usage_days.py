@@ -163,11 +163,15 @@ def test_a_job_that_ends_later_is_counted_once_it_has_ended(scene, seeded):
 def test_a_recount_gives_the_same_rows(scene, seeded):
     usage.count_all_ended_jobs()
     before = sorted(
-        UsageDay.objects.values_list("day", "user", "vm", "started", "carried", "worker_time")
+        UsageDay.objects.values_list(
+            "day", "user", "vm", "started", "carried", "worker_time", "chip_time"
+        )
     )
     assert usage.recount_all() == 10
     after = sorted(
-        UsageDay.objects.values_list("day", "user", "vm", "started", "carried", "worker_time")
+        UsageDay.objects.values_list(
+            "day", "user", "vm", "started", "carried", "worker_time", "chip_time"
+        )
     )
     assert before == after
 
@@ -268,3 +272,85 @@ def test_every_slice_of_a_crowd_ranked_in_the_database_is_what_ranking_everyone_
     for first in range(len(everyone) + 1):
         for size in (1, 2, 3, 5, 7, 20):
             assert ranked[first : first + size] == everyone[first : first + size], (first, size)
+
+
+# --- chip-hours: a job's time × its VM's chips, as the pool's fair share counts it -----
+
+H = dt.timedelta(hours=1)
+TWO_DAYS = usage.Period(dt.date(2026, 1, 10), dt.date(2026, 1, 11))
+
+
+def _chip_days(lab) -> dict:
+    return {
+        (row.day, row.vm.name): row.chip_time
+        for row in UsageDay.objects.filter(lab=lab).select_related("vm")
+    }
+
+
+def _people_chip_hours(scene) -> dict:
+    per_day = usage.Usage(scene.lab, TWO_DAYS, now=NOW).per_day("user", [scene.milo.pk], chips=True)
+    return {day: sums.get(scene.milo.pk) for day, sums in per_day.items()}
+
+
+def test_an_hour_on_a_v4_8_is_4_chip_hours_and_on_a_v4_32_16(scene):
+    pod = make_vm(scene.lab, "pod1", workers=4)  # v4-32: 16 chips on 4 workers
+    Grant.objects.create(user=scene.milo, vm=pod, state="active")
+    make_job(scene.vm, scene.milo, "succeeded", started_at=at(10, 1), ended_at=at(10, 2))
+    make_job(pod, scene.milo, "succeeded", started_at=at(11, 1), ended_at=at(11, 2))
+    # Read from the jobs before they are counted, and from the rows after.
+    assert _people_chip_hours(scene) == {dt.date(2026, 1, 10): 4 * H, dt.date(2026, 1, 11): 16 * H}
+    usage.count_all_ended_jobs()
+    assert _chip_days(scene.lab) == {
+        (dt.date(2026, 1, 10), "tpu5"): 4 * H,
+        (dt.date(2026, 1, 11), "pod1"): 16 * H,
+    }
+    assert UsageDay.objects.get(vm=pod).worker_time == 4 * H  # worker-hours stay as they were
+    assert _people_chip_hours(scene) == {dt.date(2026, 1, 10): 4 * H, dt.date(2026, 1, 11): 16 * H}
+
+
+def test_a_job_across_midnight_counts_its_chip_hours_on_each_day(scene):
+    make_job(scene.vm, scene.milo, "succeeded", started_at=at(10, 22), ended_at=at(11, 1, 30))
+    expected = {dt.date(2026, 1, 10): 8 * H, dt.date(2026, 1, 11): 6 * H}
+    assert _people_chip_hours(scene) == expected
+    usage.count_all_ended_jobs()
+    assert _chip_days(scene.lab) == {
+        (dt.date(2026, 1, 10), "tpu5"): 8 * H,
+        (dt.date(2026, 1, 11), "tpu5"): 6 * H,
+    }
+    assert _people_chip_hours(scene) == expected
+
+
+def test_a_running_job_counts_its_chip_hours_until_now(scene):
+    pod = make_vm(scene.lab, "pod1", workers=4)
+    Grant.objects.create(user=scene.milo, vm=pod, state="active")
+    make_job(pod, scene.milo, "running", started_at=at(11, 22))
+    make_job(scene.vm, scene.milo, "succeeded", started_at=at(11, 1), ended_at=at(11, 2))
+    usage.count_all_ended_jobs()
+    # Two hours of the 11th on 16 chips, read from the job, and one on 4 from the row.
+    assert _people_chip_hours(scene) == {dt.date(2026, 1, 11): 36 * H}
+
+
+def test_the_migration_gives_rows_counted_before_it_their_vms_chip_time(scene, monkeypatch):
+    import importlib
+
+    from django.apps import apps
+
+    migration = importlib.import_module("tpus.migrations.0049_usage_days_count_chip_time")
+    pod = make_vm(scene.lab, "pod1", workers=4)
+    Grant.objects.create(user=scene.milo, vm=pod, state="active")
+    make_job(scene.vm, scene.milo, "succeeded", started_at=at(10, 22), ended_at=at(11, 1, 30))
+    make_job(pod, scene.milo, "succeeded", started_at=at(11, 1), ended_at=at(11, 2, 15))
+    usage.count_all_ended_jobs()
+    expected = _chip_days(scene.lab)
+    UsageDay.objects.update(chip_time=dt.timedelta())
+    monkeypatch.setattr(migration, "BATCH", 2)  # more rows than one batch
+    migration.chip_time_of_counted_days(apps, None)
+    assert (
+        _chip_days(scene.lab)
+        == expected
+        == {
+            (dt.date(2026, 1, 10), "tpu5"): 8 * H,
+            (dt.date(2026, 1, 11), "tpu5"): 6 * H,
+            (dt.date(2026, 1, 11), "pod1"): 20 * H,
+        }
+    )
