@@ -7,7 +7,6 @@ otherwise what it was."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,20 +14,16 @@ import pytest
 from django.db.models import Max, Sum
 from django.urls import reverse
 
-from accounts.keys import add_key
 from accounts.services import create_token
-from accounts.unix import choose_username
 from testfleet import runtime_metrics
-from testfleet.fixtures import add_fleet_node, give_lab_key
 from tests.requirements import need
 from tpus.models import ChipSample, Job, TpuVm, VmDutyDay
-from tpus.services import inventory, job_engine
-from tpus.services.grants import grant_access
+from tpus.services import job_engine
 from tpus.services.jobs import cancel_job
+from tpus.tests.test_jobs_pages_fleet import milo_granted_on_tpu5
 
 pytestmark = pytest.mark.fleet
 
-PROJECT, ZONE = "vision-lab-1", "us-central1-f"
 JAX_ENV = os.environ.get("TPU_PORTAL_TEST_JAX_ENV", "/opt/tpu-portal-test-jax")
 GIB = 1024**3
 CHIPS = [
@@ -46,22 +41,10 @@ def tpu5(
     fleet_settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 1
     need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
     [host] = fleet_hosts(1)
-    lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
-    admin = make_user("boss@vision.example")
-    add_member(lab, admin, role="admin")
-    add_fleet_node(tpu_emulator.controls, fleet, [host], PROJECT, ZONE, "tpu5")
-    give_lab_key(fleet, [host], lab)
-    [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
-    milo = make_user("milo@uni.example")
-    add_member(lab, milo)
-    choose_username(milo, fleet_username)
-    key = tmp_path / "id_milo"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
-    add_key(milo, key.with_suffix(".pub").read_text().strip())
-    with django_capture_on_commit_callbacks(execute=True):
-        [grant] = grant_access(admin, lab, milo, [vm], sudo=False)
-    grant.refresh_from_db()
-    assert grant.state == "active", grant.error
+    lab, admin, vm, milo, key = milo_granted_on_tpu5(
+        tpu_emulator, fleet, host, fleet_username, tmp_path,
+        make_lab, make_user, add_member, django_capture_on_commit_callbacks,
+    )  # fmt: skip
     fleet.exec(host.name, ["ln", "-sfn", JAX_ENV, f"/home/{fleet_username}/venv"])
     milo.refresh_from_db()
     return vm, milo, admin, host

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,20 +17,16 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from accounts.keys import add_key
-from accounts.unix import choose_username
 from portal.models import OutboxMessage
 from testfleet import runtime_metrics
-from testfleet.fixtures import add_fleet_node, give_lab_key
 from tests.requirements import need
 from tpus.models import ChipSample, IdleHolding, Job, TpuVm
-from tpus.services import idle_holders, inventory, job_engine
-from tpus.services.grants import grant_access
+from tpus.services import idle_holders, job_engine
 from tpus.services.jobs import cancel_job
+from tpus.tests.test_jobs_pages_fleet import milo_granted_on_tpu5
 
 pytestmark = pytest.mark.fleet
 
-PROJECT, ZONE = "vision-lab-1", "us-central1-f"
 GIB = 1024**3
 JAX_ENV = os.environ.get("TPU_PORTAL_TEST_JAX_ENV", "/opt/tpu-portal-test-jax")
 IDLE = [{"chip": c, "hbm_used": 5 * GIB, "hbm_total": 32 * GIB, "duty": 0.0} for c in range(4)]
@@ -47,22 +42,10 @@ def tpu5(
     fleet_settings.PORTAL_CHIP_METRICS_EVERY_SECONDS = 1
     fleet_settings.PORTAL_IDLE_RELEASE_GRACE_SECONDS = 1
     [host] = fleet_hosts(1)
-    lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
-    admin = make_user("boss@vision.example")
-    add_member(lab, admin, role="admin")
-    add_fleet_node(tpu_emulator.controls, fleet, [host], PROJECT, ZONE, "tpu5")
-    give_lab_key(fleet, [host], lab)
-    [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
-    milo = make_user("milo@uni.example")
-    add_member(lab, milo)
-    choose_username(milo, fleet_username)
-    key = tmp_path / "id_milo"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
-    add_key(milo, key.with_suffix(".pub").read_text().strip())
-    with django_capture_on_commit_callbacks(execute=True):
-        [grant] = grant_access(admin, lab, milo, [vm], sudo=False)
-    grant.refresh_from_db()
-    assert grant.state == "active", grant.error
+    lab, admin, vm, milo, key = milo_granted_on_tpu5(
+        tpu_emulator, fleet, host, fleet_username, tmp_path,
+        make_lab, make_user, add_member, django_capture_on_commit_callbacks,
+    )  # fmt: skip
     lab.idle_policy_enabled = True
     lab.idle_warn_minutes = lab.idle_admins_minutes = 1
     lab.idle_release = True

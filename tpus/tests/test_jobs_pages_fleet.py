@@ -32,13 +32,13 @@ JAX_ENV = os.environ.get("TPU_PORTAL_TEST_JAX_ENV", "/opt/tpu-portal-test-jax")
 LINES = 3000
 
 
-@pytest.fixture
-def tpu5(
-    tpu_emulator, fleet, fleet_hosts, fleet_settings, fleet_username, fleet_uids, tmp_path,
-    make_lab, make_user, add_member, django_capture_on_commit_callbacks,
+def milo_granted_on_tpu5(
+    tpu_emulator, fleet, host, username, tmp_path,
+    make_lab, make_user, add_member, capture,
 ):  # fmt: skip
-    need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
-    [host] = fleet_hosts(1)
+    """The scene the jobs' fleet tests on one host share: the lab vision with its admin,
+    tpu5 made of ``host`` and imported, and milo (``username`` on the hosts, his key at
+    ``tmp_path/id_milo``) granted on it and active. Returns (lab, admin, vm, milo, key)."""
     lab = make_lab("Vision", slug="vision", gcp_project_id=PROJECT, zones=[ZONE])
     admin = make_user("boss@vision.example")
     add_member(lab, admin, role="admin")
@@ -47,14 +47,28 @@ def tpu5(
     [vm] = inventory.import_vms(admin, lab, [f"{ZONE}/tpu5"])
     milo = make_user("milo@uni.example")
     add_member(lab, milo)
-    choose_username(milo, fleet_username)
+    choose_username(milo, username)
     key = tmp_path / "id_milo"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     add_key(milo, key.with_suffix(".pub").read_text().strip())
-    with django_capture_on_commit_callbacks(execute=True):
+    with capture(execute=True):
         [grant] = grant_access(admin, lab, milo, [vm], sudo=False)
     grant.refresh_from_db()
     assert grant.state == "active", grant.error
+    return lab, admin, vm, milo, key
+
+
+@pytest.fixture
+def tpu5(
+    tpu_emulator, fleet, fleet_hosts, fleet_settings, fleet_username, fleet_uids, tmp_path,
+    make_lab, make_user, add_member, django_capture_on_commit_callbacks,
+):  # fmt: skip
+    need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
+    [host] = fleet_hosts(1)
+    lab, admin, vm, milo, key = milo_granted_on_tpu5(
+        tpu_emulator, fleet, host, fleet_username, tmp_path,
+        make_lab, make_user, add_member, django_capture_on_commit_callbacks,
+    )  # fmt: skip
     # The fleet's JAX, as milo's own venv (a venv outside the home is refused).
     fleet.exec(host.name, ["ln", "-sfn", JAX_ENV, f"/home/{fleet_username}/venv"])
     return vm, User.objects.get(pk=milo.pk), key, tmp_path
