@@ -7,7 +7,7 @@ import socket
 import sys
 import time
 
-from tpu_cli import connections, credentials, paths, sshfiles, vms
+from tpu_cli import connections, credentials, paths, pool, sshfiles, vms
 from tpu_cli.api import Api
 from tpu_cli.errors import FAILED, SIGNED_OUT, UNREACHABLE, USAGE, ApiError, CliError
 from tpu_cli.session import Session, out, say
@@ -209,7 +209,13 @@ def config_install(args) -> int:
 def ls(args) -> int:
     session = Session()
     rows = []
-    for vm in session.vms(now=True):
+    mine = session.vms(now=True)
+    # The person's own jobs waiting for a VM of a kind, per (lab, kind), in each lab of
+    # their VMs (the names alone need none of it).
+    waiting = {} if args.names else pool.my_waiting_by_kind(
+        pool.waiting_rows(session, [vm.lab for vm in mine]), session.sign_in.email
+    )  # fmt: skip
+    for vm in mine:
         now = vm.now
         running = now.get("job") or None
         rows.append({
@@ -225,6 +231,10 @@ def ls(args) -> int:
             "holders": now.get("holders", []), "queue_length": now.get("queue_length", 0),
             "chips": _chips_text(now.get("chips")),
             "my_queue_position": vms.queue_position(session.api, vm, session.sign_in.email),
+            "accelerator_type": vm.accelerator_type or None,
+            # Your jobs waiting for any VM of this one's kind: how many, the best place
+            # in the kind's line, their ids (null: none wait).
+            "my_pool_jobs": _pool_of(waiting.get((vm.lab, vm.accelerator_type))),
         })  # fmt: skip
     if args.names:
         for row in rows:
@@ -233,7 +243,7 @@ def ls(args) -> int:
     if args.json:
         out.print_json(json.dumps(rows))
         return 0
-    if not rows:
+    if not rows:  # (and so no lab whose pool to ask)
         say("You have no access to a TPU VM yet.")
         return 0
     from rich.table import Table  # only where a table is drawn: it is slow to import
@@ -253,7 +263,17 @@ def ls(args) -> int:
     for row in rows:
         if row["chips"]:
             out.print(f"{row['lab']}/{row['vm']}: {row['chips']}", markup=False, highlight=False)
+    # The person's jobs waiting in the pool, a line per kind.
+    for _, kind in sorted(waiting.items()):
+        out.print(pool.kind_line(kind), markup=False, highlight=False)
     return 0
+
+
+def _pool_of(kind: dict | None) -> dict | None:
+    if not kind:
+        return None
+    return {"waiting": kind["waiting"], "best_place": kind["best_place"], "jobs": kind["jobs"],
+            "in_line": kind["in_line"]}  # fmt: skip
 
 
 def _now_text(row: dict) -> str:

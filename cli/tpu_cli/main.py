@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=account.auth_status)
 
-    p = command("ls", "Your TPU VMs: access, state, who uses the TPU, addresses, your queue place.",
-                account.ls)  # fmt: skip
+    p = command("ls", "Your TPU VMs: access, state, who uses the TPU, addresses, your queue "
+                "place; your jobs waiting for any VM of a kind.", account.ls)  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.add_argument("--names", action="store_true", help=argparse.SUPPRESS)
 
@@ -120,7 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("job")
     p.add_argument("--json", action="store_true")
 
-    p = command("jobs", "Recent jobs on your VMs (or one).", work.jobs)
+    p = command("jobs", "Recent jobs on your VMs (or one), and those waiting for any VM of a "
+                "kind: their place in line, why they wait, where a moved one came from.",
+                work.jobs)  # fmt: skip
     p.add_argument("vm", nargs="?")
     p.add_argument("--days", type=int, default=7, help="changed in the last DAYS days (7)")
     p.add_argument("--json", action="store_true")

@@ -76,6 +76,86 @@ def waiting_rows(session: Session, labs) -> list[dict]:
     return rows
 
 
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th … 11th, 12th, 13th, 21st."""
+    tail = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{tail}"
+
+
+def place_text(job: dict) -> str:
+    """Where a waiting pool job is in its kind's line ("2nd in line"); "" for a job
+    that does not wait for a VM, or from a portal that does not say."""
+    position = job.get("position")
+    if job.get("vm_id", 0) is not None or not isinstance(position, int) or position < 1:
+        return ""
+    return f"{ordinal(position)} in line"
+
+
+def move_text(job: dict) -> str:
+    """Where a job run again after its VM was lost came from, and why: "run 2; tpu7
+    was preempted" ("" for any other job)."""
+    attempt, came_from = job.get("attempt"), job.get("moved_from")
+    if not came_from:
+        return ""
+    why = job.get("moved_why") or "lost"
+    run = f"run {attempt}; " if isinstance(attempt, int) and attempt > 1 else ""
+    return f"{run}{came_from} was {why}"
+
+
+def notes(job: dict) -> list[str]:
+    """What ``tpu jobs`` says of a pool job under its table: why a waiting one waits
+    and its place, and where a moved one came from and where it runs now."""
+    lines = []
+    where = job["vm"] if job.get("vm_id") is not None else f"any {job['accelerator_type']}"
+    moved = move_text(job)
+    if moved:
+        went = (f"it moved to {job['vm']}" if job.get("vm_id") is not None
+                else "it waits at the head of the line")  # fmt: skip
+        lines.append(f"Job {job['id']} ({moved}): {went}.")
+    if job.get("vm_id", 0) is None and job.get("state") in ("queued", "blocked"):
+        place = place_text(job)
+        reason = job.get("reason") or ""
+        head = f"Job {job['id']} ({where}" + (f", {place}" if place else "") + ")"
+        if reason or place:
+            lines.append(f"{head}: {reason}" if reason else f"{head}.")
+    return lines
+
+
+def my_waiting_by_kind(rows: list[dict], email: str) -> dict[tuple[str, str], dict]:
+    """The person's own pool jobs still waiting, per (lab, kind): how many, the best
+    place among them, their ids, and how many jobs of the kind the list shows."""
+    kinds: dict[tuple[str, str], dict] = {}
+    for job in rows:
+        key = (job["lab"], job["accelerator_type"])
+        kind = kinds.setdefault(key, {"kind": job["accelerator_type"], "lab": job["lab"],
+                                      "waiting": 0, "best_place": None, "jobs": [],
+                                      "in_line": 0})  # fmt: skip
+        kind["in_line"] += 1
+        if str(job.get("user", "")).lower() != email.lower():
+            continue
+        kind["waiting"] += 1
+        kind["jobs"].append(job["id"])
+        place = job.get("position")
+        if isinstance(place, int) and (kind["best_place"] is None or place < kind["best_place"]):
+            kind["best_place"] = place
+    return {key: kind for key, kind in kinds.items() if kind["waiting"]}
+
+
+def kind_line(kind: dict) -> str:
+    """``tpu ls``'s line for one kind the person's jobs wait for: "vision/any v4-8: 2
+    of your jobs wait (7, 9); the first is 1st in line of 3." """
+    count, ids = kind["waiting"], ", ".join(str(i) for i in kind["jobs"])
+    if count == 1:
+        text = f"{kind['lab']}/any {kind['kind']}: your job {ids} waits"
+    else:
+        text = f"{kind['lab']}/any {kind['kind']}: {count} of your jobs wait ({ids})"
+    if kind["best_place"] is not None:
+        first = "the first is " if count > 1 else "it is "
+        of = f" of {kind['in_line']}" if kind["in_line"] > 1 else ""
+        text += f"; {first}{ordinal(kind['best_place'])} in line{of}"
+    return text + "."
+
+
 def unplaced(session: Session, number: str) -> dict | None:
     """The person's own job of that number while it still waits for a VM, else None."""
     if not number.isdigit():

@@ -25,6 +25,9 @@ class Vm:
     # The accelerator type of the lab's grant of every VM of a kind that gave this one;
     # "" for access given on the VM itself.
     from_kind: str = ""
+    # Its accelerator type (v4-8), the kind a job for the lab's pool names; "" from a
+    # portal that does not say.
+    accelerator_type: str = ""
     ssh: sshfiles.SshVm | None = None
 
     @property
@@ -88,6 +91,7 @@ def my_vms(api, before_match=None, *, now: bool = False) -> list[Vm]:
                           if w["internal_ip"]},
             now=found.get(grant["vm_id"], {}),
             from_kind=str(grant.get("from_kind") or ""),
+            accelerator_type=str(grant.get("accelerator_type") or ""),
         )  # fmt: skip
         vm.ssh = _match(vm, configured)
         vms.append(vm)

@@ -328,16 +328,19 @@ def jobs(args) -> int:
     from rich.table import Table
 
     table = Table(box=None, pad_edge=False)
-    for column in ("JOB", "VM", "WHO", "STATE", "QUEUED", "COMMAND"):
+    for column in ("JOB", "VM", "WHO", "STATE", "PLACE", "QUEUED", "COMMAND"):
         table.add_column(column)
     for job in rows:
         table.add_row(str(job["id"]), f"{job['lab']}/{job['vm']}", job["username"] or job["user"],
-                      job["state"], job["queued_at"][:16].replace("T", " "),
+                      job["state"], pool.place_text(job) or "-",
+                      job["queued_at"][:16].replace("T", " "),
                       job["command"][:60])  # fmt: skip
     out.print(table)
+    # Why each pool job waits, and where a moved one came from: lines of their own
+    # (a reason is a sentence; the table stays as wide as it was).
     for job in rows:
-        if job.get("vm_id", 0) is None and job.get("reason"):
-            say(f"Job {job['id']} ({job['vm']}): {job['reason']}")
+        for line in pool.notes(job):
+            say(line)
     return 0
 
 

@@ -121,11 +121,13 @@ class VmWorkerOut(BaseModel):
 
 
 class MyGrantOut(GrantOut):
-    """A grant of yours with what you need of its VM: its zone, its state as the Cloud
-    TPU API reports it (READY, PREEMPTED, STOPPED …) and its workers with their
-    addresses (none once the grant is revoked or being revoked)."""
+    """A grant of yours with what you need of its VM: its zone, its accelerator type
+    (the kind a job for the lab's pool names), its state as the Cloud TPU API reports
+    it (READY, PREEMPTED, STOPPED …) and its workers with their addresses (none once
+    the grant is revoked or being revoked)."""
 
     zone: str
+    accelerator_type: str
     vm_state: str
     vm_workers: list[VmWorkerOut]
 
@@ -135,6 +137,7 @@ class MyGrantOut(GrantOut):
         return {
             **GrantOut.fields_of(grant),
             "zone": grant.vm.zone,
+            "accelerator_type": grant.vm.accelerator_type,
             "vm_state": grant.vm.state,
             "vm_workers": getattr(grant, "vm_addresses", []) if wanted else [],
         }

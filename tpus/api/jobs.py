@@ -108,6 +108,13 @@ class JobSummaryOut(Schema):
     started_at: datetime | None
     ended_at: datetime | None
     changed_at: datetime
+    # Which run of the job this is (1, or one more than the run lost with its VM it
+    # runs again). A job submitted to a kind and run again after its VM was lost:
+    # that VM's name and what happened to it ("preempted", "under maintenance",
+    # "deleted"); "" for any other job.
+    attempt: int
+    moved_from: str
+    moved_why: str
 
     @staticmethod
     def resolve_vm(obj):
@@ -234,14 +241,8 @@ class JobOut(JobSummaryOut):
     rerun_after_preemption: bool
     use_tcmalloc: bool
     rerun_of: int | None
-    # Which run of the job this is (1, or one more than the run lost with its VM it
-    # runs again). A job submitted to a kind and run again after its VM was lost:
-    # that VM's name, what happened to it ("preempted", "under maintenance",
-    # "deleted"), and in words where the job went ("tpu7 was preempted; your job
-    # moved to tpu3."); "" for any other job.
-    attempt: int
-    moved_from: str
-    moved_why: str
+    # In words where a job run again after its VM was lost went ("tpu7 was
+    # preempted; your job moved to tpu3."); "" for any other job.
     move: str
     cancel_requested_at: datetime | None
     # Once it has ended: 0 when it succeeded, else the exit status of the worker whose

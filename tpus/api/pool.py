@@ -17,6 +17,7 @@ from tpus.api.jobs import (
     JobOut,
     JobSummaryOut,
     _admin_of_labs,
+    _pool_lines,
     _reloaded,
 )
 from tpus.models import Job
@@ -41,6 +42,19 @@ class PoolJobIn(JobIn):
 
     def kind(self) -> Kind:
         return Kind(self.accelerator_type, tuple(self.zones), self.provisioning)
+
+
+class PoolJobSummaryOut(JobSummaryOut):
+    """A job waiting for a VM of its kind, as the pool's list shows it: with its place
+    in its kind's line (1: next), in the order placement serves it (fair share, the
+    jobs back from a lost VM first)."""
+
+    position: int | None
+
+    @staticmethod
+    def resolve_position(obj, context):
+        line = _pool_lines(context, obj.lab_id).get(obj.pk)
+        return line.place if line else None
 
 
 def _refused(exc: ValidationError):
@@ -86,10 +100,11 @@ def validate_pool_job(request, slug: str, payload: PoolJobIn):
 
 @router.get(
     "/labs/{slug}/jobs",
-    response=list[JobSummaryOut],
+    response=list[PoolJobSummaryOut],
     summary="The jobs waiting for a VM of the lab's pool",
     description="Jobs submitted to a kind that no VM has taken yet, per kind, first in line "
-    "first (placement serves each kind's line by fair share), each with why it waits. "
+    "first (placement serves each kind's line by fair share), each with why it waits "
+    "and its place in its kind's line (`position`, 1: next). "
     "The lab's admins see everyone's; others their own and the others' that wait for a "
     "kind they asked for too.",
 )

@@ -362,8 +362,8 @@ def test_a_page_of_settled_grants_reads_no_workers(client, cast, lab_with_grants
 
 def test_my_grants_name_each_vms_lab_state_and_workers_addresses(client, cast, lab_with_grants):
     pod = lab_with_grants.tpu6
-    pod.state = "PREEMPTED"
-    pod.save(update_fields=["state"])
+    pod.state, pod.accelerator_type = "PREEMPTED", "v4-16"
+    pod.save(update_fields=["state", "accelerator_type"])
     Worker.objects.filter(vm=pod).update(internal_ip="10.0.0.2")
     Worker.objects.create(vm=pod, index=1, internal_ip="10.0.0.3", external_ip="192.0.2.2")
     Grant.objects.create(user=cast.member, vm=pod, state="active")
@@ -374,6 +374,7 @@ def test_my_grants_name_each_vms_lab_state_and_workers_addresses(client, cast, l
 
     assert (items["tpu6"]["lab"], items["tpu6"]["zone"]) == ("vision", "europe-west4-a")
     assert items["tpu6"]["vm_state"] == "PREEMPTED"
+    assert items["tpu6"]["accelerator_type"] == "v4-16"
     assert items["tpu6"]["vm_workers"] == [
         {"index": 0, "alias": "tpu6-w0", "internal_ip": "10.0.0.2", "external_ip": "192.0.2.1"},
         {"index": 1, "alias": "tpu6-w1", "internal_ip": "10.0.0.3", "external_ip": "192.0.2.2"},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
 from accounts.services import create_token
 from tpus.models import Job, TpuVm
@@ -127,3 +128,25 @@ def test_a_pool_job_run_again_goes_back_to_the_pool(busy, client, api):
     again = api(busy.milo, "post", f"/labs/vision/vms/{busy.vm.pk}/jobs/{job['id']}/rerun")
     assert again.status_code == 201 and again.json()["vm_id"] is None
     assert again.json()["url"].endswith(f"/labs/vision/jobs/{again.json()['id']}/")
+
+
+def test_the_pools_list_gives_each_jobs_place_in_line_and_where_a_moved_one_came_from(busy, api):
+    first = api(busy.ann, "post", "/labs/vision/jobs", BODY).json()
+    second = api(busy.milo, "post", "/labs/vision/jobs", BODY).json()
+    # A job of milo's back from a preempted VM: at the head of the line.
+    back = api(busy.milo, "post", "/labs/vision/jobs", BODY).json()
+    Job.objects.filter(pk=back["id"]).update(
+        attempt=2, moved_from="tpu7", moved_why="preempted", returned_at=timezone.now()
+    )
+    listed = {j["id"]: j for j in api(busy.milo, "get", "/labs/vision/jobs").json()}
+    assert [listed[j["id"]]["position"] for j in (back, second, first)] == [1, 2, 3]
+    assert (listed[back["id"]]["attempt"], listed[back["id"]]["moved_from"]) == (2, "tpu7")
+    assert listed[back["id"]]["moved_why"] == "preempted"
+    assert (listed[first["id"]]["attempt"], listed[first["id"]]["moved_from"]) == (1, "")
+    # The VM's own list says the same of a job run again there.
+    Job.objects.filter(pk=back["id"]).update(vm=busy.vm, placed_at=timezone.now())
+    rows = api(busy.milo, "get", f"/labs/vision/vms/{busy.vm.pk}/jobs").json()["items"]
+    [row] = [r for r in rows if r["id"] == back["id"]]
+    assert (row["attempt"], row["moved_from"], row["moved_why"]) == (2, "tpu7", "preempted")
+    # Another lab's member sees none of it.
+    assert api(busy.admin, "get", "/labs/other/jobs").status_code == 404
