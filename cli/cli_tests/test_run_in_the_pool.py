@@ -56,7 +56,6 @@ def test_it_says_why_the_job_waits_until_it_ends_without_a_vm(lab, capsys, monke
         (["run", "tpu5", "--type", "v4-8"], "Name the VM"),
         (["run"], "Name the VM"),
         (["run", "tpu5", "--spot"], "go with --type"),
-        (["run", "--type", "v4-8", "--workdir", "."], "--workdir does not go with --type"),
     ],
 )
 def test_what_does_not_go_with_a_kind_is_refused_before_the_portal_is_asked(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -79,13 +80,18 @@ class Api:
     def close(self) -> None:
         self.client.close()
 
-    def send(self, method: str, path: str, **kwargs) -> httpx.Response:
+    def send(self, method: str, path: str, *, file: Path | None = None, **kwargs) -> httpx.Response:
         """The answer to one request, retried a few times on 429 and 503 (a proxy or a
-        restarting portal), honouring ``Retry-After``."""
+        restarting portal), honouring ``Retry-After``. ``file``: the body, streamed
+        from disk (opened again for each try)."""
         delay = 1.0
         for attempt in range(4):
             try:
-                response = self._followed(method, path, **kwargs)
+                if file is None:
+                    response = self._followed(method, path, **kwargs)
+                else:
+                    with open(file, "rb") as body:
+                        response = self._followed(method, path, content=body, **kwargs)
             except httpx.HTTPError as exc:
                 raise CliError(f"Cannot reach {self.url}: {exc}", UNREACHABLE) from None
             if response.status_code not in (429, 503) or attempt == 3:
@@ -137,6 +143,13 @@ class Api:
 
     def post(self, path: str, body: Any = None) -> Any:
         response = self.send("POST", path, json=body if body is not None else {})
+        return self._json(response) if response.content else None
+
+    def put_file(self, path: str, file: Path) -> Any:
+        """PUT a file's bytes as they are (``application/octet-stream``), read from disk
+        in chunks as they go, never whole into memory."""
+        headers = {"Content-Type": "application/octet-stream"}
+        response = self.send("PUT", path, file=file, headers=headers)
         return self._json(response) if response.content else None
 
     def delete(self, path: str) -> None:
@@ -197,6 +210,7 @@ def error_of(response: httpx.Response) -> CliError:
     if not detail:
         detail = f"The portal answered {response.status_code} {response.reason_phrase}."
     error = ApiError(response.status_code, detail, errors if isinstance(errors, dict) else {})
+    error.body = body if isinstance(body, dict) else {}
     # RFC 8628's answers while a device code waits: {"error": "authorization_pending"}.
     code = body.get("error") if isinstance(body, dict) else None
     error.error_code = code if isinstance(code, str) else ""

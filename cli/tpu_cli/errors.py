@@ -38,3 +38,5 @@ class ApiError(CliError):
         self.detail = detail
         self.errors = errors or {}
         self.error_code = ""
+        # The whole JSON answer, when it was an object (fields beyond ``detail``).
+        self.body: dict = {}

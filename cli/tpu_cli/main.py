@@ -25,7 +25,17 @@ goes on, `tpu logs -f JOB` follows it again.
 via-worker0 sends to worker 0 only, which then sends to the others over the pod's own
 network: better when your uplink is slow and the pod is large. It needs your ssh
 agent (worker 0 logs in to the others as you, with agent forwarding) and checks their
-pinned host keys."""
+pinned host keys.
+
+With --type (any free VM of a kind) the VM is known only once the job is placed, so
+DIR goes to the portal first, as a snapshot the job names; the portal puts it at the
+same path under your home on every worker of the VM the job lands on. The files are
+those rsync would send (its reading of .gitignore: per folder, /anchored, dir/, **,
+and no `!` re-include), .git left out, regular files only, mode 0755 or 0644 from the
+owner's execute bit. A symlink to a file inside DIR goes as that file; any other
+symlink (to a folder, out of DIR, to nothing) is left out and named. Only the
+contents the portal lacks are sent (hashes are kept in your cache folder, so after an
+edit only the changed files are read); the portal caps a snapshot's size."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--spot", action="store_true", help="with --type: only spot VMs")
     p.add_argument("--on-demand", action="store_true", help="with --type: only on-demand VMs")
-    p.add_argument("--workdir", metavar="DIR", help="a folder to sync first; the job runs there")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="a folder to sync first (with --type: to send to the portal as a "
+                   "snapshot); the job runs there")  # fmt: skip
     p.add_argument("--env", action="append", metavar="K=V", help="an environment variable (repeat)")
     p.add_argument("--venv", metavar="PATH", help="a Python venv on the workers (e.g. ~/venv)")
     p.add_argument("--time-limit", type=int, metavar="MINUTES")

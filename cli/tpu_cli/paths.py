@@ -46,6 +46,19 @@ def config_dir() -> Path:
     return Path(base) / "tpu-portal"
 
 
+def cache_dir() -> Path:
+    """What the client may throw away and make again (the workdir's file hashes):
+    ``$XDG_CACHE_HOME/tpu-portal`` or ``~/.cache/tpu-portal`` on Linux;
+    ``~/Library/Caches/tpu-portal`` on macOS. ``TPU_PORTAL_CACHE_DIR`` overrides both."""
+    chosen = os.environ.get("TPU_PORTAL_CACHE_DIR")
+    if chosen:
+        return Path(chosen)
+    if sys.platform == "darwin":
+        return home() / "Library" / "Caches" / "tpu-portal"
+    base = os.environ.get("XDG_CACHE_HOME") or str(home() / ".cache")
+    return Path(base) / "tpu-portal"
+
+
 def ssh_dir() -> Path:
     return home() / ".ssh"
 

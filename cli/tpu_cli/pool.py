@@ -37,6 +37,16 @@ def submit(session: Session, lab: str, body: dict) -> dict:
     return session.api.post(f"/labs/{lab}/jobs", body)
 
 
+def check(session: Session, lab: str, body: dict) -> None:
+    """The portal's refusal of the job (its input, access, the waiting limit) before
+    anything is sent; a portal without the check is asked at submit."""
+    try:
+        session.api.post(f"/labs/{lab}/jobs/validate", body)
+    except ApiError as exc:
+        if exc.status not in (404, 405):
+            raise
+
+
 def wait_until_placed(session: Session, lab: str, job: dict) -> dict:
     """Ask about the job until a VM took it or it ended, saying why it waits whenever
     that changes (Ctrl-C leaves it waiting)."""

@@ -10,7 +10,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from tpu_cli import connections, follow, paths, pool, remote, sshfiles
+from tpu_cli import connections, follow, paths, pool, remote, snapshot, sshfiles
 from tpu_cli.errors import FAILED, INTERRUPTED, USAGE, ApiError, CliError
 from tpu_cli.session import Session, err, out, say
 
@@ -82,15 +82,9 @@ def run(args) -> int:
         )
     if not pooled and (args.lab or args.zone or args.spot or args.on_demand):
         raise CliError("--lab, --zone, --spot and --on-demand go with --type.", USAGE)
-    if pooled and local is not None:
-        raise CliError(
-            "--workdir does not go with --type yet: the VM is known only once the job is "
-            "placed. Keep the code in your home on each VM of the kind, or on a data disk.",
-            USAGE,
-        )
     session = Session()
     if pooled:
-        return _run_in_pool(session, args, command, env)
+        return _run_in_pool(session, args, command, env, local)
     vm = session.vm(args.vm)
     folder = remote_folder(local) if local is not None else ""
     body = {"args": command, "cwd": folder, "python": worker_path(args.venv or ""), "env": env,
@@ -109,13 +103,20 @@ def run(args) -> int:
     return _follow(session, vm, job["id"], args.worker, ssh)
 
 
-def _run_in_pool(session: Session, args, command: list[str], env: list[str]) -> int:
+def _run_in_pool(
+    session: Session, args, command: list[str], env: list[str], local: Path | None
+) -> int:
     """``tpu run --type v4-8``: queued for any free VM of the kind; followed on the VM
-    the portal gives it."""
+    the portal gives it. A workdir goes to the portal first as a snapshot, which the
+    portal puts at the same folder as a sync would on every worker of that VM."""
     lab = pool.lab_of(session, args.lab)
     body = {"args": command, "python": worker_path(args.venv or ""), "env": env,
             "time_limit_minutes": args.time_limit, "notify": args.notify,
             **pool.kind_body(args)}  # fmt: skip
+    if local is not None:
+        body["cwd"] = remote_folder(local)
+        pool.check(session, lab, body)  # a refused job sends no file
+        body["snapshot"] = snapshot.upload(session.api, lab, local, say)["id"]
     job = pool.submit(session, lab, body)
     where = f"on {lab}/{job['vm']}" if job["vm_id"] else f"for any free {args.type} of {lab}"
     say(f"Job {job['id']} queued {where}: {job['url']}")

@@ -1,0 +1,290 @@
+"""`tpu run --type v4-8 --workdir DIR`: the workdir goes to the portal as a snapshot the
+job names. The hashes come from a cache (one edit, one file read); the upload flow runs
+against a small real HTTP server that keeps the snapshots contract (which contents it
+lacks, the blobs, the snapshot, the job naming it), and refuses as the portal would."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from cli_tests.test_run_checks_first import _run
+from tpu_cli import errors, snapshot
+
+FILES = {"train.py": "print('hi')\n", "model/net.py": "x = 1\n", "run.sh": "#!/bin/sh\n",
+         "data/big.bin": "0" * 5000, ".gitignore": "data/\n*.pyc\n", "model/net.pyc": "c",
+         ".git/HEAD": "ref"}  # fmt: skip
+
+
+def build(root: Path, files: dict[str, str] = FILES) -> Path:
+    for path, content in files.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(content)
+    (root / "run.sh").chmod(0o755)
+    return root
+
+
+# --- the hash cache ---------------------------------------------------------------------
+
+
+def test_a_run_after_one_edit_reads_that_file_alone(tmp_path):
+    root = build(tmp_path / "proj")
+    cache_file = tmp_path / "cache" / "hashes.json"
+
+    first = snapshot.list_workdir(root, snapshot.HashCache(cache_file))
+    again = snapshot.list_workdir(root, snapshot.HashCache(cache_file))
+    (root / "model/net.py").write_text("x = 2\n")
+    edited = snapshot.list_workdir(root, snapshot.HashCache(cache_file))
+
+    assert (first.hashed, again.hashed, edited.hashed) == (4, 0, 1)
+    by_path = {f["path"]: f for f in edited.files}
+    assert sorted(by_path) == [".gitignore", "model/net.py", "run.sh", "train.py"]
+    assert by_path["model/net.py"]["sha256"] == hashlib.sha256(b"x = 2\n").hexdigest()
+    assert (by_path["run.sh"]["mode"], by_path["train.py"]["mode"]) == (0o755, 0o644)
+    assert by_path["train.py"]["size"] == len(FILES["train.py"])
+    assert first.files != edited.files
+
+
+def test_a_file_replaced_by_another_of_the_same_size_and_time_is_read_again(tmp_path):
+    root = build(tmp_path / "proj")
+    cache_file = tmp_path / "hashes.json"
+    snapshot.list_workdir(root, snapshot.HashCache(cache_file))
+    stat = (root / "train.py").stat()
+    replacement = root / "train.new"
+    replacement.write_text("print('yo')\n")
+    import os
+
+    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    replacement.replace(root / "train.py")  # a new inode, same size and mtime
+
+    listed = snapshot.list_workdir(root, snapshot.HashCache(cache_file))
+
+    assert listed.hashed == 1
+    [train] = [f for f in listed.files if f["path"] == "train.py"]
+    assert train["sha256"] == hashlib.sha256(b"print('yo')\n").hexdigest()
+
+
+def test_a_broken_cache_file_means_hashing_again_not_failing(tmp_path):
+    root = build(tmp_path / "proj")
+    cache_file = tmp_path / "hashes.json"
+    cache_file.write_text("{not json")
+    assert snapshot.list_workdir(root, snapshot.HashCache(cache_file)).hashed == 4
+    assert json.loads(cache_file.read_text())["version"] == snapshot.CACHE_VERSION
+
+
+# --- the upload, against a server keeping the contract -----------------------------------
+
+
+class SnapshotPortal:
+    """The portal's snapshot endpoints and a lab's pool, as the contract says, on
+    loopback. ``cap`` bytes per snapshot; ``refuse_path`` a path it takes no file at;
+    ``old`` answers 404 to every snapshot path; ``forget_once`` drops its blobs once,
+    between the uploads and the snapshot."""
+
+    def __init__(self, cap: int = 10**6):
+        self.cap, self.blobs, self.puts, self.jobs = cap, {}, [], []
+        self.refuse_path, self.old, self.forget_once, self.snapshots = "", False, False, []
+        self.cap_in_refusal = False
+        portal = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _reply(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _body(self) -> bytes:
+                assert "Content-Length" in self.headers, "a body without its length"
+                return self.rfile.read(int(self.headers["Content-Length"]))
+
+            def do_POST(self):
+                body = json.loads(self._body() or b"{}")
+                self._reply(*portal.post(self.path.removeprefix("/api/v1"), body))
+
+            def do_PUT(self):
+                self._reply(*portal.put(self.path.removeprefix("/api/v1"), self._body(),
+                                        self.headers.get("Content-Type")))  # fmt: skip
+
+            def do_GET(self):
+                self._reply(404, {"detail": "Not Found"})
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _files_refused(self, files):
+        total = sum(f["size"] for f in files)
+        if self.refuse_path and any(f["path"] == self.refuse_path for f in files):
+            return {"detail": "A path the portal takes no file at.",
+                    "errors": {"files": [f"{self.refuse_path}: not a relative path."]}}  # fmt: skip
+        if total > self.cap:
+            refusal = {"detail": f"The snapshot is {total} bytes; the lab allows {self.cap}.",
+                       "errors": {"files": ["over the lab's cap"]}}  # fmt: skip
+            return {**refusal, "cap_bytes": self.cap} if self.cap_in_refusal else refusal
+        return None
+
+    def post(self, path, body):
+        if self.old and "/snapshots" in path:
+            return 404, {"detail": "Not Found"}
+        if path == "/labs/vision/jobs/validate":
+            return 200, {"ok": True, "detail": "ok"}
+        if path == "/labs/vision/snapshots/missing":
+            refused = self._files_refused(body["files"])
+            if refused:
+                return 400, refused
+            missing = sorted({f["sha256"] for f in body["files"]} - set(self.blobs))
+            total = sum(f["size"] for f in body["files"])
+            return 200, {"missing": missing, "bytes": total, "cap_bytes": self.cap}
+        if path == "/labs/vision/snapshots":
+            if self.forget_once:
+                self.forget_once, self.blobs = False, {}
+            lacking = sorted({f["sha256"] for f in body["files"]} - set(self.blobs))
+            if lacking:
+                return 400, {"detail": "Some contents are missing.", "missing": lacking}
+            self.snapshots.append(body["files"])
+            return 201, {"id": len(self.snapshots), "digest": "d", "files": len(body["files"]),
+                         "bytes": sum(f["size"] for f in body["files"]),
+                         "expires_at": "2026-12-05T00:00:00Z"}  # fmt: skip
+        if path == "/labs/vision/jobs":
+            self.jobs.append(body)
+            return 201, {"id": 70 + len(self.jobs), "vm_id": None, "vm": None, "lab": "vision",
+                         "state": "queued", "reason": "", "accelerator_type": "v4-8",
+                         "url": f"{self.url}/labs/vision/jobs/7/"}  # fmt: skip
+        return 404, {"detail": "Not Found"}
+
+    def put(self, path, data, kind):
+        found = re.fullmatch(r"/labs/vision/snapshots/blobs/([0-9a-f]{64})", path)
+        if self.old or not found:
+            return 404, {"detail": "Not Found"}
+        assert kind == "application/octet-stream"
+        if hashlib.sha256(data).hexdigest() != found[1]:
+            return 400, {"detail": "The content does not match its sha256."}
+        self.puts.append(found[1])
+        created = found[1] not in self.blobs
+        self.blobs[found[1]] = data
+        return (201 if created else 200), {"sha256": found[1], "size": len(data)}
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def lab(portal, monkeypatch, tmp_path):
+    """The person signed in to a portal keeping the snapshots contract (``portal``
+    makes the home and the sign-in; its address is moved here)."""
+    from tpu_cli import credentials
+
+    served = SnapshotPortal()
+    credentials.save(credentials.SignIn(url=served.url, token="tpp_test", email="milo@x.example"))
+    monkeypatch.setenv("TPU_PORTAL_CACHE_DIR", str(tmp_path / "cache"))
+    yield served
+    served.close()
+
+
+def _submit(capsys, folder: Path):
+    return _run(capsys, "run", "--type", "v4-8", "--lab", "vision", "--workdir", str(folder),
+                "--detach", "--", "python3", "train.py")  # fmt: skip
+
+
+def test_the_workdir_goes_as_a_snapshot_and_the_job_names_it_and_its_folder(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj")
+
+    code, err = _submit(capsys, root)
+
+    assert code == 0, err
+    [job] = lab.jobs
+    assert job["snapshot"] == 1 and job["cwd"] == "proj"  # where a sync to a VM puts it
+    assert job["accelerator_type"] == "v4-8" and job["args"] == ["python3", "train.py"]
+    [files] = lab.snapshots
+    assert sorted(f["path"] for f in files) == [".gitignore", "model/net.py", "run.sh", "train.py"]
+    assert len(lab.puts) == 4
+    assert lab.blobs[hashlib.sha256(b"x = 1\n").hexdigest()] == b"x = 1\n"
+    assert "Snapshot 1 of" in err and "4 file(s)" in err and "sent 4" in err
+
+
+def test_a_run_after_one_edit_sends_that_file_alone(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj")
+    _submit(capsys, root)
+    (root / "model/net.py").write_text("x = 2\n")
+
+    code, err = _submit(capsys, root)
+
+    assert code == 0, err
+    assert lab.puts[4:] == [hashlib.sha256(b"x = 2\n").hexdigest()]
+    assert lab.jobs[1]["snapshot"] == 2 and "sent 1 " in err
+
+
+def test_contents_the_portal_let_go_are_sent_again_once(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj")
+    lab.forget_once = True
+
+    code, err = _submit(capsys, root)
+
+    assert code == 0, err
+    assert len(lab.puts) == 8 and lab.jobs[0]["snapshot"] == 1
+
+
+def test_a_workdir_over_the_cap_says_its_size_the_cap_and_the_largest_files(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj", {**FILES, "weights.npy": "w" * 3000, ".gitignore": ""})
+    lab.cap = 4000
+
+    code, err = _submit(capsys, root)
+
+    assert code == errors.USAGE
+    assert "The snapshot is 8" in err and "the lab allows 4000" in err
+    assert "The workdir is 8.0 kB in 7 file(s). Largest: data/big.bin (5.0 kB)" in err
+    assert "weights.npy (3.0 kB)" in err and ".gitignore" in err
+    assert not lab.puts and not lab.jobs
+    # A refusal that gives the cap as a number: the client says it too.
+    lab.cap_in_refusal = True
+    code, err = _submit(capsys, root)
+    assert "The workdir is 8.0 kB in 7 file(s), over the cap of 4.0 kB." in err
+
+
+def test_a_path_the_portal_refuses_is_named_and_nothing_is_sent(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj")
+    lab.refuse_path = "run.sh"
+
+    code, err = _submit(capsys, root)
+
+    assert code == errors.USAGE
+    assert "A path the portal takes no file at." in err and "run.sh: not a relative path." in err
+    assert "Largest" not in err
+    assert not lab.puts and not lab.jobs
+
+
+def test_a_portal_without_snapshots_is_named_as_too_old_and_no_job_is_queued(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj")
+    lab.old = True
+
+    code, err = _submit(capsys, root)
+
+    assert code == errors.FAILED
+    assert "takes no workdir for a job on any VM of a kind" in err and "older than" in err
+    assert not lab.jobs
+
+
+def test_symlinks_left_out_are_named(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj")
+    (root / "datasets").symlink_to(tmp_path)
+    (root / "cfg.py").symlink_to("train.py")
+
+    code, err = _submit(capsys, root)
+
+    assert code == 0, err
+    assert "Left out datasets: a symlink out of the workdir" in err
+    [files] = lab.snapshots
+    assert "cfg.py" in {f["path"] for f in files}

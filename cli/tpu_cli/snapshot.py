@@ -1,0 +1,206 @@
+"""A workdir for a job on any VM of a kind (``tpu run --type v4-8 --workdir DIR``): the
+VM is known only once the job is placed, so the files go to the portal first, as a
+snapshot the job names; the portal puts them at the job's folder on every worker of
+whichever VM takes it.
+
+The files are those rsync would send to a named VM (``ignore.walk``). Each is named
+by its sha256, worked out once per version of the file: a cache in the client's cache
+folder keys each hash by the file's path, size, modification time and inode, so a run
+after editing one file reads one file. The portal says which contents it lacks
+(``snapshots/missing``); only those are sent, a few at a time, each streamed from
+disk; then the snapshot is made of the whole list."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpu_cli import ignore, paths
+from tpu_cli.errors import FAILED, USAGE, ApiError, CliError
+
+CACHE_FILE = "file-hashes.json"
+CACHE_VERSION = 1
+UPLOADS_AT_ONCE = 4
+CHUNK = 1 << 20
+
+TOO_OLD = (
+    "The portal at {url} takes no workdir for a job on any VM of a kind (it has no "
+    "snapshots: it is older than this client). Run on a VM by name (tpu run VM --workdir "
+    "…), keep the code on the VMs of the kind, or ask the portal's admins to update it."
+)
+
+
+class HashCache:
+    """sha256 of files by (path, size, mtime_ns, inode), kept in the cache folder."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries: dict[str, list] = {}
+        self.hashed = 0  # files read this time (for the tests: one edit, one read)
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        if isinstance(saved, dict) and saved.get("version") == CACHE_VERSION:
+            files = saved.get("files")
+            self.entries = files if isinstance(files, dict) else {}
+
+    @classmethod
+    def default(cls) -> HashCache:
+        return cls(paths.cache_dir() / CACHE_FILE)
+
+    def digest(self, found: ignore.Found) -> str:
+        key = str(found.source)
+        known = self.entries.get(key)
+        stamp = [found.size, found.mtime_ns, found.inode]
+        if isinstance(known, list) and len(known) == 4 and known[:3] == stamp:
+            return str(known[3])
+        digest = file_sha256(found.source)
+        self.hashed += 1
+        self.entries[key] = [*stamp, digest]
+        return digest
+
+    def save(self, root: Path, seen: set[str]) -> None:
+        """Kept for next time: every entry of other folders, and of ``root`` the files
+        seen now (a deleted or ignored file's entry goes)."""
+        prefix = str(root) + os.sep
+        kept = {k: v for k, v in self.entries.items() if not k.startswith(prefix) or k in seen}
+        try:
+            paths.private_dir(self.path.parent)
+            paths.write_private(self.path, json.dumps({"version": CACHE_VERSION, "files": kept}))
+        except OSError:
+            pass  # a cache: the next run hashes again
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass
+class Listed:
+    """The workdir as the portal is told of it."""
+
+    root: Path
+    files: list[dict]  # {"path", "size", "mode", "sha256"}
+    sources: dict[str, Path]  # sha256 -> a file on this machine with that content
+    skipped_links: list[tuple[str, str]]
+    hashed: int
+
+    @property
+    def total(self) -> int:
+        return sum(f["size"] for f in self.files)
+
+
+def list_workdir(root: Path, cache: HashCache | None = None) -> Listed:
+    """The workdir's files with their hashes (the cache saved again)."""
+    cache = cache or HashCache.default()
+    walked = ignore.walk(root)
+    files, sources = [], {}
+    for found in walked.files:
+        digest = cache.digest(found)
+        files.append({"path": found.path, "size": found.size, "mode": found.mode,
+                      "sha256": digest})  # fmt: skip
+        sources.setdefault(digest, found.source)
+    cache.save(root.resolve(), {str(f.source) for f in walked.files})
+    return Listed(root, files, sources, walked.skipped_links, cache.hashed)
+
+
+def size_text(count: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1000
+    return ""
+
+
+def upload(api, lab: str, root: Path, say) -> dict:
+    """The workdir as a snapshot of the lab, sending only the contents the portal
+    lacks; the portal's answer (``id``, ``digest``, ``files``, ``bytes``, ``expires_at``)."""
+    started = time.monotonic()
+    listed = list_workdir(root)
+    for path, why in listed.skipped_links:
+        say(f"Left out {path}: a symlink {why} (only files in the workdir go with the job).")
+    base = f"/labs/{lab}/snapshots"
+    try:
+        asked = api.post(f"{base}/missing", {"files": listed.files})
+    except ApiError as exc:
+        raise _refusal(exc, api, listed) from None
+    missing = [m for m in dict.fromkeys(asked.get("missing") or []) if m in listed.sources]
+    sent = _send(api, base, listed, missing)
+    try:
+        snapshot = api.post(base, {"files": listed.files})
+    except ApiError as exc:
+        again = [m for m in (exc.body.get("missing") or []) if m in listed.sources]
+        if exc.status != 400 or not again:
+            raise _refusal(exc, api, listed) from None
+        # Contents the portal let go since it was asked (or was sent meanwhile by
+        # nobody): sent once more, then the snapshot again.
+        sent += _send(api, base, listed, again)
+        snapshot = api.post(base, {"files": listed.files})
+    took = time.monotonic() - started
+    say(f"Snapshot {snapshot['id']} of {root}: {len(listed.files)} file(s), "
+        f"{size_text(listed.total)}; sent {len(missing)} ({size_text(sent)}), the portal had "
+        f"the rest; {took:.1f} s.")  # fmt: skip
+    return snapshot
+
+
+def _send(api, base: str, listed: Listed, digests: list[str]) -> int:
+    """Send each content the portal lacks, a few at a time; the bytes sent."""
+
+    def one(digest: str) -> int:
+        source = listed.sources[digest]
+        name = next(f["path"] for f in listed.files if f["sha256"] == digest)
+        try:
+            api.put_file(f"{base}/blobs/{digest}", source)
+        except OSError as exc:
+            raise CliError(f"Could not read {name} to send it: {exc.strerror}.", FAILED) from None
+        except ApiError as exc:
+            if exc.status == 400:
+                raise CliError(
+                    f"The portal refused {name}: {exc.detail} (if it changed while it was "
+                    "sent, run again).",
+                    USAGE,
+                ) from None
+            raise
+        return source.stat().st_size
+
+    if not digests:
+        return 0
+    with ThreadPoolExecutor(max_workers=UPLOADS_AT_ONCE) as pool:
+        return sum(pool.map(one, digests))
+
+
+def _refusal(exc: ApiError, api, listed: Listed) -> CliError:
+    """What the person reads when the portal refuses the workdir: no snapshots at all
+    (an older portal), a path it takes no file at, or more than the lab allows."""
+    if exc.status in (404, 405):
+        return CliError(TOO_OLD.format(url=api.url), FAILED)
+    if exc.status != 400:
+        return exc
+    lines = [f"The portal refused the workdir {listed.root}: {exc.detail}"]
+    for field_name, messages in list(exc.errors.items())[:10]:
+        text = "; ".join(str(m) for m in messages) if isinstance(messages, list) else messages
+        lines.append(f"  {field_name}: {text}")
+    cap = exc.body.get("cap_bytes")
+    words = (exc.detail + " " + json.dumps(exc.errors)).lower()
+    if isinstance(cap, int) or any(w in words for w in ("cap", "too large", "total", "bytes")):
+        size = f"{size_text(listed.total)} in {len(listed.files)} file(s)"
+        if isinstance(cap, int):
+            size += f", over the cap of {size_text(cap)}"
+        largest = sorted(listed.files, key=lambda f: -f["size"])[:5]
+        biggest = ", ".join(f"{f['path']} ({size_text(f['size'])})" for f in largest)
+        lines.append(
+            f"The workdir is {size}. Largest: {biggest}. Leave out what the job does not "
+            "need (data, checkpoints, outputs) in .gitignore, and keep data on a data "
+            "disk or in your home on the VMs."
+        )
+    return CliError("\n".join(lines), USAGE)
