@@ -137,3 +137,32 @@ def test_tpu_ls_says_nothing_of_the_pool_when_none_of_the_persons_jobs_wait(pool
     assert "any v4-8" not in done.stdout
     rows = json.loads(tpu(home, "ls", "--json").stdout)
     assert [row["my_pool_jobs"] for row in rows] == [None, None]
+
+
+def test_tpu_run_for_a_kind_says_its_place_and_why_it_waits_until_it_is_cancelled(pool):
+    home, waiting, _ = pool
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "PYTHONPATH": str(CLIENT),
+           "no_proxy": "127.0.0.1,localhost"}  # fmt: skip
+    run = subprocess.Popen(
+        [sys.executable, "-m", "tpu_cli", "run", "--type", "v4-8", "--", "python3", "x.py"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in run.stderr:
+            lines.append(line)
+            if line.startswith("Waiting"):
+                break
+        job = Job.objects.filter(vm__isnull=True).latest("id")
+        assert job.pk not in {j.pk for j in waiting.values()}
+        # milo's own jobs are ahead by fair share's order: the new one is 4th.
+        assert lines[-1] == (
+            "Waiting (4th in line): All 2 v4-8 you may use are busy; 3 jobs before yours.\n"
+        ), lines
+        Job.objects.filter(pk=job.pk).update(state="cancelled")
+        rest = run.communicate(timeout=30)[1]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 1
+    assert f"Job {job.pk} cancelled before a VM took it." in rest

@@ -48,13 +48,15 @@ def check(session: Session, lab: str, body: dict) -> None:
 
 
 def wait_until_placed(session: Session, lab: str, job: dict) -> dict:
-    """Ask about the job until a VM took it or it ended, saying why it waits whenever
-    that changes (Ctrl-C leaves it waiting)."""
+    """Ask about the job until a VM took it or it ended, saying why it waits and its
+    place in line whenever they change (Ctrl-C leaves it waiting)."""
     said = ""
     while job["vm_id"] is None and job["state"] in ("queued", "blocked"):
-        if job["reason"] and job["reason"] != said:
-            say(f"Waiting: {job['reason']}")
-            said = job["reason"]
+        place = place_text(job)
+        text = f"Waiting ({place}): {job['reason']}" if place else f"Waiting: {job['reason']}"
+        if job["reason"] and text != said:
+            say(text)
+            said = text
         time.sleep(WAIT_SECONDS)
         job = session.api.get(f"/labs/{lab}/jobs/{job['id']}")
     return job
