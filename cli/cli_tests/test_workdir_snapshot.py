@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -58,8 +60,6 @@ def test_a_file_replaced_by_another_of_the_same_size_and_time_is_read_again(tmp_
     stat = (root / "train.py").stat()
     replacement = root / "train.new"
     replacement.write_text("print('yo')\n")
-    import os
-
     os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     replacement.replace(root / "train.py")  # a new inode, same size and mtime
 
@@ -111,7 +111,19 @@ class SnapshotPortal:
                 self._reply(*portal.post(self.path.removeprefix("/api/v1"), body))
 
             def do_PUT(self):
-                self._reply(*portal.put(self.path.removeprefix("/api/v1"), self._body(),
+                # Read as it comes, a chunk at a time: only small contents are kept.
+                assert "Content-Length" in self.headers, "a body without its length"
+                left, digest, kept = int(self.headers["Content-Length"]), hashlib.sha256(), []
+                while left:
+                    chunk = self.rfile.read(min(left, 1 << 16))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+                    digest.update(chunk)
+                    if sum(map(len, kept)) < 1 << 16:
+                        kept.append(chunk)
+                received = (digest.hexdigest(), int(self.headers["Content-Length"]), b"".join(kept))
+                self._reply(*portal.put(self.path.removeprefix("/api/v1"), received,
                                         self.headers.get("Content-Type")))  # fmt: skip
 
             def do_GET(self):
@@ -164,17 +176,18 @@ class SnapshotPortal:
                          "url": f"{self.url}/labs/vision/jobs/7/"}  # fmt: skip
         return 404, {"detail": "Not Found"}
 
-    def put(self, path, data, kind):
+    def put(self, path, received, kind):
+        digest, size, head = received
         found = re.fullmatch(r"/labs/vision/snapshots/blobs/([0-9a-f]{64})", path)
         if self.old or not found:
             return 404, {"detail": "Not Found"}
         assert kind == "application/octet-stream"
-        if hashlib.sha256(data).hexdigest() != found[1]:
+        if digest != found[1]:
             return 400, {"detail": "The content does not match its sha256."}
         self.puts.append(found[1])
         created = found[1] not in self.blobs
-        self.blobs[found[1]] = data
-        return (201 if created else 200), {"sha256": found[1], "size": len(data)}
+        self.blobs[found[1]] = head
+        return (201 if created else 200), {"sha256": found[1], "size": size}
 
     def close(self):
         self.server.shutdown()
@@ -288,3 +301,24 @@ def test_symlinks_left_out_are_named(lab, capsys, tmp_path):
     assert "Left out datasets: a symlink out of the workdir" in err
     [files] = lab.snapshots
     assert "cfg.py" in {f["path"] for f in files}
+
+
+def test_a_large_file_is_streamed_from_disk_not_read_whole(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj", {"train.py": "", "run.sh": ""})
+    size = 48 * 2**20
+    with open(root / "weights.bin", "wb") as handle:
+        for _ in range(size // 2**20):
+            handle.write(os.urandom(2**20))  # not sparse, not compressible
+    lab.cap = 2 * size
+    tracemalloc.start()
+    try:
+        code, err = _submit(capsys, root)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert code == 0, err
+    assert len(lab.puts) == 2
+    # The hash and the upload each hold a chunk at a time (this process is the server
+    # too, and it reads in chunks): far less than the file.
+    assert peak < size / 8, peak
