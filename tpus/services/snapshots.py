@@ -480,3 +480,10 @@ def remove_snapshots_of(user, lab: Lab, why: str, *, actor=None) -> int:
         removed += _remove(snapshot, why, actor=actor)
     remove_unnamed_blobs(owner=user)
     return removed
+
+
+def forget_person(user) -> int:
+    """A person being deleted: every content they stored goes from the storage (their
+    rows go with them). The number of contents removed."""
+    Snapshot.objects.filter(owner=user).delete()
+    return remove_unnamed_blobs(owner=user)
