@@ -305,3 +305,29 @@ def test_a_rerun_keeps_its_snapshot_and_one_whose_snapshot_expired_is_refused(cl
     job.refresh_from_db()
     with pytest.raises(Exception, match="has expired"):
         job_services.rerun_job(scene.milo, job)
+
+
+def test_the_job_page_shows_the_workdir_it_carries(client, scene):
+    from django.urls import reverse
+
+    snapshot_id = _snapshot_of(client, scene.lab, scene.milo)
+    snapshot = Snapshot.objects.get()
+    pool = jobs_support.make_job(
+        None, scene.milo, "queued", lab=scene.lab, accelerator_type="v4-8",
+        snapshot_id=snapshot_id, snapshot_digest=snapshot.digest, cwd="/home/milo/proj",
+    )  # fmt: skip
+    placed = jobs_support.make_job(
+        scene.vm, scene.milo, "running", lab=scene.lab, snapshot_id=snapshot_id,
+        snapshot_digest=snapshot.digest, cwd="/home/milo/proj",
+    )  # fmt: skip
+    client.force_login(scene.milo)
+    for url in (
+        reverse("lab_job", args=[scene.lab.slug, pool.pk]),
+        reverse("job_detail", args=[scene.lab.slug, scene.vm.pk, placed.pk]),
+    ):
+        page = client.get(url).content.decode()
+        assert 'id="job-snapshot"' in page, url
+        assert f"2 files, {len(A) + len(B)}\xa0bytes" in page and snapshot.digest[:16] in page
+    Snapshot.objects.all().delete()
+    page = client.get(reverse("job_detail", args=[scene.lab.slug, scene.vm.pk, placed.pk]))
+    assert "its snapshot has expired" in page.content.decode()
