@@ -440,6 +440,13 @@ def _place_snapshot(
     problems, unreachable = [], 0
     for worker, outcome in zip(workers, outcomes, strict=True):
         if outcome.ok:
+            said = outcome.result.values
+            # With the pre-flight's rows: what this worker was sent and wrote.
+            job.preflight.setdefault(str(worker.index), []).append([
+                "snapshot_place", "ok",
+                f"{said.get('placed', '?')} file(s) written, {said.get('kept', '?')} already "
+                f"there, {said.get('received', '?')} content(s) received",
+            ])  # fmt: skip
             continue
         problems.append(f"worker {worker.index} ({worker.alias}): {outcome.error}")
         unreachable += bool(outcome.error.retryable and not outcome.error.script_ran_late)

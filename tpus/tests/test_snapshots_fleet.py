@@ -139,6 +139,10 @@ def _cached(job: Job) -> list[str]:
     return [c[2] for rows in job.preflight.values() for c in rows if c[0] == "snapshot"]
 
 
+def _placed(job: Job) -> list[str]:
+    return [c[2] for rows in job.preflight.values() for c in rows if c[0] == "snapshot_place"]
+
+
 def test_a_pool_job_finds_its_workdir_on_every_worker_and_a_rerun_sends_only_the_change(
     two_v4_16, django_capture_on_commit_callbacks, fleet
 ):
@@ -154,6 +158,7 @@ def test_a_pool_job_finds_its_workdir_on_every_worker_and_a_rerun_sends_only_the
             assert line in part.log_tail, (part.index, part.log_tail)
         assert f"cwd {home}/proj" in part.log_tail
     assert _cached(job) == ["0 of 3 contents cached"] * 2
+    assert _placed(job) == ["3 file(s) written, 0 already there, 3 content(s) received"] * 2
     # Written as the person, in their home: the files and the cache are theirs.
     vm_hosts = hosts[:2] if job.vm_id == tpu5.pk else hosts[2:]
     owner = fleet.exec(vm_hosts[1].name, ["stat", "-c", "%U %a", f"{home}/proj/run.sh"])
@@ -167,6 +172,7 @@ def test_a_pool_job_finds_its_workdir_on_every_worker_and_a_rerun_sends_only_the
     assert again.state == "succeeded", (again.reason, again.preflight)
     assert again.vm_id == job.vm_id  # the first free VM of the kind by name, as before
     assert _cached(again) == ["2 of 3 contents cached"] * 2
+    assert _placed(again) == ["1 file(s) written, 2 already there, 1 content(s) received"] * 2
     for part in again.parts.all():
         for line in _expected(changed):
             assert line in part.log_tail, (part.index, part.log_tail)

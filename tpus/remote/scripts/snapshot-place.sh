@@ -18,7 +18,8 @@
 #   end
 #   <sha256> <644|755> <base64 relative path>     (files: count lines, bytes in all)
 #   <sha256> <size> and then <size> bytes         (blobs: count of them, bytes in all)
-# Answers placed=<files> received=<contents stored in the cache>.
+# Answers placed=<files written> kept=<files already there as placed before, by size,
+# mode and time, as rsync checks> received=<contents stored in the cache>.
 set -eu
 PATH=/usr/sbin:/usr/bin:/sbin:/bin
 LC_ALL=C
@@ -84,7 +85,7 @@ command -v python3 >/dev/null 2>&1 || die "this worker has no python3, which pla
 # As the person, from here on; the rest of stdin is theirs to read.
 # shellcheck disable=SC2016 # the program is Python, not shell
 PROGRAM='
-import base64, hashlib, os, sys
+import base64, hashlib, os, stat, sys
 
 def fail(text):
     sys.stderr.write("snapshot-place: " + text + "\n")
@@ -156,7 +157,7 @@ def place():
         fail("the contents were %d bytes, not %d" % (total, blobs_bytes))
 
     os.makedirs(target, exist_ok=True)
-    placed = 0
+    placed = kept = 0
     for sha, mode, path in listing:
         dest = os.path.join(target, path)
         folder = os.path.dirname(dest)
@@ -166,26 +167,46 @@ def place():
             fail("%s cannot be a folder: a file is in its way" % os.path.dirname(path))
         if os.path.isdir(dest) and not os.path.islink(dest):
             fail("%s is a folder on this worker; the snapshot has a file there" % path)
-        tmp = os.path.join(folder, ".tpu-portal-%d-%d" % (os.getpid(), placed))
         try:
             source = open(os.path.join(cache, sha), "rb")
         except FileNotFoundError:
             fail("the cache lost the content of %s since the pre-flight; run the job again" % path)
+        cached = os.fstat(source.fileno())
+        try:
+            there = os.lstat(dest)
+        except FileNotFoundError:
+            there = None
+        # As rsync checks: a regular file of the same size and mode, with the time the
+        # portal gave it from the cache, is this content placed before: left as it is.
+        if (
+            there is not None
+            and stat.S_ISREG(there.st_mode)
+            and stat.S_IMODE(there.st_mode) == mode
+            and there.st_size == cached.st_size
+            and there.st_mtime_ns == cached.st_mtime_ns
+        ):
+            source.close()
+            kept += 1
+            continue
+        tmp = os.path.join(folder, ".tpu-portal-%d-%d" % (os.getpid(), placed))
         with source:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as out:
                 while chunk := source.read(1 << 20):
                     out.write(chunk)
+                out.flush()
                 os.fchmod(out.fileno(), mode)
+                os.utime(out.fileno(), ns=(cached.st_atime_ns, cached.st_mtime_ns))
         os.replace(tmp, dest)
         placed += 1
-    return received, placed
+    return received, placed, kept
 
 try:
-    received, placed = place()
+    received, placed, kept = place()
 except OSError as exc:
     fail("%s: %s" % (exc.strerror or exc, exc.filename or ""))
 print("placed=%d" % placed)
+print("kept=%d" % kept)
 print("received=%d" % received)
 '
 exec setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- \
