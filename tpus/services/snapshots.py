@@ -186,7 +186,7 @@ def check_manifest(lab: Lab, files) -> list[FileEntry]:
     if len(entries) > lab.snapshot_max_files:
         raise SnapshotRefused(
             f"The workdir has {len(entries):,} files; the lab's cap is "
-            f"{lab.snapshot_max_files:,} files.",
+            f"{lab.snapshot_max_files:,} file{'s' if lab.snapshot_max_files != 1 else ''}.",
             {"count": [f"{len(entries)} > {lab.snapshot_max_files}"]},
         )
     if total > lab_cap_bytes(lab):

@@ -331,3 +331,23 @@ def test_the_job_page_shows_the_workdir_it_carries(client, scene):
     Snapshot.objects.all().delete()
     page = client.get(reverse("job_detail", args=[scene.lab.slug, scene.vm.pk, placed.pk]))
     assert "its snapshot has expired" in page.content.decode()
+
+
+def test_the_labs_admins_set_its_caps_on_a_snapshot(client, scene):
+    url = f"/api/v1/labs/{scene.lab.slug}/settings"
+    response = client.patch(
+        url, {"snapshot_max_mb": 2, "snapshot_max_files": 1}, content_type="application/json",
+        **_auth(scene.admin),
+    )  # fmt: skip
+    assert response.status_code == 200, response.content
+    assert response.json()["snapshot_max_mb"] == 2 and response.json()["snapshot_max_files"] == 1
+    refused = _missing(client, scene.lab, scene.milo, FILES)
+    assert refused.json()["detail"] == "The workdir has 2 files; the lab's cap is 1 file."
+    bad = client.patch(
+        url, {"snapshot_max_files": 0}, content_type="application/json", **_auth(scene.admin)
+    )
+    assert bad.status_code == 400
+    member = client.patch(
+        url, {"snapshot_max_mb": 5000}, content_type="application/json", **_auth(scene.milo)
+    )
+    assert member.status_code == 403

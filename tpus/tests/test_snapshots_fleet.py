@@ -221,8 +221,9 @@ def test_a_symlink_the_person_planted_never_leads_the_portal_to_write_where_they
     capture = django_capture_on_commit_callbacks
     user = milo.unix_account.username
     home = f"/home/{user}"
-    # On every worker of both VMs: ~/proj -> /etc, or the cache -> /etc.
-    for host in hosts:
+    # ~/proj -> /etc on the second worker of each VM only (the first places its files
+    # and waits for the word, which never comes), or the cache -> /etc everywhere.
+    for host in hosts[1::2] if plant == "folder" else hosts:
         if plant == "folder":
             link = f"{home}/proj"
         else:
@@ -240,6 +241,13 @@ def test_a_symlink_the_person_planted_never_leads_the_portal_to_write_where_they
     # Nothing started on any worker; nothing was written in /etc.
     assert not job.parts.filter(state__in=["running", "ended"]).exists()
     assert all(p.pid is None for p in job.parts.all())
+    if plant == "folder":
+        assert "worker 1 (" in job.reason and "worker 0 (" not in job.reason
+        first = (hosts[:2] if job.vm_id == tpu5.pk else hosts[2:])[0]
+        # Worker 0 has its files, and runs nothing of the person's.
+        fleet.exec(first.name, ["test", "-f", f"{home}/proj/main.py"])
+        running = fleet.exec(first.name, ["pgrep", "-u", user], check=False)
+        assert running.returncode == 1, running.stdout
     for host in hosts:
         for name in ("portal-was-here", "main.py", "run.sh"):
             assert (
