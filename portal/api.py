@@ -94,6 +94,7 @@ def _register_routers() -> None:
     from tpus.api.labs import router as tpus_router
     from tpus.api.pool import router as pool_router
     from tpus.api.provisioning import router as provisioning_router
+    from tpus.api.snapshots import router as snapshots_router
     from tpus.api.workers import router as workers_router
 
     api.add_router("", accounts_router)
@@ -106,6 +107,7 @@ def _register_routers() -> None:
     api.add_router("", jobs_router)
     api.add_router("", pool_router)
     api.add_router("", provisioning_router)
+    api.add_router("", snapshots_router)
 
 
 _register_routers()

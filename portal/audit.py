@@ -85,6 +85,7 @@ class AuditAction(models.TextChoices):
     IDLE_EXEMPTIONS_SET = "idle.exemptions_set", "Exemptions from the idle-chips policy set"
     JOB_CANCEL_REQUESTED = "job.cancel_requested", "Job cancelled"
     JOB_MOVED = "job.moved", "Job moved to another VM of its kind"
+    SNAPSHOT_REMOVED = "snapshot.removed", "Workdir snapshot removed"
 
 
 def record(

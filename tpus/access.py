@@ -236,7 +236,7 @@ def get_job_for_viewer(user, lab: Lab, vm_id: int, job_id: int):
 
     is_admin = is_lab_admin(user, lab)
     vm = get_vm_for_viewer(user, lab, vm_id, is_admin=is_admin)
-    jobs = Job.objects.filter(vm=vm).select_related("vm__lab", "user__unix_account")
+    jobs = Job.objects.filter(vm=vm).select_related("vm__lab", "user__unix_account", "snapshot")
     if not is_admin:
         jobs = jobs.filter(user=user)
     try:
@@ -253,7 +253,7 @@ def get_lab_job_for_viewer(user, lab: Lab, job_id: int):
     from tpus.models import Job
 
     try:
-        job = Job.objects.select_related("lab", "user__unix_account").get(
+        job = Job.objects.select_related("lab", "user__unix_account", "snapshot").get(
             Q(lab=lab) | Q(vm__lab=lab), pk=job_id
         )
     except (Job.DoesNotExist, ValueError, TypeError):

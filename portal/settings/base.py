@@ -533,3 +533,63 @@ check_uid_range(PORTAL_UID_MIN, PORTAL_UID_MAX)
 # The public half of the portal's own administration key, so nobody can upload it as a
 # personal key. When empty, the portal looks for PORTAL_ADMIN_SSH_KEY_FILE + ".pub".
 PORTAL_ADMIN_SSH_PUBLIC_KEY = env.string("PORTAL_ADMIN_SSH_PUBLIC_KEY", "")
+
+# --- Workdir snapshots (tpus/services/snapshots.py) -----------------------------------
+# A job may carry its code: the files of a workdir, stored once per person by content
+# (sha256) and placed on every worker of whichever VM the job lands on. Stored through
+# Django's storage API under the name ``snapshots``: a folder of the portal's by default
+# (made 0700, files 0600), or a bucket in production (django-storages): set
+# PORTAL_SNAPSHOT_STORAGE to gcs (PORTAL_SNAPSHOT_BUCKET, credentials as google-auth
+# finds them) or s3 (PORTAL_SNAPSHOT_BUCKET, boto3's credentials chain).
+PORTAL_SNAPSHOT_ROOT = Path(env.string("PORTAL_SNAPSHOT_ROOT", str(VAR_DIR / "snapshots")))
+PORTAL_SNAPSHOT_STORAGE = env.string("PORTAL_SNAPSHOT_STORAGE", "file")
+PORTAL_SNAPSHOT_BUCKET = env.string("PORTAL_SNAPSHOT_BUCKET", "")
+if PORTAL_SNAPSHOT_STORAGE == "file":
+    SNAPSHOT_STORAGE = {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {
+            "location": str(PORTAL_SNAPSHOT_ROOT),
+            "file_permissions_mode": 0o600,
+            "directory_permissions_mode": 0o700,
+        },
+    }
+elif PORTAL_SNAPSHOT_STORAGE in ("gcs", "s3"):
+    if not PORTAL_SNAPSHOT_BUCKET:
+        from django.core.exceptions import ImproperlyConfigured
+
+        raise ImproperlyConfigured(
+            f"PORTAL_SNAPSHOT_STORAGE={PORTAL_SNAPSHOT_STORAGE} needs PORTAL_SNAPSHOT_BUCKET."
+        )
+    SNAPSHOT_STORAGE = {
+        "BACKEND": {
+            "gcs": "storages.backends.gcloud.GoogleCloudStorage",
+            "s3": "storages.backends.s3.S3Storage",
+        }[PORTAL_SNAPSHOT_STORAGE],
+        # Private objects, never overwritten in place (a blob's name is its content).
+        "OPTIONS": {
+            "bucket_name": PORTAL_SNAPSHOT_BUCKET,
+            "default_acl": "projectPrivate" if PORTAL_SNAPSHOT_STORAGE == "gcs" else "private",
+            "file_overwrite": False,
+            "querystring_auth": True,
+        },
+    }
+else:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        f"PORTAL_SNAPSHOT_STORAGE is file, gcs or s3, not {PORTAL_SNAPSHOT_STORAGE!r}."
+    )
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "snapshots": SNAPSHOT_STORAGE,
+}
+# What one person may keep stored across all their snapshots (every lab), in MB; a
+# lab's own cap on one snapshot is a lab setting.
+PORTAL_SNAPSHOT_PERSON_MAX_MB = env.integer("PORTAL_SNAPSHOT_PERSON_MAX_MB", 10240, minimum=1)
+# A snapshot no job needs is removed this many days after a job last needed it; a blob
+# no snapshot of its owner names, once it is this many hours old (so the blobs of a
+# snapshot being uploaded stay until the snapshot is made).
+PORTAL_SNAPSHOT_KEEP_DAYS = env.integer("PORTAL_SNAPSHOT_KEEP_DAYS", 7, minimum=1)
+PORTAL_SNAPSHOT_BLOB_GRACE_HOURS = env.integer("PORTAL_SNAPSHOT_BLOB_GRACE_HOURS", 24, minimum=1)
+PORTAL_SNAPSHOT_EXPIRY_SECONDS = env.integer("PORTAL_SNAPSHOT_EXPIRY_SECONDS", 3600, minimum=10)

@@ -7,7 +7,7 @@ task or a forgotten rate limit.
 
 from portal import env
 from portal.settings.base import *  # noqa: F403
-from portal.settings.base import SITE_URL
+from portal.settings.base import SITE_URL, SNAPSHOT_STORAGE
 
 DEBUG = False
 SECRET_KEY = env.secret("SECRET_KEY")
@@ -65,6 +65,7 @@ ACCOUNT_DEFAULT_HTTP_PROTOCOL = "https"
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
+    "snapshots": SNAPSHOT_STORAGE,
 }
 if not SITE_URL.startswith("https://"):
     from django.core.exceptions import ImproperlyConfigured

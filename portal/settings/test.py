@@ -8,6 +8,7 @@ from pathlib import Path
 
 from portal import env
 from portal.settings.base import *  # noqa: F403
+from portal.settings.base import PORTAL_SNAPSHOT_STORAGE, SNAPSHOT_STORAGE
 
 DEBUG = False
 SECRET_KEY = "test-only-key-not-secret-" + "x" * 40
@@ -80,6 +81,9 @@ CELERY_TASK_ALWAYS_EAGER = env.boolean("CELERY_TASK_ALWAYS_EAGER", True)
 CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 STATIC_ROOT = VAR_DIR / "static"
+PORTAL_SNAPSHOT_ROOT = VAR_DIR / "snapshots"
+if PORTAL_SNAPSHOT_STORAGE == "file":
+    SNAPSHOT_STORAGE["OPTIONS"]["location"] = str(PORTAL_SNAPSHOT_ROOT)
 STATIC_ROOT.mkdir(exist_ok=True)
 
 # Tests never reach Google: unless a test starts the emulator, the Cloud TPU API is a

@@ -152,6 +152,9 @@ class LabSettingsOut(Schema):
     job_tasks_max: int
     job_memory_max_mb: int
     job_log_max_mb: int
+    # The most one workdir snapshot a job carries may hold (MB, files).
+    snapshot_max_mb: int
+    snapshot_max_files: int
     # The pool (jobs for any free VM of a kind): chips one person's jobs may hold at
     # once; 0: no limit.
     max_chips_per_person: int
@@ -200,6 +203,8 @@ class LabSettingsIn(StrictIn):
     job_tasks_max: int = None
     job_memory_max_mb: int = None
     job_log_max_mb: int = None
+    snapshot_max_mb: int = None
+    snapshot_max_files: int = None
     max_chips_per_person: int = None
     max_waiting_jobs_per_person: int = None
     fair_share_half_life_days: float = None

@@ -51,6 +51,11 @@ class JobIn(Schema):
     notify: bool = False
     use_tcmalloc: bool = True
     rerun_after_preemption: bool = False
+    # A workdir snapshot of yours in the lab (``POST /labs/{slug}/snapshots``): its files
+    # are put at ``cwd`` (relative: under your home; none: a folder of its own under
+    # your home) on every worker before the command starts. Another person's snapshot,
+    # or another lab's, is a 404.
+    snapshot: int | None = None
 
     def spec(self) -> JobSpec:
         if isinstance(self.env, dict):
@@ -69,6 +74,7 @@ class JobIn(Schema):
             notify=self.notify,
             use_tcmalloc=self.use_tcmalloc,
             rerun_after_preemption=self.rerun_after_preemption,
+            snapshot=self.snapshot,
         )
 
 
@@ -224,6 +230,17 @@ class PreflightCheckOut(Schema):
     detail: str
 
 
+class JobSnapshotOut(Schema):
+    """The workdir a job carries: its snapshot's id (null once it expired), the digest
+    of its manifest, how many files and bytes, and until when it is kept."""
+
+    id: int | None
+    digest: str
+    files: int | None
+    bytes: int | None
+    expires_at: datetime | None
+
+
 class JobOut(JobSummaryOut):
     """A job with what it runs, where it stands and each worker's part (for the person
     who ran it and the lab's admins, who see all of it)."""
@@ -255,6 +272,21 @@ class JobOut(JobSummaryOut):
     preflight: list[PreflightCheckOut]
     parts: list[JobPartOut]
     url: str
+    # The workdir it carries to the workers; null for a job without one.
+    snapshot: JobSnapshotOut | None
+
+    @staticmethod
+    def resolve_snapshot(obj):
+        if not obj.snapshot_digest:
+            return None
+        snapshot = obj.snapshot
+        return {
+            "id": obj.snapshot_id,
+            "digest": obj.snapshot_digest,
+            "files": snapshot.file_count if snapshot else None,
+            "bytes": snapshot.total_bytes if snapshot else None,
+            "expires_at": snapshot.expires_at if snapshot else None,
+        }
 
     @staticmethod
     def resolve_command(obj):
@@ -359,7 +391,9 @@ def validate_job(request, slug: str, vm_id: int, payload: JobIn):
 
 
 def _reloaded(job: Job) -> Job:
-    return Job.objects.select_related("vm__lab", "lab", "user__unix_account").get(pk=job.pk)
+    return Job.objects.select_related("vm__lab", "lab", "user__unix_account", "snapshot").get(
+        pk=job.pk
+    )
 
 
 @router.get(

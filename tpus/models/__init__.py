@@ -16,6 +16,7 @@ from tpus.models.provisioning import (
     VmRequest,
     VmRequestState,
 )
+from tpus.models.snapshots import Snapshot, SnapshotBlob, SnapshotFile
 from tpus.models.sync import ZoneSync
 from tpus.models.usage import UsageDay
 
@@ -44,6 +45,9 @@ __all__ = [
     "LabKey",
     "Membership",
     "PortForward",
+    "Snapshot",
+    "SnapshotBlob",
+    "SnapshotFile",
     "Provisioning",
     "TpuVm",
     "VmChange",

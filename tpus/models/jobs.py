@@ -124,6 +124,13 @@ class Job(models.Model):
     moved_why = models.CharField(max_length=40, blank=True)
     returned_at = models.DateTimeField(null=True, blank=True)
 
+    # The workdir it carries (``services.snapshots``), placed at ``cwd`` on every worker
+    # before its command starts; its digest stays after the snapshot expired.
+    snapshot = models.ForeignKey(
+        "tpus.Snapshot", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
+    )
+    snapshot_digest = models.CharField(max_length=64, blank=True)
+
     queued_at = models.DateTimeField(default=timezone.now)
     # When the portal began with it (the pre-flight), when every worker ran it, when
     # the last worker ended.

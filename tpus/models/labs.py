@@ -149,6 +149,20 @@ class Lab(models.Model):
         help_text="Past it the log ends with a line saying where it was cut; the job keeps "
         "running.",
     )
+    # Workdir snapshots a job carries (``services.snapshots``): the most one snapshot
+    # may hold, in MB and in files, refused before anything is stored.
+    snapshot_max_mb = models.PositiveIntegerField(
+        "snapshot size (MB)",
+        default=1024,
+        validators=[MinValueValidator(1), MaxValueValidator(1_000_000)],
+        help_text="The largest workdir a job may carry to the workers (all its files).",
+    )
+    snapshot_max_files = models.PositiveIntegerField(
+        "files per snapshot",
+        default=10_000,
+        validators=[MinValueValidator(1), MaxValueValidator(20_000)],
+        help_text="The most files a workdir a job carries may have.",
+    )
     token_lifetime_days = models.PositiveSmallIntegerField(
         "API token lifetime (days)",
         default=default_token_lifetime_days,

@@ -215,5 +215,11 @@ def _script(script: str | scripts.Script) -> scripts.Script:
     return script if isinstance(script, scripts.Script) else scripts.load(script)
 
 
-def _bytes(data: bytes | str) -> bytes:
-    return data.encode() if isinstance(data, str) else bytes(data)
+def _bytes(data):
+    """Text as bytes; bytes as they are; anything else is an iterable of chunks
+    (``ssh.Connection.run`` streams it)."""
+    if isinstance(data, str):
+        return data.encode()
+    if isinstance(data, bytes | bytearray | memoryview):
+        return bytes(data)
+    return data

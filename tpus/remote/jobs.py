@@ -98,6 +98,9 @@ class Preflight:
     # The longest one probe run as the user (the environment's python, realpath,
     # sha256sum) may take before it is killed and its check fails.
     probe_seconds: int = 20
+    # A workdir snapshot's contents, (sha256, size) each once: the answer names those
+    # the person's cache on the worker lacks (``snapshot_missing``).
+    snapshot_blobs: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,92 @@ def encode_preflight(spec: Preflight) -> bytes:
         raise ValueError(f"at most {MAX_ENV} distinct environment names")
     lines += [f"env {check_env_name(name)}" for name in names]
     lines.append(f"probe_seconds {_int(spec.probe_seconds, 'probe_seconds', 1, MAX_PROBE_SECONDS)}")
-    return _finish(lines)
+    if not spec.snapshot_blobs:
+        return _finish(lines)
+    listing = _blob_lines(spec.snapshot_blobs)
+    lines.append(f"snapshot {len(spec.snapshot_blobs)} {len(listing)}")
+    return _finish(lines) + listing
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_SNAPSHOT_FILES = 100_000
+MAX_BLOB_BYTES = 2**40
+
+
+def _blob_lines(blobs: Sequence[tuple[str, int]]) -> bytes:
+    if len(blobs) > MAX_SNAPSHOT_FILES or len({sha for sha, _ in blobs}) != len(blobs):
+        raise ValueError(f"a snapshot names at most {MAX_SNAPSHOT_FILES} distinct contents")
+    return "".join(
+        f"{check_sha256(sha)} {_int(size, 'size', 0, MAX_BLOB_BYTES)}\n" for sha, size in blobs
+    ).encode()
+
+
+def check_sha256(value: str) -> str:
+    if not isinstance(value, str) or not _SHA256.fullmatch(value):
+        raise ValueError("a content's sha256 is 64 lowercase hex digits")
+    return value
+
+
+@dataclass(frozen=True)
+class Place:
+    """What snapshot-place.sh puts on one worker: the files of a workdir snapshot at
+    ``directory`` (in the person's home), from the person's cache there, after storing
+    in that cache the contents it lacks (``blobs``: (sha256, size), sent after the
+    header in that order, each as ``<sha256> <size>`` and the bytes)."""
+
+    user: str
+    directory: str
+    files: tuple[tuple[str, int, str], ...]  # (relative path, mode, sha256)
+    blobs: tuple[tuple[str, int], ...] = ()
+
+
+def encode_place(place: Place) -> bytes:
+    """The header of snapshot-place.sh's input (the contents follow it)::
+
+    tpu-portal-snapshot-place 1
+    user <name>
+    dir <b64 absolute folder>
+    files <count> <bytes>      (the file list after end: <sha256> <644|755> <b64 path>)
+    blobs <count> <bytes>      (the contents after the list, as said above)
+    end
+    """
+    listing = []
+    for path, mode, sha in place.files:
+        if mode not in (0o644, 0o755):
+            raise ValueError("a file's mode is 0644 or 0755")
+        check_relative(path)
+        listing.append(f"{check_sha256(sha)} {mode:o} {_b64(path)}\n")
+    body = "".join(listing).encode()
+    sent = sum(
+        len(f"{check_sha256(sha)} {_int(size, 'size', 0, MAX_BLOB_BYTES)}\n") + size
+        for sha, size in place.blobs
+    )
+    lines = ["tpu-portal-snapshot-place 1", f"user {check_username(place.user)}"]
+    lines.append(f"dir {_b64(check_path(place.directory, 'the folder'))}")
+    if not place.files or len(place.files) > MAX_SNAPSHOT_FILES:
+        raise ValueError(f"a snapshot has 1 to {MAX_SNAPSHOT_FILES} files")
+    lines.append(f"files {len(place.files)} {len(body)}")
+    lines.append(f"blobs {len(place.blobs)} {sent}")
+    return _finish(lines) + body
+
+
+def check_relative(path: str) -> str:
+    """A snapshot's path: relative, plain parts, no control character."""
+    if (
+        not isinstance(path, str)
+        or not path
+        or path.startswith("/")
+        or any(part in ("", ".", "..") for part in path.split("/"))
+        or any(ord(c) < 32 or ord(c) == 127 for c in path)
+        or len(path.encode()) > 1024
+    ):
+        raise ValueError("a snapshot's path is relative, with plain parts")
+    return path
+
+
+def parse_missing(values: Iterable[str]) -> set[str]:
+    """The ``snapshot_missing`` values of a pre-flight's answer."""
+    return {check_sha256(v.strip()) for v in values}
 
 
 def encode_start(job: StartJob) -> bytes:

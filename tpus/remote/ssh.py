@@ -38,6 +38,7 @@ import select
 import shlex
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import paramiko
@@ -218,16 +219,26 @@ class Connection:
             transport.close()
 
     def run(
-        self, script: Script, data: bytes = b"", *, dry_run: bool | None = None
+        self, script: Script, data: bytes | Iterable[bytes] = b"", *, dry_run: bool | None = None
     ) -> ScriptResult:
+        """Run ``script`` with ``data`` on stdin: bytes, or an iterable of chunks sent
+        as they come (a large input, such as a workdir's contents, never whole in
+        memory; it stops being read once the script has stopped reading)."""
         cfg = self._ready(dry_run)
         if cfg is None:
-            log.info("dry run: would run %s on %s (%d bytes)", script.name, self.worker, len(data))
+            log.info("dry run: would run %s on %s", script.name, self.worker)
             return ScriptResult(self.worker, script.name, 0, dry_run=True)
         started = time.monotonic()
         try:
             run = self._exec(command_for(script), cfg)
-            run.send(_framed(script.body) + data, last=True)
+            if isinstance(data, bytes | bytearray):
+                run.send(_framed(script.body) + data, last=True)
+            else:
+                sending = run.send(_framed(script.body), last=False)
+                for chunk in data if sending else ():
+                    if not run.send(chunk, last=False):
+                        break
+                run.send(b"", last=True)
             status, out, err = run.finish()
         except RemoteError:
             self.drop()  # a broken connection is not used again
@@ -619,14 +630,17 @@ class _Exec:
     def _left(self, least: float) -> float:
         return max(least, self.deadline - time.monotonic())
 
-    def send(self, data: bytes, *, last: bool) -> None:
+    def send(self, data: bytes, *, last: bool) -> bool:
+        """False once the command stopped reading (it exited; its status tells why)."""
         with self._errors():
             try:
-                self.channel.sendall(data)
+                if data:
+                    self.channel.sendall(data)
                 if last:
                     self.channel.shutdown_write()
             except OSError:
-                pass  # the command exited without reading all of it; its status tells why
+                return False  # the command exited without reading all of it
+        return True
 
     def wait_for(self, marker: bytes) -> bool:
         """Read until a line of stdout is ``marker`` (True; what came before it is the

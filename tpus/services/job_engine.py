@@ -30,11 +30,19 @@ from django.utils import timezone
 from portal import audit
 from portal.audit import AuditAction
 from tpus import queue
-from tpus.models import Job, JobWorker, TpuVm
+from tpus.models import Job, JobWorker, Snapshot, TpuVm
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, JobWorkerState, first_failed
 from tpus.remote import Held, HostKeyMismatch, Sessions, WorkerOutcome
 from tpus.remote import jobs as wire
-from tpus.services import chip_metrics, disk_mounts, emails, leases, made_anew, scheduler
+from tpus.services import (
+    chip_metrics,
+    disk_mounts,
+    emails,
+    leases,
+    made_anew,
+    scheduler,
+    snapshots,
+)
 from tpus.services.hosts import remote_worker
 from tpus.services.jobs import coordinator_of, may_run_jobs, run_again_after_preemption
 from tpus.services.labkeys import login_for
@@ -336,6 +344,16 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
     pod = len(workers) > 1
     port = settings.PORTAL_JOB_COORDINATOR_PORT
     env_names = tuple(name for name, _ in job.env)
+    carried = _Carried.of(job)
+    if carried is None and job.snapshot_digest:
+        _end(job, JobState.FAILED, "Its workdir snapshot was removed before it could start.")
+        report.ended.append(job.pk)
+        return True
+    # A script among the snapshot's files is not there before it is placed: the
+    # placement, after the pre-flight, puts it (the same on every worker).
+    script = job.script
+    if carried is not None and carried.names(script):
+        script = ""
 
     def preflight(worker) -> bytes:
         return wire.encode_preflight(
@@ -347,9 +365,10 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
                 min_mem_mb=settings.PORTAL_JOB_MIN_MEM_MB,
                 coordinator_port=port if pod and worker.index == 0 else None,
                 python=job.python,
-                script=job.script,
+                script=script,
                 env_names=env_names,
                 probe_seconds=settings.PORTAL_JOB_PREFLIGHT_PROBE_SECONDS,
+                snapshot_blobs=carried.blobs if carried is not None else (),
             )
         )
 
@@ -361,17 +380,91 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
     # Leaving this block otherwise (a failed check, a cancel, an error) stops them all;
     # a cancel while workers still check stops waiting for them at once.
     with hosts.begin("job-preflight.sh", preflight, "job-start.sh", give_up=cancelled) as held:
-        return _judge_and_start(job, vm, workers, hosts, held, report)
+        return _judge_and_start(job, vm, workers, hosts, held, report, carried)
 
 
-def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, report) -> bool:
+class _Carried:
+    """The workdir snapshot a job carries, as its pass needs it: its files and its
+    contents, each once with its size."""
+
+    def __init__(self, job: Job, files: list):
+        self.owner_id = job.user_id
+        self.directory = job.cwd
+        self.files = tuple((f.path, f.mode, f.sha256) for f in files)
+        self.blobs = tuple(sorted({(f.sha256, f.size) for f in files}))
+        self.sizes = dict(self.blobs)
+
+    @classmethod
+    def of(cls, job: Job) -> _Carried | None:
+        if job.snapshot_id is None:
+            return None
+        snapshot = Snapshot.objects.filter(pk=job.snapshot_id).first()
+        if snapshot is None:
+            return None
+        return cls(job, snapshots.files_of(snapshot))
+
+    def names(self, path: str) -> bool:
+        """Whether ``path`` (absolute) is one of its files placed at the job's folder."""
+        prefix = self.directory.rstrip("/") + "/"
+        return (
+            bool(path)
+            and path.startswith(prefix)
+            and any(f[0] == path[len(prefix) :] for f in self.files)
+        )
+
+    def stream(self, username: str, lacking: set[str]):
+        """snapshot-place.sh's input for one worker: the header, then each content the
+        worker's cache lacks, read from the storage a chunk at a time."""
+        blobs = tuple((sha, size) for sha, size in self.blobs if sha in lacking)
+        yield wire.encode_place(wire.Place(username, self.directory, self.files, blobs))
+        for sha, size in blobs:
+            yield f"{sha} {size}\n".encode()
+            with snapshots.open_blob(self.owner_id, sha) as blob:
+                while chunk := blob.read(snapshots.CHUNK):
+                    yield chunk
+
+
+def _place_snapshot(
+    job: Job, carried: _Carried, workers, hosts: _Hosts, lacking: dict[int, set[str]]
+) -> tuple[list[str], bool]:
+    """The job's workdir on every worker (each held after its pre-flight), before any
+    starts: one snapshot-place.sh exec per worker, beside the held one, sending only
+    the contents that worker's cache lacks. (problems per worker, whether they were
+    all connections that failed)."""
+    username = job.user.unix_account.username
+
+    def data(worker):
+        return carried.stream(username, lacking.get(worker.index, set()))
+
+    outcomes = hosts.run("snapshot-place.sh", data)
+    problems, unreachable = [], 0
+    for worker, outcome in zip(workers, outcomes, strict=True):
+        if outcome.ok:
+            said = outcome.result.values
+            # With the pre-flight's rows: what this worker was sent and wrote.
+            job.preflight.setdefault(str(worker.index), []).append([
+                "snapshot_place", "ok",
+                f"{said.get('placed', '?')} file(s) written, {said.get('kept', '?')} already "
+                f"there, {said.get('received', '?')} content(s) received",
+            ])  # fmt: skip
+            continue
+        problems.append(f"worker {worker.index} ({worker.alias}): {outcome.error}")
+        unreachable += bool(outcome.error.retryable and not outcome.error.script_ran_late)
+    return problems, bool(problems) and unreachable == len(problems)
+
+
+def _judge_and_start(
+    job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, report, carried=None
+) -> bool:
     alias = workers_by_index(workers)
     reports, rows, failures, unreachable = {}, {}, [], []
+    lacking: dict[int, set[str]] = {}
     for worker, outcome in zip(workers, held.first, strict=True):
         problem = _preflight_problem(outcome)
         if not problem:
             try:
                 reports[worker.index] = wire.parse_preflight(outcome.result.all("check"))
+                lacking[worker.index] = wire.parse_missing(outcome.result.all("snapshot_missing"))
             except ValueError as exc:
                 problem = f"its answer cannot be read ({exc})"
         elif outcome.error.retryable and not outcome.error.script_ran_late:
@@ -413,6 +506,17 @@ def _judge_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, held: Held, re
             )
         _reject(job, f"The pre-flight failed on {text}", report)
         return True
+    if carried is not None:
+        problems, only_unreachable = _place_snapshot(job, carried, workers, hosts, lacking)
+        if only_unreachable:
+            return _back_in_line(job, f"Waiting: cannot reach {problems[0]}", report=report)
+        if problems:
+            # Leaving the held block stops every worker: nothing starts anywhere.
+            Job.objects.filter(pk=job.pk).update(preflight=job.preflight)
+            _end(job, JobState.FAILED, "Its workdir could not be placed on " + "; ".join(problems))
+            report.ended.append(job.pk)
+            return True
+        snapshots.needed(job.snapshot_id)
     # Every worker waits for the word: one transaction records what they found (and
     # that the job is starting, before the word goes out) unless a cancel came.
     with transaction.atomic():

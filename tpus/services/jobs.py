@@ -28,7 +28,7 @@ from tpus.models.grants import GrantState
 from tpus.models.inventory import validate_accelerator_type
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
 from tpus.remote import jobs as wire
-from tpus.services import emails, scheduler
+from tpus.services import emails, scheduler, snapshots
 
 log = logging.getLogger(__name__)
 MAX_TIME_LIMIT_MINUTES = 7 * 24 * 60
@@ -51,6 +51,11 @@ class JobSpec:
     notify: bool = False
     use_tcmalloc: bool = True
     rerun_after_preemption: bool = False
+    # The id of a workdir snapshot of the person's in the job's lab, placed at ``cwd``
+    # on every worker before the command starts.
+    snapshot: int | None = None
+    # Set by ``of`` for a job whose snapshot expired since: it cannot run again.
+    snapshot_gone: bool = False
 
     @classmethod
     def of(cls, job: Job) -> JobSpec:
@@ -64,6 +69,8 @@ class JobSpec:
             notify=job.notify,
             rerun_after_preemption=job.rerun_after_preemption,
             use_tcmalloc=job.use_tcmalloc,
+            snapshot=job.snapshot_id,
+            snapshot_gone=bool(job.snapshot_digest and job.snapshot_id is None),
         )
 
 
@@ -104,7 +111,7 @@ def parse_env(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def clean_spec(spec: JobSpec, username: str) -> JobSpec:
+def clean_spec(spec: JobSpec, username: str, snapshot=None) -> JobSpec:
     """The spec with paths made absolute, or ValidationError naming each bad field.
     The workers check everything again (the pre-flight and job-start.sh)."""
     errors: dict[str, list[str]] = {}
@@ -135,6 +142,15 @@ def clean_spec(spec: JobSpec, username: str) -> JobSpec:
     script = in_home("script", spec.script, "script")
     python = in_home("python", spec.python, "Python environment")
     cwd = in_home("cwd", spec.cwd, "working directory")
+    if snapshot is not None and not cwd:
+        # A workdir sent without a place for it: a folder of its own, by its content.
+        cwd = f"{home}/tpu-snapshots/{snapshot.digest[:16]}"
+    if spec.snapshot_gone:
+        add(
+            "snapshot",
+            "The workdir this job carried has expired; run it anew from your workdir "
+            "(tpu run --workdir …).",
+        )
     if script and PurePosixPath(script) == PurePosixPath(home):
         add("script", "The script is a file in your home, not the home itself.")
     args = [str(a) for a in spec.args]
@@ -179,6 +195,7 @@ def clean_spec(spec: JobSpec, username: str) -> JobSpec:
         notify=bool(spec.notify),
         rerun_after_preemption=bool(spec.rerun_after_preemption),
         use_tcmalloc=bool(spec.use_tcmalloc),
+        snapshot=spec.snapshot,
     )
 
 
@@ -217,7 +234,8 @@ def submit_job(
     account = getattr(user, "unix_account", None)
     if account is None or not account.username:
         raise PermissionDenied("Choose a username first: jobs run as your account on the VM.")
-    spec = clean_spec(spec, account.username)
+    snapshot = _snapshot_for(user, vm.lab, spec)
+    spec = clean_spec(spec, account.username, snapshot)
     with transaction.atomic():
         vm = TpuVm.objects.select_for_update().select_related("lab").get(pk=vm.pk)
         if not may_run_jobs(user, vm):
@@ -236,7 +254,10 @@ def submit_job(
             )
         if dry_run:
             return None
-        job = Job.objects.create(vm=vm, lab=vm.lab, user=user, rerun_of=rerun_of, **_fields(spec))
+        job = Job.objects.create(
+            vm=vm, lab=vm.lab, user=user, rerun_of=rerun_of, **_fields(spec, snapshot)
+        )
+        snapshots.needed(job.snapshot_id)
         audit.record(
             AuditAction.JOB_SUBMITTED,
             actor=user,
@@ -250,9 +271,19 @@ def submit_job(
     return job
 
 
-def _fields(spec: JobSpec) -> dict:
+def _snapshot_for(user, lab: Lab, spec: JobSpec):
+    """The spec's snapshot: the person's own in the lab (any other is a 404, like one
+    that does not exist), or None."""
+    if spec.snapshot is None:
+        return None
+    return snapshots.get_own_snapshot(user, lab, spec.snapshot)
+
+
+def _fields(spec: JobSpec, snapshot=None) -> dict:
     """A cleaned spec as a job's fields."""
     return dict(
+        snapshot=snapshot,
+        snapshot_digest=snapshot.digest if snapshot is not None else "",
         host_id=_new_host_id(),
         script=spec.script,
         args=spec.args,
@@ -343,7 +374,8 @@ def submit_pool_job(
     if account is None or not account.username:
         raise PermissionDenied("Choose a username first: jobs run as your account on the VM.")
     kind = clean_kind(kind, lab)
-    spec = clean_spec(spec, account.username)
+    snapshot = _snapshot_for(user, lab, spec)
+    spec = clean_spec(spec, account.username, snapshot)
     what = _kind_words(kind)
     with transaction.atomic():
         lab = Lab.objects.select_for_update().get(pk=lab.pk)
@@ -376,9 +408,10 @@ def submit_pool_job(
             zones=list(kind.zones),
             provisioning=kind.provisioning,
             rerun_of=rerun_of,
-            **_fields(spec),
+            **_fields(spec, snapshot),
             **(_move_fields(rerun_of, moved_why, what) if moved_why else {}),
         )
+        snapshots.needed(job.snapshot_id)
         summary = f"job {job.pk} on any {what}: {job.command_text[:200]}"
         if moved_why:
             summary = (

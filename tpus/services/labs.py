@@ -13,7 +13,7 @@ from portal import audit
 from portal.validators import validate_multiline_text, validate_plain_text
 from tpus.models import AuditAction, Invite, Lab, Membership
 from tpus.models.labs import MembershipState, Role, hash_invite_token
-from tpus.services import emails, idle_exemptions
+from tpus.services import emails, idle_exemptions, snapshots
 
 PURPOSE_MAX = 500
 INVITE_DAYS = 14
@@ -427,5 +427,9 @@ def remove_member(admin, membership: Membership, *, request=None) -> Membership:
         lab=membership.lab,
         target_user=membership.user,
         request=request,
+    )
+    # What they stored in the lab goes with them (their jobs there were cancelled).
+    snapshots.remove_snapshots_of(
+        membership.user, membership.lab, "its owner was removed from the lab", actor=admin
     )
     return membership

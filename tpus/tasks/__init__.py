@@ -35,6 +35,7 @@ from tpus.tasks.jobs import (
 )
 from tpus.tasks.periodic import (
     expire_grants,
+    expire_snapshots,
     reconcile_sweep,
     record_heartbeat,
     release_stalled_claims,
@@ -54,6 +55,7 @@ __all__ = [
     "check_tpu_usage",
     "check_vm_connection",
     "expire_grants",
+    "expire_snapshots",
     "follow_vm_change",
     "follow_vm_requests",
     "follow_idle_holders",

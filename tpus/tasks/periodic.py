@@ -7,7 +7,7 @@ from django.conf import settings
 from portal import heartbeat
 from portal.celery import every
 from tpus.models import Lab
-from tpus.services import allowances, disk_mounts, grants, maintenance, sync
+from tpus.services import allowances, disk_mounts, grants, maintenance, snapshots, sync
 from tpus.tasks.naming import task
 
 
@@ -70,3 +70,11 @@ def expire_grants() -> None:
     grants.expire_grants()
     grants.warn_expiring_grants()
     allowances.warn_grant_ending()
+
+
+@every(settings.PORTAL_SNAPSHOT_EXPIRY_SECONDS, name="expire-snapshots")
+@task(ignore_result=True)
+def expire_snapshots() -> None:
+    """Remove the workdir snapshots no job needs once past their expiry, and the
+    contents no snapshot names."""
+    snapshots.expire_snapshots()

@@ -4,6 +4,7 @@ on admin pages (they know the lab exists)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
@@ -18,6 +19,9 @@ ROLES = ["anonymous", "outsider", "pending", "member", "admin", "site_admin"]
 # to sign in".
 OK, REDIRECT, FORBIDDEN, MISSING = 200, 302, 403, 404
 ADMINS_ONLY = [401, MISSING, MISSING, FORBIDDEN, OK, OK]
+# A workdir snapshot's one file: the body the matrix sends a PUT, "{}".
+_EMPTY_JSON_SHA = hashlib.sha256(b"{}").hexdigest()
+_SNAPSHOT_FILE = {"path": "a.py", "size": 2, "mode": 420, "sha256": _EMPTY_JSON_SHA}
 
 
 def _urls(cast):
@@ -897,6 +901,25 @@ def _urls(cast):
             [REDIRECT, MISSING, MISSING, REDIRECT, REDIRECT, REDIRECT],
         ),
         ("api_pool_jobs", "get", f"/api/v1/labs/{lab}/jobs", [401, MISSING, MISSING, OK, OK, OK]),
+        # Workdir snapshots: each member's own (the blob is the JSON body "{}").
+        (
+            "api_snapshot_missing",
+            "post",
+            f"/api/v1/labs/{lab}/snapshots/missing",
+            [401, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
+            "api_snapshot_blob",
+            "put",
+            f"/api/v1/labs/{lab}/snapshots/blobs/{_EMPTY_JSON_SHA}",
+            [401, MISSING, MISSING, 201, 201, 201],
+        ),
+        (
+            "api_snapshot_create",
+            "post",
+            f"/api/v1/labs/{lab}/snapshots",
+            [401, MISSING, MISSING, 201, 201, 201],
+        ),
         # No one here has active access to a v4-8 of the lab.
         (
             "api_pool_job_submit",
@@ -1022,6 +1045,8 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                 "api_job_validate": {"args": ["true"]},
                 "api_pool_job_submit": {"args": ["true"], "accelerator_type": "v4-8"},
                 "api_pool_job_validate": {"args": ["true"], "accelerator_type": "v4-8"},
+                "api_snapshot_missing": {"files": [_SNAPSHOT_FILE]},
+                "api_snapshot_create": {"files": [_SNAPSHOT_FILE]},
             }.get(name, {})
             response = getattr(client, method)(url, body, content_type="application/json")
         else:

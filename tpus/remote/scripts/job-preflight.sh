@@ -14,7 +14,12 @@
 #   script <base64 path>           (optional: the job's script, must be in the home)
 #   env <NAME>                     (repeated: the names the job sets)
 #   probe_seconds <n>              (optional, default 20: the longest one probe may take)
+#   snapshot <count> <bytes>       (optional: a workdir snapshot's contents, listed after end)
 #   end
+#   <sha256> <size>                (with snapshot: count lines, bytes in all)
+# With a snapshot, the contents the person's cache on this worker lacks are answered
+#   snapshot_missing=<sha256>
+# (the cache, ~/.cache/tpu-portal/blobs, is listed as the person, never as root).
 # What runs as the user (the environment's python, realpath, sha256sum: the probes)
 # writes into files, never into a pipe the checks wait on, within probe_seconds (then
 # TERM, and KILL 2 s later); afterwards whatever a probe left running is killed, so the
@@ -127,6 +132,7 @@ base64_fits() {
     fits "${1%=}" "A-Za-z0-9+/" 1048576
 }
 user="" expected="" glob="" min_disk="" min_mem="" port="" python_b64="" script_b64="" probe_seconds=20
+snapshot_count="" snapshot_bytes=""
 n_line=0 n_user=0 n_chips=0 n_disk=0 n_mem=0 n_env=0 last="" sets_preload="" env_names="" size=0
 partial=""
 while :; do
@@ -157,6 +163,11 @@ while :; do
         "python "* | "script "*) base64_fits "$value" && ok=1 ;;
         "env "*) fits "$value" "A-Za-z0-9_" 128 && case $value in [A-Za-z_]*) ok=1 ;; esac ;;
         "probe_seconds "*) fits "$value" 0-9 3 && ok=1 ;;
+        "snapshot "*)
+            case $value in
+                *" "*) fits "${value%% *}" 0-9 6 && fits "${value#* }" 0-9 9 && ok=1 ;;
+            esac
+            ;;
     esac
     [ -n "$ok" ] || die "line $n_line of the input is not allowed"
     [ -z "$partial" ] || die "the input was cut off (no final end)"
@@ -172,12 +183,15 @@ while :; do
         python) [ -n "$python_b64" ] || python_b64=$value ;;
         script) [ -n "$script_b64" ] || script_b64=$value ;;
         probe_seconds) probe_seconds=$value ;;
+        snapshot) snapshot_count=${value%% *} snapshot_bytes=${value#* } ;;
         env)
             env_names="$env_names $value"
             n_env=$((n_env + 1))
             [ "$value" != LD_PRELOAD ] || sets_preload=1
             ;;
     esac
+    # The snapshot's list follows the end: read by a program, not line by line here.
+    if [ "$key" = end ] && [ -n "$snapshot_count" ]; then break; fi
 done
 [ "$n_line" -gt 0 ] || die "the input has no tpu-portal-job-preflight 1 header"
 [ "$last" = end ] || die "the input was cut off (no final end)"
@@ -533,4 +547,29 @@ else
     check tcmalloc note "none"
 fi
 
+# --- a workdir snapshot: which of its contents this worker's cache lacks -----------
+# The cache is the person's (written as them when a snapshot is placed, by
+# snapshot-place.sh); it is listed as the person, and only names and sizes come back.
+missing=""
+if [ -n "$snapshot_count" ]; then
+    workdir
+    head -c "$snapshot_bytes" >"$work/snapshot.need"
+    valid=$(grep -c -x -E '[0-9a-f]{64} [0-9]{1,13}' "$work/snapshot.need" || true)
+    lines=$(wc -l <"$work/snapshot.need")
+    if [ "$valid" != "$snapshot_count" ] || [ "$lines" != "$snapshot_count" ]; then
+        die "the snapshot's list is not $snapshot_count lines of <sha256> <size>"
+    fi
+    status=0
+    probe tool snapshot_have find "$home/.cache/tpu-portal/blobs/" -maxdepth 1 -type f \
+        -printf '%f %s\n' || status=$?
+    [ "$status" != 124 ] || : >"$work/snapshot_have.out"
+    missing=$(awk 'FILENAME == ARGV[1] { have[$1 " " $2] = 1; next }
+        !(($1 " " $2) in have) { print "snapshot_missing=" $1 }' \
+        "$work/snapshot_have.out" "$work/snapshot.need")
+    lacking=0
+    [ -z "$missing" ] || lacking=$(printf '%s\n' "$missing" | wc -l)
+    check snapshot ok "$((snapshot_count - lacking)) of $snapshot_count contents cached"
+fi
+
 answer
+[ -z "$missing" ] || printf '%s\n' "$missing"
