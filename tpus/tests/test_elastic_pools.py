@@ -149,11 +149,15 @@ def test_it_stops_at_the_pools_maximum(cast, lab):
 
 
 @pytest.mark.django_db(transaction=True)
-def test_passes_at_the_same_moment_never_ask_past_the_allowance_or_the_need(cast, lab, monkeypatch):
+@pytest.mark.parametrize("chips, made", [(8, 2), (20, 3)])
+def test_passes_at_the_same_moment_never_ask_past_the_allowance_or_the_need(
+    cast, lab, monkeypatch, chips, made
+):
     """Four passes meet after reading the pool (if they can: with the lab's row locked
     the others wait for the first, and the meeting times out). Without the lock each
-    would ask for every waiting job; with it, three jobs and room for two make two."""
-    LabAllowance.objects.filter(lab=lab).update(chips=8)
+    would ask for every waiting job; with it, three jobs make three requests with room
+    for five, two with room for two."""
+    LabAllowance.objects.filter(lab=lab).update(chips=chips)
     switch_on(cast, lab)
     wait(lab, cast.member, 3)
     meet = threading.Barrier(4)
@@ -184,8 +188,8 @@ def test_passes_at_the_same_moment_never_ask_past_the_allowance_or_the_need(cast
     for thread in threads:
         thread.join(timeout=60)
     assert not errors
-    assert pool_requests(lab).count() == 2
-    assert VmRequest.objects.filter(lab=lab, state__in=OPEN_REQUEST_STATES).count() == 2
+    assert pool_requests(lab).count() == made
+    assert VmRequest.objects.filter(lab=lab, state__in=OPEN_REQUEST_STATES).count() == made
 
 
 def test_nothing_is_asked_for_after_the_labs_grant_ended(cast, lab):
