@@ -299,3 +299,35 @@ def test_the_api_switches_it_on_and_shows_what_it_asked_for(cast, lab):
     ]
     bad = client.put(url, {**body, "provisioning": "on-demand"}, content_type="application/json")
     assert bad.status_code == 400 and "spot or preemptible" in bad.json()["detail"]
+
+
+def test_the_kinds_page_shows_each_pool_and_switches_one_on(cast, lab, tpu_emulator):
+    client = Client()
+    client.force_login(cast.admin)
+    page = client.get(f"/labs/{lab.slug}/kinds/").content.decode()
+    assert 'id="pool-v4-8"' in page and "off" in page
+    form = {
+        "accelerator_type": "v4-8",
+        "enabled": "on",
+        "provisioning": "spot",
+        "zones": [ZONE],
+        "runtime_version": VERSION,
+        "idle_minutes": "20",
+    }
+    assert client.post(f"/labs/{lab.slug}/kinds/elastic/", form).status_code == 302
+    pool = ElasticPool.objects.get()
+    assert (pool.enabled, pool.idle_minutes) == (True, 20)
+    LabAllowance.objects.filter(lab=lab).update(chips=4)
+    wait(lab, cast.member, 2)
+    elastic_pass.run_all()
+    page = client.get(f"/labs/{lab.slug}/kinds/").content.decode()
+    assert "v4-8-pool-1: requested (2 jobs wait; allowance 0 of 1 spot v4-8 in use)" in page
+    assert "allowance full: allowance 1 of 1 spot v4-8 in use" in page
+    vm = pool_vm(tpu_emulator, pool, "v4-8-pool-9", idle_minutes=5)
+    page = client.get(f"/labs/{lab.slug}/vms/{vm.pk}/").content.decode()
+    assert "made by the v4-8 elastic pool; deleted after 20 min idle" in page
+    # Another lab's admin: the lab is not there.
+    other = Client()
+    other.force_login(cast.outsider)
+    assert other.post(f"/labs/{lab.slug}/kinds/elastic/", form).status_code == 404
+    assert AuditEvent.objects.filter(action="elastic_pool.set").count() == 1
