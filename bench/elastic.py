@@ -14,8 +14,8 @@ own), a real ``celery worker`` and ``celery beat`` (the pool's pass every ``--ev
 s, the requests' every ``--follow`` s, the job poll every ``--poll`` s). The lab gives
 one person every v4-8 (a kind grant) and has its v4-8 pool on, spot, idle limit 1 min
 (the shortest it takes). The job is ``sleep 600`` in ``~/jax``, a link to JAX's CPU
-build that a thread of this process makes in the person's home on a host as soon as
-the portal has made that home (as a person's dotfiles would have it there).
+build that each host's /etc/skel holds (a thread of this process puts it there, on a
+host made new too), so the home the portal makes on a new VM has it.
 
 a. elastic: the person submits a job for any v4-8 while the lab has none; timed until
    it runs on the VM the pool asked for (its request, the VM in the lab, the grant
@@ -132,12 +132,10 @@ class ElasticBench:
         )  # fmt: skip
 
     def _link_jax(self) -> None:
-        """``~/jax`` → JAX's CPU build in the person's home on each host that has it."""
-        name = self.user.unix_account.username
-        home = f"/home/{name}"
+        """``jax`` → JAX's CPU build in each host's /etc/skel (a host made new has an
+        empty /etc), so the home the portal makes for the person has ``~/jax``."""
         script = (
-            f"if [ -d {home} ] && [ ! -L {home}/jax ]; then "
-            f"ln -sfn {JAX_ENV} {home}/jax && chown -h {name}: {home}/jax; fi"
+            f"[ -L /etc/skel/jax ] || {{ mkdir -p /etc/skel && ln -sfn {JAX_ENV} /etc/skel/jax; }}"
         )
         for host in sorted(self.fleet.hosts):
             self.fleet.exec(host, ["sh", "-c", script], check=False)
