@@ -17,7 +17,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from portal import audit
-from tpus.models import AuditAction, Lab, TpuVm
+from tpus.models import AuditAction, Lab, TpuVm, VmRequest
 from tpus.models.elastic import ElasticPool
 from tpus.services import elastic_pools, vm_lifecycle, vm_requests
 from tpus.services.vm_requests import VmSpec
@@ -70,8 +70,7 @@ def grow(pool_id: int) -> list[int]:
         if not needed.zones and needed.uncovered == 0 and scene.waiting_at_google:
             refused = "capacity at Google: queued, waiting for resources"
         for zone in needed.zones:
-            name = f"{pool.accelerator_type}-pool-{pool.next_number}"
-            pool.next_number += 1
+            name = _next_name(pool, zone)
             spec = VmSpec(
                 name=name,
                 zone=zone,
@@ -99,6 +98,17 @@ def grow(pool_id: int) -> list[int]:
             next_number=pool.next_number, refused=refused, checked_at=timezone.now()
         )
     return made
+
+
+def _next_name(pool: ElasticPool, zone: str) -> str:
+    """The pool's next VM name no VM or request of the lab has in the zone (a VM keeps
+    its row, and its name, once deleted; an admin may have used one)."""
+    while True:
+        name = f"{pool.accelerator_type}-pool-{pool.next_number}"
+        pool.next_number += 1
+        taken = TpuVm.objects.filter(lab=pool.lab, zone=zone, name=name).exists()
+        if not taken and not VmRequest.objects.filter(lab=pool.lab, zone=zone, name=name).exists():
+            return name
 
 
 def shrink(pool_id: int) -> list[int]:
