@@ -88,6 +88,7 @@ def _register_routers() -> None:
     from accounts.api import router as accounts_router
     from tpus.api.access import router as access_router
     from tpus.api.admin import router as admin_router
+    from tpus.api.elastic import router as elastic_router
     from tpus.api.inventory import router as inventory_router
     from tpus.api.jobs import router as jobs_router
     from tpus.api.kind_grants import router as kind_grants_router
@@ -108,6 +109,7 @@ def _register_routers() -> None:
     api.add_router("", pool_router)
     api.add_router("", provisioning_router)
     api.add_router("", snapshots_router)
+    api.add_router("", elastic_router)
 
 
 _register_routers()

@@ -179,3 +179,11 @@ def check_tpu_usage(vm_id: int) -> None:
 def refresh_lab(lab_id: int) -> None:
     """List one lab's TPU VMs from the Cloud TPU API now."""
     _on_commit("tpus.tasks.sync_lab_inventory", lab_id)
+
+
+def check_elastic_pool(
+    lab_id: int, accelerator_type: str, *, countdown: float | None = None
+) -> None:
+    """Look at the lab's elastic pool of a kind (grow it for jobs no VM takes, let go
+    of its idle VMs), if it has one switched on."""
+    _on_commit("tpus.tasks.check_elastic_pool", lab_id, accelerator_type, countdown=countdown)

@@ -129,6 +129,11 @@ urlpatterns = [
     path("labs/<slug:slug>/grants/<int:grant_id>/retry/", grants.grant_retry, name="grant_retry"),
     path("labs/<slug:slug>/kinds/", kind_grants.kind_grants, name="kind_grants"),
     path(
+        "labs/<slug:slug>/kinds/elastic/",
+        kind_grants.elastic_pool_set,
+        name="elastic_pool_set",
+    ),
+    path(
         "labs/<slug:slug>/kinds/<int:kind_grant_id>/revoke/",
         kind_grants.kind_grant_revoke,
         name="kind_grant_revoke",

@@ -295,6 +295,9 @@ PORTAL_EXPIRY_CHECK_SECONDS = env.integer("PORTAL_EXPIRY_CHECK_SECONDS", 600, mi
 # How often each open request for a TPU VM (waiting for capacity, provisioning) is
 # looked at: one GetQueuedResource (and a GetNode once it is provisioned) each.
 PORTAL_VM_REQUEST_POLL_SECONDS = env.integer("PORTAL_VM_REQUEST_POLL_SECONDS", 30, minimum=2)
+# How often every elastic pool is looked at (grown for waiting jobs, its idle VMs
+# deleted): an idle VM goes within this of reaching its pool's idle limit.
+PORTAL_ELASTIC_POOL_SECONDS = env.integer("PORTAL_ELASTIC_POOL_SECONDS", 30, minimum=1)
 # One reconcile per VM at a time (and one worker per disk operation). Its claim is a
 # lease the running work renews
 # every third of this; if the process holding it dies (or loses the database), the

@@ -40,6 +40,7 @@ def test_the_heartbeat_is_scheduled_in_code():
         "expire-grants": "tpus.tasks.expire_grants",
         "poll-jobs": "tpus.tasks.poll_jobs",
         "follow-vm-requests": "tpus.tasks.follow_vm_requests",
+        "elastic-pools": "tpus.tasks.elastic_pools",
         "look-at-idle-chips": "tpus.tasks.look_at_idle_chips",
         "idle-holders": "tpus.tasks.follow_idle_holders",
         "disk-recheck": "tpus.tasks.recheck_disks",

@@ -2,6 +2,7 @@ from tpus.models.audit import AuditAction, AuditEvent
 from tpus.models.changes import VmChange
 from tpus.models.chip_metrics import ChipSample, VmDutyDay
 from tpus.models.connections import ConnectionState, VmConnection
+from tpus.models.elastic import ElasticPool
 from tpus.models.fair_share import FairShare
 from tpus.models.grants import Grant, KindGrant, WorkerSync
 from tpus.models.idle import IdleHolding
@@ -28,6 +29,7 @@ __all__ = [
     "ConnectionState",
     "DataDisk",
     "DiskAttachment",
+    "ElasticPool",
     "FairShare",
     "HostKeyScan",
     "IdleHolding",

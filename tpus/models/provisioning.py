@@ -125,6 +125,17 @@ class VmRequest(models.Model):
     # pass checks again; the row keeps the duty until the VM is asked for.
     kept_down = models.TextField(blank=True)
     kept_down_since = models.DateTimeField(null=True, blank=True)
+    # Asked for by the lab's elastic pool of its type (not by an admin), and why then
+    # ("3 jobs wait; allowance 2 of 5 v4-8 in use"). Its VM is the pool's, deleted by
+    # the pool once idle.
+    elastic_pool = models.ForeignKey(
+        "tpus.ElasticPool",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="requests",
+    )
+    elastic_reason = models.CharField(max_length=300, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]

@@ -28,7 +28,7 @@ from tpus.models.grants import GrantState
 from tpus.models.inventory import validate_accelerator_type
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
 from tpus.remote import jobs as wire
-from tpus.services import emails, scheduler, snapshots
+from tpus.services import elastic_pools, emails, scheduler, snapshots
 
 log = logging.getLogger(__name__)
 MAX_TIME_LIMIT_MINUTES = 7 * 24 * 60
@@ -379,7 +379,9 @@ def submit_pool_job(
     what = _kind_words(kind)
     with transaction.atomic():
         lab = Lab.objects.select_for_update().get(pk=lab.pk)
-        if not vms_of_kind(user, lab, kind).exists():
+        if not vms_of_kind(user, lab, kind).exists() and not elastic_pools.grows_for(
+            user, lab, kind.accelerator_type, kind.zones, kind.provisioning
+        ):
             raise PermissionDenied(
                 f"You have active access to no {what} of {lab.name}, so no job of yours "
                 "can run on one; ask a lab admin."
@@ -428,7 +430,10 @@ def submit_pool_job(
             request=request,
         )
         # A free VM of the kind takes it at once: its pass is queued with the commit.
-        scheduler.place(lab.pk, kind.accelerator_type)
+        placed = scheduler.place(lab.pk, kind.accelerator_type)
+        if not any(p.job_id == job.pk for p in placed):
+            # None free: the kind's elastic pool, if on, may ask for one.
+            queue.check_elastic_pool(lab.pk, kind.accelerator_type)
     return job
 
 

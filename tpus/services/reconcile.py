@@ -26,10 +26,12 @@ from accounts.unix import mark_names_provisioned
 from portal import audit
 from portal.metrics import histograms
 from portal.metrics.histograms import RECONCILE_DURATION, REVOKE_DURATION
+from tpus import queue
 from tpus.models import (
     AuditAction,
     ConnectionState,
     Grant,
+    Job,
     Membership,
     TpuVm,
     VmConnection,
@@ -37,6 +39,7 @@ from tpus.models import (
     WorkerSync,
 )
 from tpus.models.grants import WANTED_STATES, GrantState
+from tpus.models.jobs import JobState
 from tpus.models.labs import MembershipState
 from tpus.remote import HostKeyMismatch, RemoteError, run_on_workers
 from tpus.remote.desired import DesiredState, DesiredUser, encode
@@ -562,6 +565,7 @@ def settle_grants(vm_id: int) -> None:
     waiting = Grant.objects.filter(
         vm_id=vm_id, state__in=(GrantState.PENDING, GrantState.FAILED)
     ).select_related("user__unix_account", "vm__lab")
+    activated = False
     for grant in waiting:
         username = getattr(getattr(grant.user, "unix_account", None), "username", "")
         if username in user_errors:
@@ -569,8 +573,12 @@ def settle_grants(vm_id: int) -> None:
             _fail(grant, clash_message(username, alias, reason), retry=True)
         elif hard_errors:
             _fail(grant, "; ".join(f"{alias}: {err}" for alias, err in sorted(hard_errors.items())))
-        elif grant.version <= applied:
-            _activate(grant, now)
+        elif grant.version <= applied and _activate(grant, now):
+            activated = True
+    if activated and _pool_jobs_wait_for(vm_id):
+        # A job for any VM of this kind may run here now (a VM just made for it by the
+        # elastic pool): the VM's pass places it, not the next poll.
+        queue.advance_jobs(vm_id)
     revoking = Grant.objects.filter(vm_id=vm_id, state=GrantState.REVOKING, version__lte=applied)
     for grant in revoking.select_related("user", "vm__lab"):
         # The email is in the outbox in the same transaction as the change it tells of.
@@ -594,9 +602,24 @@ def _tell_back(vm_id: int, applied: int) -> None:
             emails.send_vm_back(vm_id)
 
 
-def _activate(grant: Grant, now) -> None:
+def _pool_jobs_wait_for(vm_id: int) -> bool:
+    """Jobs of the VM's lab wait for any VM of its type."""
+    vm = TpuVm.objects.filter(pk=vm_id).values("lab_id", "accelerator_type").first()
+    return (
+        bool(vm and vm["accelerator_type"])
+        and Job.objects.filter(
+            lab_id=vm["lab_id"],
+            vm__isnull=True,
+            state=JobState.QUEUED,
+            accelerator_type=vm["accelerator_type"],
+        ).exists()
+    )
+
+
+def _activate(grant: Grant, now) -> bool:
     """The grant is in force: recorded, audited and its "You can now use …" email put
-    in the outbox in one transaction, so no worker's death can lose the email."""
+    in the outbox in one transaction, so no worker's death can lose the email. False
+    when another pass put it in force first."""
     with transaction.atomic():
         if Grant.objects.filter(pk=grant.pk, state=grant.state, version=grant.version).update(
             state=GrantState.ACTIVE,
@@ -614,6 +637,8 @@ def _activate(grant: Grant, now) -> None:
                 data={"grant": grant.pk},
             )
             emails.send_grant_email(grant.pk, "active")
+            return True
+    return False
 
 
 _OWNER = re.compile(r"^(?:uid|gid) \d+ belongs to (?:the group )?(\S+)$")

@@ -55,7 +55,7 @@ from tpus.models import Grant, Job, Lab, TpuVm
 from tpus.models.grants import GrantState
 from tpus.models.inventory import chip_count
 from tpus.models.jobs import ACTIVE_STATES, WAITING_STATES, JobState, Provisioning
-from tpus.services import emails, fair_share
+from tpus.services import elastic_pools, emails, fair_share
 
 # --- the snapshot --------------------------------------------------------------------
 
@@ -113,6 +113,10 @@ class Snapshot:
     # and share; someone missing has used nothing and has a share of 1.
     use: dict[int, float] = field(default_factory=dict)
     shares: dict[int, float] = field(default_factory=dict)
+    # Read for ``reasons`` only: the kinds whose elastic pool is on (type → zones), and
+    # the people it grows for (type → user ids with a kind grant).
+    elastic: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    elastic_people: dict[str, set[int]] = field(default_factory=dict)
 
     def use_per_share(self, user_id: int) -> float:
         return self.use.get(user_id, 0.0) / self.shares.get(user_id, fair_share.DEFAULT_SHARE)
@@ -200,7 +204,12 @@ def load(lab_id: int, accelerator_type: str | None = None, *, every_vm: bool = F
     )
     live_use, held = fair_share.live_figures(fair_share.live_jobs(lab_id, people, now), now, half)
     use = {user_id: stored.get(user_id, 0.0) + live_use.get(user_id, 0.0) for user_id in people}
-    return Snapshot(lab_id, lab, rows, jobs, grants, held, use, shares)
+    snapshot = Snapshot(lab_id, lab, rows, jobs, grants, held, use, shares)
+    if every_vm:
+        snapshot.elastic, snapshot.elastic_people = elastic_pools.on_for(
+            lab_id, {job.accelerator_type for job in jobs}
+        )
+    return snapshot
 
 
 def _zones(text: str | None) -> tuple[str, ...]:
@@ -326,6 +335,10 @@ def lines(
             if job.fits(vm) and (job.user_id, vm.id) in snapshot.grants
         ]
         held = snapshot.chips_held[job.user_id]
+        elastic = _elastic_reason(snapshot, job, usable)
+        if elastic:
+            out[job.id] = Line(before + 1, f"{elastic} {line[:1].upper()}{line[1:]}")
+            continue
         if not usable:
             text = f"You have active access to no {job_text(job)} of this lab; ask a lab admin."
         elif limit and held + min(vm.chips for vm in usable) > limit:
@@ -345,6 +358,34 @@ def lines(
             continue
         out[job.id] = Line(before + 1, f"{text} {line[:1].upper()}{line[1:]}")
     return out
+
+
+def _elastic_reason(snapshot: Snapshot, job: JobRow, usable: list[VmRow]) -> str:
+    """Why a job of a kind whose elastic pool is on waits, when no VM it may use is
+    free: the pool asks Google for one for the people with a kind grant on the type;
+    anyone else's job is not counted (no VM it makes would be theirs). Blank otherwise."""
+    zones = snapshot.elastic.get(job.accelerator_type)
+    if zones is None or any(vm.free for vm in usable):
+        return ""
+    kind = job.accelerator_type
+    fits = job.provisioning != Provisioning.ON_DEMAND and (
+        not job.zones or set(job.zones) & set(zones)
+    )
+    if job.user_id not in snapshot.elastic_people.get(kind, set()):
+        return (
+            f"The {kind} elastic pool makes VMs only for people with access to every "
+            f"{kind} (a kind grant); you have none, so it asks for no VM for this job."
+        )
+    if not fits:
+        return (
+            f"The {kind} elastic pool makes spot or preemptible VMs in "
+            f"{', '.join(zones)} only, which this job does not take."
+        )
+    return (
+        f"No {job_text(job)} you may use is free; the {kind} elastic pool has asked Google "
+        "for a VM for it (you get an account there by your access to every "
+        f"{kind}), or says on the kinds page why it cannot."
+    )
 
 
 def above_share(snapshot: Snapshot, user_id: int) -> str:

@@ -175,6 +175,31 @@ def _change(admin, vm: TpuVm, action: str, state: str, *, request=None) -> TpuVm
     return vm
 
 
+def delete_idle_vm(vm: TpuVm, why: str) -> bool:
+    """Delete a VM the portal made for itself (an elastic pool's) and no longer needs,
+    through the same call and follow-up as an admin's deletion: only while no job is
+    placed on it, starting or running there, read with the VM's and its lab's rows
+    locked (the scheduler places with the lab's row locked, so a job placed meanwhile
+    either came first and stops this, or waits and finds the VM deleting). No one is
+    emailed: no one asked for the VM. True when the deletion was sent."""
+    with transaction.atomic():
+        vm = TpuVm.objects.select_for_update().select_related("lab").get(pk=vm.pk)
+        if vm.missing_since is not None or vm.state in (NodeState.DELETING,):
+            return False
+        if Job.objects.filter(vm=vm, state__in=[*WAITING_STATES, *ACTIVE_STATES]).exists():
+            return False
+        VmRequest.objects.filter(vm=vm).update(keep_alive=False)
+        TpuVm.objects.filter(pk=vm.pk).update(state=NodeState.DELETING)
+        audit.record(
+            AuditAction.VM_DELETE_REQUESTED,
+            lab=vm.lab,
+            summary=f"{vm.name}: {why}"[:300],
+            data={"vm": vm.pk},
+        )
+        queue.change_vm(vm.pk, DELETE)
+    return True
+
+
 def jobs_still_stopping(vm: TpuVm) -> float | None:
     """Seconds until a stop or delete looks again, or None to go ahead: the jobs it
     cancelled are still being stopped on the workers (TERM, the grace period, then

@@ -150,34 +150,58 @@ def request_vm(admin, lab: Lab, spec: VmSpec, *, request=None) -> VmRequest:
         raise ValidationError("The lab has no GCP project yet; a site admin sets it.")
     spec = check_spec(lab, spec)  # the Cloud TPU API's answers, before any lock
     try:
-        with transaction.atomic():
-            # Counted again with the lab locked: requests that passed the check above
-            # together are stored one after the other, each seeing the ones before it.
-            try:
-                allowances.claim(lab, spec.accelerator_type, spec.provisioning)
-            except ValidationError as exc:
-                raise ValidationError({"accelerator_type": exc.messages}) from None
-            made = VmRequest.objects.create(
-                lab=lab,
-                requested_by=admin,
-                **spec.__dict__,
-            )
-            audit.record(
-                AuditAction.VM_REQUESTED,
-                actor=admin,
-                lab=lab,
-                summary=f"{made.name} in {made.zone}: {made.accelerator_type} "
-                f"{made.get_provisioning_display().lower()}"
-                + (", queued" if made.queued else "")
-                + (", kept alive" if made.keep_alive else ""),
-                data={"request": made.pk},
-                request=request,
-            )
-            queue.send_vm_request(made.pk)
+        # Counted again with the lab locked: requests that passed the check above
+        # together are stored one after the other, each seeing the ones before it.
+        return store(lab, spec, requested_by=admin, request=request)
+    except ValidationError as exc:
+        raise ValidationError({"accelerator_type": exc.messages}) from None
     except IntegrityError:  # the same name asked for at the same moment
         raise ValidationError(
             {"name": [f"A request for {spec.name} in {spec.zone} is already under way."]}
         ) from None
+
+
+def store(
+    lab: Lab,
+    spec: VmSpec,
+    *,
+    requested_by=None,
+    elastic_pool=None,
+    elastic_reason: str = "",
+    request=None,
+) -> VmRequest:
+    """Store a checked request and queue the call it stands for, in the transaction
+    that claims its chips (``allowances.claim``, the lab's row locked): the one way a
+    request is made, an admin's or the lab's elastic pool's (``elastic_pool``, with
+    why it asked). Raises ValidationError (the allowance, the grant's end) or
+    IntegrityError (the name asked for meanwhile) with nothing stored."""
+    with transaction.atomic():
+        allowances.claim(lab, spec.accelerator_type, spec.provisioning)
+        made = VmRequest.objects.create(
+            lab=lab,
+            requested_by=requested_by,
+            elastic_pool=elastic_pool,
+            elastic_reason=elastic_reason[:300],
+            **spec.__dict__,
+        )
+        summary = (
+            f"{made.name} in {made.zone}: {made.accelerator_type} "
+            f"{made.get_provisioning_display().lower()}"
+            + (", queued" if made.queued else "")
+            + (", kept alive" if made.keep_alive else "")
+        )
+        if elastic_pool is not None:
+            summary += f", for the {elastic_pool.accelerator_type} elastic pool: {elastic_reason}"
+        audit.record(
+            AuditAction.ELASTIC_POOL_GREW if elastic_pool is not None else AuditAction.VM_REQUESTED,
+            actor=requested_by,
+            lab=lab,
+            summary=summary[:500],
+            data={"request": made.pk}
+            | ({"elastic_pool": elastic_pool.pk} if elastic_pool is not None else {}),
+            request=request,
+        )
+        queue.send_vm_request(made.pk)
     return made
 
 

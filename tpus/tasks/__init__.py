@@ -7,7 +7,7 @@ each is ``tpus.tasks.<function>`` whichever module here holds it.
 - ``emails``: the messages, stored in the outbox by ``tpus.services.emails``;
 - ``jobs``: moving jobs along, and looking at who holds a VM's chips;
 - ``provisioning``: asking Google Cloud for the TPU VMs a lab requests, and following
-  the requests until the VMs are up.
+  the requests until the VMs are up; the elastic pools' pass.
 """
 
 from tpus.tasks.emails import (
@@ -44,6 +44,8 @@ from tpus.tasks.periodic import (
 )
 from tpus.tasks.provisioning import (
     change_vm,
+    check_elastic_pool,
+    elastic_pools,
     follow_vm_change,
     follow_vm_requests,
     send_vm_request,
@@ -52,8 +54,10 @@ from tpus.tasks.provisioning import (
 __all__ = [
     "advance_jobs",
     "change_vm",
+    "check_elastic_pool",
     "check_tpu_usage",
     "check_vm_connection",
+    "elastic_pools",
     "expire_grants",
     "expire_snapshots",
     "follow_vm_change",

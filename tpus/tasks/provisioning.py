@@ -8,7 +8,7 @@ from django.conf import settings
 
 from portal.celery import every
 from tpus.models import VmRequest
-from tpus.services import vm_lifecycle, vm_request_work
+from tpus.services import elastic_pass, vm_lifecycle, vm_request_work
 from tpus.tasks.naming import task
 
 
@@ -43,3 +43,16 @@ def change_vm(self, vm_id: int, action: str) -> None:
 def follow_vm_change(change_id: int) -> None:
     """One look at a VM's stop, start or deletion underway at Google."""
     vm_lifecycle.follow(change_id)
+
+
+@task(ignore_result=True)
+def check_elastic_pool(lab_id: int, accelerator_type: str) -> None:
+    """Grow the kind's elastic pool for the jobs no VM takes, and let go of its idle VMs."""
+    elastic_pass.check_kind(lab_id, accelerator_type)
+
+
+@every(settings.PORTAL_ELASTIC_POOL_SECONDS, name="elastic-pools")
+@task(ignore_result=True)
+def elastic_pools() -> None:
+    """Every elastic pool: grown for waiting jobs, its VMs idle past the limit deleted."""
+    elastic_pass.run_all()

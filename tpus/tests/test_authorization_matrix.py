@@ -547,6 +547,13 @@ def _urls(cast):
             reverse("kind_grant_revoke", args=[lab, kind.pk]),
             [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
         ),
+        (
+            # An empty form: back to the kinds page, with what is missing.
+            "elastic_pool_set",
+            "post",
+            reverse("elastic_pool_set", args=[lab]),
+            [REDIRECT, MISSING, MISSING, FORBIDDEN, REDIRECT, REDIRECT],
+        ),
         ("ssh_page", "get", reverse("ssh_page"), [REDIRECT, OK, OK, OK, OK, OK]),
         (
             "ssh_config",
@@ -631,6 +638,18 @@ def _urls(cast):
             "post",
             f"/api/v1/labs/{lab}/kind-grants/{kind.pk}/revoke",
             [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_elastic_pools",
+            "get",
+            f"/api/v1/labs/{lab}/elastic-pools",
+            [401, MISSING, MISSING, FORBIDDEN, OK, OK],
+        ),
+        (
+            "api_elastic_pool_set",
+            "put",
+            f"/api/v1/labs/{lab}/elastic-pools/v4-8",
+            [401, MISSING, MISSING, FORBIDDEN, 400, 400],
         ),
         ("healthz", "get", "/healthz", [OK, OK, OK, OK, OK, OK]),
         ("api_my_grants", "get", "/api/v1/me/grants", [401, OK, OK, OK, OK, OK]),
@@ -1006,6 +1025,8 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                 "api_lab_settings_project": {"gcp_project_id": "moved-project"},
                 "api_lab_settings_grant_end": {"grant_end_date": "2099-12-31"},
                 "api_disk_register": {"name": "matrix-disk", "zone": "us-central1-f"},
+                # No zones: refused with what is missing.
+                "api_elastic_pool_set": {"enabled": True},
                 "api_vm_register": {
                     "name": "tpu10",
                     "zone": "us-central1-f",

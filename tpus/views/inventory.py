@@ -27,6 +27,7 @@ from tpus.services import (
     directory,
     disk_mounts,
     disk_operations,
+    elastic_pools,
     inventory,
     keep_alive,
     sshconfig,
@@ -192,6 +193,8 @@ def vm_detail(request, slug, vm_id):
     )
     context["ip_changes"] = address_history(vm, aliases)
     context["kept_down"] = keep_alive.held_down(vm)
+    pool = elastic_pools.made_by(vm)
+    context["made_by_pool"] = elastic_pools.made_text(pool) if pool else ""
     return render(request, "tpus/vm_detail.html", context)
 
 

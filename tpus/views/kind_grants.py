@@ -1,16 +1,19 @@
 """The lab's kind grants page: give a member every TPU VM of an accelerator type, see
-how many VMs each kind grant covers, revoke one."""
+how many VMs each kind grant covers, revoke one; and each kind's elastic pool."""
 
 from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import ValidationError
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from portal.paging import page_of
 from tpus import access
+from tpus.forms.elastic import ElasticPoolForm
 from tpus.forms.grants import KindGrantForm
+from tpus.services import elastic_admin
 from tpus.services import kind_grants as kind_services
 from tpus.services.grants import GrantError
 
@@ -45,8 +48,33 @@ def kind_grants(request, slug):
     return render(
         request,
         "tpus/kind_grants.html",
-        {"lab": lab, "form": form, "page": page_of(request, kind_services.kind_grants_of(lab))},
+        {
+            "lab": lab,
+            "form": form,
+            "page": page_of(request, kind_services.kind_grants_of(lab)),
+            "pools": elastic_admin.views(lab),
+            "pool_form": ElasticPoolForm(lab=lab, kinds=kinds),
+        },
     )
+
+
+@login_required
+@require_POST
+def elastic_pool_set(request, slug):
+    """Switch a kind's elastic pool on or off (lab admins); a refusal names its fields."""
+    lab = access.get_admin_lab(request.user, slug)
+    form = ElasticPoolForm(request.POST, lab=lab, kinds=kind_services.lab_kinds(lab))
+    if not form.is_valid():
+        messages.error(request, " ".join(e for errs in form.errors.values() for e in errs))
+        return redirect("kind_grants", lab.slug)
+    data = form.cleaned_data
+    try:
+        pool = elastic_admin.set_pool(request.user, lab, request=request, **data)
+    except ValidationError as exc:
+        messages.error(request, "The elastic pool was not changed: " + " ".join(exc.messages))
+    else:
+        messages.success(request, elastic_admin.settings_text(pool) + ".")
+    return redirect("kind_grants", lab.slug)
 
 
 @login_required

@@ -1,0 +1,86 @@
+"""An elastic pool on real hosts: a job for any v4-8 submitted while the lab has none
+waits; the pool asks Google for one, the emulator makes it of a fleet host, it joins
+the lab connected and pinned, the person's kind grant gives them an account there, and
+the job runs on it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from django.utils import timezone
+
+from accounts.unix import choose_username
+from testfleet.guestagent import offer_hosts
+from tests.requirements import need
+from tpus.models import Grant, Job, LabAllowance, VmConnection, VmRequest
+from tpus.services import connect, elastic_admin, job_engine, reconcile, vm_request_work
+from tpus.services.jobs import JobSpec, Kind, submit_pool_job
+from tpus.services.kind_grants import grant_kind
+from tpus.tests.test_jobs_host import JAX_ENV
+
+pytestmark = pytest.mark.fleet
+
+PROJECT = "vision-project"
+ZONE = "us-central2-b"
+
+
+def test_a_job_waiting_on_an_empty_elastic_pool_runs_on_the_vm_the_pool_made(
+    tpu_emulator, fleet, fleet_hosts, fleet_settings, guest_agent, cast, settings,
+    fleet_username, fleet_uids, django_capture_on_commit_callbacks,
+):  # fmt: skip
+    need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
+    settings.PORTAL_CONNECT_WAIT_SECONDS = 30
+    settings.PORTAL_CONNECT_POLL_SECONDS = 0.3
+    lab = cast.lab
+    lab.gcp_project_id, lab.zones = PROJECT, [ZONE]
+    lab.save()
+    LabAllowance.objects.create(lab=lab, generation="v4", provisioning="spot", chips=8)
+    [host] = fleet_hosts(1)
+    # The home the portal makes has ~/venv, from the host's skeleton.
+    fleet.exec(host.name, ["sh", "-c", f"mkdir -p /etc/skel && ln -sfn {JAX_ENV} /etc/skel/venv"])
+    offer_hosts(fleet, tpu_emulator.controls.store, [host.name])
+    choose_username(cast.member, fleet_username)
+    milo = type(cast.member).objects.select_related("unix_account").get(pk=cast.member.pk)
+    grant_kind(cast.admin, lab, milo, "v4-8", sudo=False)
+    elastic_admin.set_pool(
+        cast.admin, lab, "v4-8", enabled=True, zones=[ZONE], runtime_version="tpu-ubuntu2204-base"
+    )
+    spec = JobSpec(args=["python", "-c", "import time; time.sleep(60)"], python="~/venv")
+    with django_capture_on_commit_callbacks(execute=True):
+        job = submit_pool_job(milo, lab, Kind("v4-8"), spec)
+    # The submit's look at the pool asked for one VM, and its call went to Google.
+    made = VmRequest.objects.get(lab=lab, elastic_pool__isnull=False)
+    deadline = time.monotonic() + 60
+    while made.state != "ready" and time.monotonic() < deadline:
+        with django_capture_on_commit_callbacks(execute=True):
+            vm_request_work.send(made.pk)
+        made.refresh_from_db()
+        time.sleep(0.2)
+    assert made.state == "ready", made.error
+    vm = made.vm
+    assert (vm.accelerator_type, vm.preemptible) == ("v4-8", True)
+    connection = VmConnection.objects.get(vm=vm)
+    while connection.state == "connecting" and time.monotonic() < deadline:
+        with django_capture_on_commit_callbacks(execute=True):
+            connect.check_connection(connection.pk, connection.attempt, connection.checks)
+        connection.refresh_from_db()
+        if connection.next_check_at is not None:
+            time.sleep(max(0.0, (connection.next_check_at - timezone.now()).total_seconds()))
+    assert connection.state == "connected"
+    # The kind grant gave milo an account on the new VM; its reconcile puts it in force
+    # and queues the VM's pass, which places the waiting job there and starts it.
+    with django_capture_on_commit_callbacks(execute=True):
+        reconcile.reconcile_vm(vm.pk)
+    grant = Grant.objects.get(vm=vm, user=milo)
+    assert grant.state == "active" and grant.from_kind_id is not None
+    job.refresh_from_db()
+    try:
+        while job.state != "running" and time.monotonic() < deadline:
+            job_engine.advance(vm.pk)
+            job.refresh_from_db()
+        assert (job.vm_id, job.state) == (vm.pk, "running"), job.reason
+    finally:
+        for running in Job.objects.filter(state__in=["running", "cancelling", "starting"]):
+            job_engine.stop_on_workers(running, grace=0)
