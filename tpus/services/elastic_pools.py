@@ -14,6 +14,7 @@ made, set up, or free) are counted first, so two passes never ask twice for one 
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from dataclasses import dataclass
 
 from django.db.models import Exists, Max, OuterRef, Q
@@ -31,7 +32,7 @@ from tpus.models.provisioning import (
     VmRequestState,
     chips_of,
 )
-from tpus.services import allowances
+from tpus.services import allowances, fair_share
 
 POOL_KINDS = (Provisioning.SPOT, Provisioning.PREEMPTIBLE)
 # Node states in which a VM of the type takes no job now nor soon.
@@ -164,8 +165,7 @@ class Scene:
 def read(pool: ElasticPool) -> Scene:
     """The pool's scene, in a constant number of queries."""
     granted = kind_granted(pool.lab_id, pool.accelerator_type)
-    waiting, not_counted = [], 0
-    for pk, user_id, zones, provisioning in (
+    rows = list(
         Job.objects.filter(
             lab_id=pool.lab_id,
             vm__isnull=True,
@@ -174,10 +174,27 @@ def read(pool: ElasticPool) -> Scene:
         )
         .order_by("queued_at", "id")
         .values_list("id", "user_id", "zones", "provisioning")
-    ):
+    )
+    lab = pool.lab
+    # A person's chips running now plus one VM of the type each for their jobs counted
+    # before: past the lab's limit per person the job would not be placed on a new VM
+    # either, so it asks for none (it waits for their own jobs to end).
+    limit = lab.max_chips_per_person
+    _, chips = chips_of(pool.accelerator_type)
+    held: Counter = Counter()
+    if limit:
+        _, held = fair_share.live_figures(
+            fair_share.live_jobs(pool.lab_id, {row[1] for row in rows}, timezone.now()),
+            timezone.now(),
+            dt.timedelta(days=1),
+        )
+    waiting, not_counted = [], 0
+    for pk, user_id, zones, provisioning in rows:
         job = Waiting(pk, user_id, tuple(zones or ()), provisioning)
-        if user_id in granted and pool_may_take(pool, job):
+        within = not limit or held[user_id] + chips <= limit
+        if user_id in granted and within and pool_may_take(pool, job):
             waiting.append(job)
+            held[user_id] += chips
         else:
             not_counted += 1
     busy = Job.objects.filter(vm=OuterRef("pk"), state__in=[*WAITING_STATES, *ACTIVE_STATES])
@@ -201,7 +218,6 @@ def read(pool: ElasticPool) -> Scene:
         elastic_pool=pool, state=VmRequestState.WAITING
     ).count()
     alive = pool_vms(pool).exclude(state=NodeState.DELETING).count()
-    lab = pool.lab
     generation, _ = chips_of(pool.accelerator_type)
     allowance = LabAllowance.objects.filter(
         lab=lab, generation=generation, provisioning=pool.provisioning

@@ -125,6 +125,21 @@ def test_it_grows_by_exactly_what_the_waiting_jobs_need(
     assert pool_requests(lab).count() == 3
 
 
+def test_it_grows_only_within_each_persons_chip_limit(cast, lab):
+    # 8 chips each: one v4-8 (4 chips) running and one more; the third job would not be
+    # placed on a new VM either, so no VM is asked for it.
+    lab.max_chips_per_person = 8
+    lab.save()
+    switch_on(cast, lab)
+    wait(lab, cast.member, 3)
+    elastic_pass.run_all()
+    assert pool_requests(lab).count() == 2
+    lab.max_chips_per_person = 0  # no limit
+    lab.save()
+    elastic_pass.run_all()
+    assert pool_requests(lab).count() == 3
+
+
 def test_it_never_grows_past_the_allowance(cast, lab):
     LabAllowance.objects.filter(lab=lab).update(chips=8)  # two v4-8
     switch_on(cast, lab)
