@@ -2,14 +2,15 @@
 
 How a script travels. The command line is the same constant for every run::
 
-    sudo -n -- /bin/sh -c 'set -eu; n=$(head -c 10); s=$(head -c "$n");
+    sudo -n -- /bin/sh -c 'set -eu; read -r n; s=$(head -c "$n");
                            exec /bin/sh -c "$s" "$0"' whoami.sh
 
-and stdin carries, in order, the script's length as ten digits, the script, and the
-script's data. So no byte of data is ever part of a command line, the script needs no
-temporary file on the host (no upload, no path a collaborator could race), and the run
-costs one channel: one round trip after authentication. ``head -c`` reads exactly the
-bytes it is asked for, so the data the script reads from stdin starts right after it.
+and stdin carries, in order, the script's length as ten digits and a newline, the
+script, and the script's data. So no byte of data is ever part of a command line, the
+script needs no temporary file on the host (no upload, no path a collaborator could
+race), and the run costs one channel: one round trip after authentication. The shell's
+``read`` takes the length line a byte at a time and ``head -c`` exactly the bytes it is
+asked for, so the data the script reads from stdin starts right after it.
 
 A script answers with ``key=value`` lines on stdout (other lines are ignored), exits
 non-zero with its reason as the last line of stderr, and is idempotent.
@@ -19,12 +20,12 @@ worker before any worker goes on (a job's pre-flight, then its start)::
 
     sudo -n -- /bin/sh -c '<_TWO_STEPS>' job-preflight.sh job-start.sh
 
-stdin carries the three lengths (the first script, the second, the first script's
-data; ten digits each, read at once), then both scripts and that data. The first
-script runs with exactly that data as its stdin; once it has exited 0, the host
-prints ``tpu-portal-step=done`` and waits for one line: ``go`` runs the second script
-with the rest of stdin as its data; anything else, or the end of stdin (the portal went
-away), ends the run with nothing more done.
+stdin carries one line with the three lengths (the first script, the second, the first
+script's data; ten digits each), then both scripts and that data. The first script
+runs with exactly that data as its stdin; once it has exited 0, the host prints
+``tpu-portal-step=done`` and waits for one line: ``go`` runs the second script with the
+rest of stdin as its data; anything else, or the end of stdin (the portal went away),
+ends the run with nothing more done.
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ from tpus.remote.scripts import Script
 
 log = logging.getLogger(__name__)
 
-_BOOTSTRAP = 'set -eu; n=$(head -c 10); s=$(head -c "$n"); exec /bin/sh -c "$s" "$0"'
 # Every program started costs the host about a millisecond of CPU (on a VM, the
-# loader's CPUID probes trap to the hypervisor), times every worker of a pod: the three
-# lengths come in one read, split by the shell itself.
+# loader's CPUID probes trap to the hypervisor), times every worker of a pod: the
+# lengths are a line the shell reads itself (no program).
+_BOOTSTRAP = 'set -eu; read -r n; s=$(head -c "$n"); exec /bin/sh -c "$s" "$0"'
 _TWO_STEPS = (
-    'set -eu; n=$(head -c 30); a=$(head -c "${n%????????????????????}"); n=${n#??????????}; '
-    'b=$(head -c "${n%??????????}"); head -c "${n#??????????}" | /bin/sh -c "$a" "$0"; '
+    'set -eu; read -r n m k; a=$(head -c "$n"); b=$(head -c "$m"); '
+    'head -c "$k" | /bin/sh -c "$a" "$0"; '
     'echo tpu-portal-step=done; read -r word || word=""; [ "$word" = go ] || exit 0; '
     'exec /bin/sh -c "$b" "$1"'
 )
@@ -133,8 +134,9 @@ def command_for_two(first: Script, then: Script) -> str:
     return f"sudo -n -- /bin/sh -c {quoted}"
 
 
-def _framed(body: bytes) -> bytes:
-    return f"{len(body):010d}".encode() + body
+def framed(body: bytes) -> bytes:
+    """A script as ``command_for``'s command line reads it from stdin (its data follows)."""
+    return f"{len(body):010d}\n".encode() + body
 
 
 def execute(
@@ -227,7 +229,7 @@ class Connection:
         started = time.monotonic()
         try:
             run = self._exec(command_for(script), cfg)
-            run.send(_framed(script.body) + data, last=True)
+            run.send(framed(script.body) + data, last=True)
             status, out, err = run.finish()
         except RemoteError:
             self.drop()  # a broken connection is not used again
@@ -253,7 +255,8 @@ class Connection:
         run = None
         try:
             run = self._exec(command_for_two(first, then), cfg)
-            lengths = b"".join(f"{len(x):010d}".encode() for x in (first.body, then.body, data))
+            lengths = " ".join(f"{len(x):010d}" for x in (first.body, then.body, data))
+            lengths = (lengths + "\n").encode()
             run.send(lengths + first.body + then.body + data, last=False)
             if run.wait_for(_STEP_DONE):
                 out, err = run.take()
