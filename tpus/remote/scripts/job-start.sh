@@ -338,8 +338,8 @@ for record in "$JOBS"/*/cgroup; do
         fi
     done <"$record"
 done
-printf '%s\n' "$job" >"$HOLDER.new"
-mv -f "$HOLDER.new" "$HOLDER"
+# (Written in place: one short write, and a reader that finds it empty names no job.)
+printf '%s\n' "$job" >"$HOLDER"
 # Until the supervisor runs, a failure undoes what this start made.
 cgroup="" pids_dir="" memory_dir=""
 cleanup_cgroups() {
@@ -367,19 +367,33 @@ if [ "$memory_bytes" = 0 ]; then
     done </proc/meminfo
 fi
 # The hierarchies, from /proc/self/mountinfo: "... <mount point> <options> [optional
-# fields] - <type> <source> <super options>".
-v2_mount="" pids_mount="" memory_mount=""
-while read -r _ _ _ _ point _ rest; do
-    case " $rest" in
-        *" - cgroup2 "*) [ -n "$v2_mount" ] || v2_mount=$point ;;
-        *" - cgroup "*)
-            case ",${rest##* }," in
-                *,pids,*) [ -n "$pids_mount" ] || pids_mount=$point ;;
-                *,memory,*) [ -n "$memory_mount" ] || memory_mount=$point ;;
-            esac
-            ;;
+# fields] - <type> <source> <super options>". The shell reads a file a byte at a time,
+# and mountinfo is kilobytes: what it found is kept in /run for this boot (one short
+# line, read by the next start instead).
+LAYOUT=$RUN/cgroup-layout
+v2_mount="" pids_mount="" memory_mount="" layout_boot=""
+[ ! -f "$LAYOUT" ] || read -r layout_boot v2_mount pids_mount memory_mount <"$LAYOUT" || true
+if [ "$layout_boot" != "$boot" ] || [ -z "$v2_mount" ]; then
+    v2_mount="" pids_mount="" memory_mount=""
+    while read -r _ _ _ _ point _ rest; do
+        case " $rest" in
+            *" - cgroup2 "*) [ -n "$v2_mount" ] || v2_mount=$point ;;
+            *" - cgroup "*)
+                case ",${rest##* }," in
+                    *,pids,*) [ -n "$pids_mount" ] || pids_mount=$point ;;
+                    *,memory,*) [ -n "$memory_mount" ] || memory_mount=$point ;;
+                esac
+                ;;
+        esac
+    done </proc/self/mountinfo
+    # Mount points with a space (mountinfo writes it \040) are not kept: read again.
+    case "$v2_mount$pids_mount$memory_mount" in
+        *\\*) ;;
+        *) [ -z "$v2_mount" ] || echo "$boot $v2_mount ${pids_mount:--} ${memory_mount:--}" >"$LAYOUT" ;;
     esac
-done </proc/self/mountinfo
+fi
+[ "$pids_mount" != - ] || pids_mount=""
+[ "$memory_mount" != - ] || memory_mount=""
 [ -n "$v2_mount" ] || die "this worker has no cgroup v2 hierarchy (jobs run in cgroups)"
 tasks_where=none memory_where=none
 read -r init_comm </proc/1/comm || init_comm=""
@@ -656,8 +670,9 @@ fi
 exec 5>&-
 # The answer waits until the command runs as the user (it has joined its cgroup and
 # left root's side), or is gone already. Looked at at once, then after waits that
-# grow (each is a program started: a busy worker is not asked often), 2 s at most.
-for pause in 0.002 0.005 0.01 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
+# grow (each is a program started, and on a busy worker the command's own three take
+# a few milliseconds: it is not asked often), 2 s at most.
+for pause in 0.004 0.008 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
     now_uid=""
     while read -r key real _; do
         if [ "$key" = Uid: ]; then
