@@ -683,8 +683,9 @@ for pause in 0.004 0.008 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
     if [ "$now_uid" = "$uid" ] || [ "$pause" = - ]; then break; fi
     sleep "$pause"
 done
-echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid.new
-mv -f pid.new pid
+# (Written in place, one short write: job-status.sh and job-cancel.sh read a pid file
+# still empty as no process.)
+echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid
 # What job-start.sh answers; it returns once the pipe is closed.
 echo "$child $boot $started $cgroup" >&3
 exec 3>&-
