@@ -26,6 +26,15 @@ runs with exactly that data as its stdin; once it has exited 0, the host prints
 ``tpu-portal-step=done`` and waits for one line: ``go`` runs the second script with the
 rest of stdin as its data; anything else, or the end of stdin (the portal went away),
 ends the run with nothing more done.
+
+Or the second script runs at once after the first, with its own data sent up front
+(``Connection.begin`` with ``then_data``: a job's start prepares everything it can
+while the other workers still check, and reads the word itself)::
+
+    sudo -n -- /bin/sh -c '<_PREPARED>' job-preflight.sh job-start.sh
+
+stdin is the same, then the second script's data; the word (``go`` and what the
+second script wants with it) comes after that, and the second script reads it.
 """
 
 from __future__ import annotations
@@ -60,6 +69,11 @@ _TWO_STEPS = (
     'set -eu; read -r n m k; a=$(head -c "$n"); b=$(head -c "$m"); '
     'head -c "$k" | /bin/sh -c "$a" "$0"; '
     'echo tpu-portal-step=done; read -r word || word=""; [ "$word" = go ] || exit 0; '
+    'exec /bin/sh -c "$b" "$1"'
+)
+_PREPARED = (
+    'set -eu; read -r n m k; a=$(head -c "$n"); b=$(head -c "$m"); '
+    'head -c "$k" | /bin/sh -c "$a" "$0"; echo tpu-portal-step=done; '
     'exec /bin/sh -c "$b" "$1"'
 )
 _STEP_DONE = b"tpu-portal-step=done\n"
@@ -128,9 +142,11 @@ def command_for(script: Script) -> str:
     return f"sudo -n -- /bin/sh -c {shlex.quote(_BOOTSTRAP)} {shlex.quote(script.name)}"
 
 
-def command_for_two(first: Script, then: Script) -> str:
-    """The fixed command line that runs ``first``, waits for the word, runs ``then``."""
-    quoted = " ".join(shlex.quote(x) for x in (_TWO_STEPS, first.name, then.name))
+def command_for_two(first: Script, then: Script, *, prepared: bool = False) -> str:
+    """The fixed command line that runs ``first``, waits for the word, runs ``then``
+    (``prepared``: runs ``then`` at once, which reads the word itself)."""
+    steps = _PREPARED if prepared else _TWO_STEPS
+    quoted = " ".join(shlex.quote(x) for x in (steps, first.name, then.name))
     return f"sudo -n -- /bin/sh -c {quoted}"
 
 
@@ -242,11 +258,20 @@ class Connection:
         return _result(self.worker, script, status, out, err, time.monotonic() - started)
 
     def begin(
-        self, first: Script, data: bytes, then: Script, *, dry_run: bool | None = None
+        self,
+        first: Script,
+        data: bytes,
+        then: Script,
+        *,
+        then_data: bytes | None = None,
+        dry_run: bool | None = None,
     ) -> Step:
         """Run ``first`` with ``data`` and hold the host there: the returned Step says
         ``go`` (``then`` runs with its data) or stops. Raises RemoteError like ``run``;
-        a first script that failed leaves nothing waiting on the host."""
+        a first script that failed leaves nothing waiting on the host. With
+        ``then_data``, ``then`` runs at once after ``first`` with that data and reads
+        the word (``go`` and the Step's data) itself: it prepares while the host waits,
+        and undoes that when the word is not ``go`` or never comes."""
         cfg = self._ready(dry_run)
         if cfg is None:
             log.info("dry run: would run %s then %s on %s", first.name, then.name, self.worker)
@@ -254,10 +279,12 @@ class Connection:
         started = time.monotonic()
         run = None
         try:
-            run = self._exec(command_for_two(first, then), cfg)
+            prepared = then_data is not None
+            run = self._exec(command_for_two(first, then, prepared=prepared), cfg)
             lengths = " ".join(f"{len(x):010d}" for x in (first.body, then.body, data))
             lengths = (lengths + "\n").encode()
-            run.send(lengths + first.body + then.body + data, last=False)
+            early = then_data if prepared else b""
+            run.send(lengths + first.body + then.body + data + early, last=False)
             if run.wait_for(_STEP_DONE):
                 out, err = run.take()
                 status = 0
