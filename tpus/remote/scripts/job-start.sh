@@ -677,10 +677,13 @@ else
     read -r _ cgroup <"$dir/cgroup"
 fi
 exec 5>&-
+# Both ends of the pipe are open (opening it to write waited for the writer): its name
+# goes now, while the command starts on its way (setsid, setpriv and env take a few
+# milliseconds of a busy worker), so the look below often finds it run already.
+rm -f log.pipe
 # The answer waits until the command runs as the user (it has joined its cgroup and
 # left root's side), or is gone already. Looked at at once, then after waits that
-# grow (each is a program started, and on a busy worker the command's own three take
-# a few milliseconds: it is not asked often), 2 s at most.
+# grow (each is a program started: a busy worker is not asked often), 2 s at most.
 for pause in 0.004 0.008 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
     now_uid=""
     while read -r key real _; do
@@ -698,7 +701,6 @@ echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid
 # What job-start.sh answers; it returns once the pipe is closed.
 echo "$child $boot $started $cgroup" >&3
 exec 3>&-
-rm -f log.pipe
 set +e
 wait "$child"
 status=$?
