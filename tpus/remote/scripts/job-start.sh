@@ -468,6 +468,9 @@ umask 027
     printf '%s' "$spec"
 } >"$dir.new/spec"
 : >"$dir.new/log"
+# The pipe from the command to the log's writer (the supervisor's), made here: with
+# hold, while the other workers still check.
+mkfifo -m 600 "$dir.new/log.pipe"
 # Where the job's cgroup is (cgroup), or where systemd runs the scope to make
 # (cgroup.plan; the supervisor writes cgroup once systemd made it).
 if [ -n "$cgroup" ]; then
@@ -630,7 +633,7 @@ write_log() {
         cat >/dev/null
     fi
 }
-mkfifo -m 600 log.pipe
+[ -p log.pipe ] || mkfifo -m 600 log.pipe
 # (exec closes them for good: dash would keep a copy of a function's redirected fds.)
 (
     exec 3>&- 9>&-
