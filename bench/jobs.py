@@ -450,9 +450,9 @@ class Bench:
     def _ssh(self, host, script, data: bytes) -> list[tuple[str, str]]:
         from django.conf import settings
 
-        from tpus.remote.ssh import command_for
+        from tpus.remote.ssh import command_for, framed
 
-        payload = f"{len(script.body):010d}".encode() + script.body + data
+        payload = framed(script.body) + data
         done = subprocess.run(
             ["ssh", *SSH_OPTIONS, "-i", str(self.lab_key_file),
              "-o", f"UserKnownHostsFile={self.known_hosts}",

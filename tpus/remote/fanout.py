@@ -118,6 +118,7 @@ class Sessions:
         data: Data,
         then: str | scripts.Script,
         *,
+        then_data: Data | None = None,
         dry_run: bool | None = None,
         give_up: Callable[[], bool] | None = None,
     ) -> Held:
@@ -128,15 +129,20 @@ class Sessions:
 
         ``give_up`` is asked about twice a second while workers have not answered;
         once it says yes, the connections are closed (each worker's exec sees the end
-        of its stdin and does nothing more) and those workers' outcomes are errors."""
+        of its stdin and does nothing more) and those workers' outcomes are errors.
+
+        ``then_data`` (the same for all, or a function of the worker): ``then`` runs at
+        once after ``first`` with it and reads the word itself (``Connection.begin``)."""
         first, then = _script(first), _script(then)
 
         def one(worker: Worker):
             payload = data(worker) if callable(data) else data
+            early = then_data(worker) if callable(then_data) else then_data
             try:
                 step = self.connections[id(worker)].begin(
-                    first, _bytes(payload), then, dry_run=dry_run
-                )
+                    first, _bytes(payload), then,
+                    then_data=None if early is None else _bytes(early), dry_run=dry_run,
+                )  # fmt: skip
                 return WorkerOutcome(worker, step.result), step
             except RemoteError as exc:
                 return WorkerOutcome(worker, error=exc), None

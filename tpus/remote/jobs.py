@@ -16,7 +16,10 @@ environment values) travels as base64, so no byte of it is ever read by a shell:
     env <NAME>                            tasks_max <n>         memory_max_mb <n>
     probe_seconds <n>   (optional)        log_max_bytes <n>     keep_days <n>
     end                                   metrics_ports <n>[,<n>…]  (optional)
+                                          hold      (optional: then the word)
                                           end
+
+    the word to a held start:  go / env <NAME> <b64 value> (repeated) / end
 
     tpu-portal-job-status 1               tpu-portal-job-cancel 1
     max_bytes <n>                         job <id>
@@ -132,6 +135,9 @@ class StartJob:
     keep_days: int = 0
     # Where the job's libtpu serves its runtime metrics (TPU_RUNTIME_METRICS_PORTS).
     metrics_ports: tuple[int, ...] = ()
+    # Prepare the cgroup and the folder at once, then wait on stdin for the word
+    # (``encode_word``): sent with the pre-flight, in the same exec.
+    hold: bool = False
 
 
 def encode_preflight(spec: Preflight) -> bytes:
@@ -276,7 +282,19 @@ def encode_start(job: StartJob) -> bytes:
     lines.append(f"keep_days {_int(job.keep_days, 'keep_days', 0, 99999)}")
     if job.metrics_ports:
         lines.append(f"metrics_ports {check_metrics_ports(job.metrics_ports)}")
+    if job.hold:
+        lines.append("hold")
     return _finish(lines)
+
+
+def encode_word(env: Sequence[tuple[str, str]] = ()) -> bytes:
+    """What follows ``go`` to a held start (``StartJob.hold``): variables to add to the
+    job's environment (found by the pre-flight, such as TCMalloc), then ``end``."""
+    env = _sequence(env, "env")
+    if len(env) > MAX_ENV:
+        raise ValueError(f"at most {MAX_ENV} environment variables")
+    lines = [f"env {check_env_name(n)} {_b64(_text(v, f'the value of {n}'))}" for n, v in env]
+    return ("\n".join([*lines, "end"]) + "\n").encode("ascii")
 
 
 def encode_status(

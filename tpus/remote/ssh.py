@@ -2,14 +2,15 @@
 
 How a script travels. The command line is the same constant for every run::
 
-    sudo -n -- /bin/sh -c 'set -eu; n=$(head -c 10); s=$(head -c "$n");
+    sudo -n -- /bin/sh -c 'set -eu; read -r n; s=$(head -c "$n");
                            exec /bin/sh -c "$s" "$0"' whoami.sh
 
-and stdin carries, in order, the script's length as ten digits, the script, and the
-script's data. So no byte of data is ever part of a command line, the script needs no
-temporary file on the host (no upload, no path a collaborator could race), and the run
-costs one channel: one round trip after authentication. ``head -c`` reads exactly the
-bytes it is asked for, so the data the script reads from stdin starts right after it.
+and stdin carries, in order, the script's length as ten digits and a newline, the
+script, and the script's data. So no byte of data is ever part of a command line, the
+script needs no temporary file on the host (no upload, no path a collaborator could
+race), and the run costs one channel: one round trip after authentication. The shell's
+``read`` takes the length line a byte at a time and ``head -c`` exactly the bytes it is
+asked for, so the data the script reads from stdin starts right after it.
 
 A script answers with ``key=value`` lines on stdout (other lines are ignored), exits
 non-zero with its reason as the last line of stderr, and is idempotent.
@@ -19,12 +20,21 @@ worker before any worker goes on (a job's pre-flight, then its start)::
 
     sudo -n -- /bin/sh -c '<_TWO_STEPS>' job-preflight.sh job-start.sh
 
-stdin carries the three lengths (the first script, the second, the first script's
-data; ten digits each, read at once), then both scripts and that data. The first
-script runs with exactly that data as its stdin; once it has exited 0, the host
-prints ``tpu-portal-step=done`` and waits for one line: ``go`` runs the second script
-with the rest of stdin as its data; anything else, or the end of stdin (the portal went
-away), ends the run with nothing more done.
+stdin carries one line with the three lengths (the first script, the second, the first
+script's data; ten digits each), then both scripts and that data. The first script
+runs with exactly that data as its stdin; once it has exited 0, the host prints
+``tpu-portal-step=done`` and waits for one line: ``go`` runs the second script with the
+rest of stdin as its data; anything else, or the end of stdin (the portal went away),
+ends the run with nothing more done.
+
+Or the second script runs at once after the first, with its own data sent up front
+(``Connection.begin`` with ``then_data``: a job's start prepares everything it can
+while the other workers still check, and reads the word itself)::
+
+    sudo -n -- /bin/sh -c '<_PREPARED>' job-preflight.sh job-start.sh
+
+stdin is the same, then the second script's data; the word (``go`` and what the
+second script wants with it) comes after that, and the second script reads it.
 """
 
 from __future__ import annotations
@@ -52,14 +62,19 @@ from tpus.remote.scripts import Script
 
 log = logging.getLogger(__name__)
 
-_BOOTSTRAP = 'set -eu; n=$(head -c 10); s=$(head -c "$n"); exec /bin/sh -c "$s" "$0"'
 # Every program started costs the host about a millisecond of CPU (on a VM, the
-# loader's CPUID probes trap to the hypervisor), times every worker of a pod: the three
-# lengths come in one read, split by the shell itself.
+# loader's CPUID probes trap to the hypervisor), times every worker of a pod: the
+# lengths are a line the shell reads itself (no program).
+_BOOTSTRAP = 'set -eu; read -r n; s=$(head -c "$n"); exec /bin/sh -c "$s" "$0"'
 _TWO_STEPS = (
-    'set -eu; n=$(head -c 30); a=$(head -c "${n%????????????????????}"); n=${n#??????????}; '
-    'b=$(head -c "${n%??????????}"); head -c "${n#??????????}" | /bin/sh -c "$a" "$0"; '
+    'set -eu; read -r n m k; a=$(head -c "$n"); b=$(head -c "$m"); '
+    'head -c "$k" | /bin/sh -c "$a" "$0"; '
     'echo tpu-portal-step=done; read -r word || word=""; [ "$word" = go ] || exit 0; '
+    'exec /bin/sh -c "$b" "$1"'
+)
+_PREPARED = (
+    'set -eu; read -r n m k; a=$(head -c "$n"); b=$(head -c "$m"); '
+    'head -c "$k" | /bin/sh -c "$a" "$0"; echo tpu-portal-step=done; '
     'exec /bin/sh -c "$b" "$1"'
 )
 _STEP_DONE = b"tpu-portal-step=done\n"
@@ -128,14 +143,17 @@ def command_for(script: Script) -> str:
     return f"sudo -n -- /bin/sh -c {shlex.quote(_BOOTSTRAP)} {shlex.quote(script.name)}"
 
 
-def command_for_two(first: Script, then: Script) -> str:
-    """The fixed command line that runs ``first``, waits for the word, runs ``then``."""
-    quoted = " ".join(shlex.quote(x) for x in (_TWO_STEPS, first.name, then.name))
+def command_for_two(first: Script, then: Script, *, prepared: bool = False) -> str:
+    """The fixed command line that runs ``first``, waits for the word, runs ``then``
+    (``prepared``: runs ``then`` at once, which reads the word itself)."""
+    steps = _PREPARED if prepared else _TWO_STEPS
+    quoted = " ".join(shlex.quote(x) for x in (steps, first.name, then.name))
     return f"sudo -n -- /bin/sh -c {quoted}"
 
 
-def _framed(body: bytes) -> bytes:
-    return f"{len(body):010d}".encode() + body
+def framed(body: bytes) -> bytes:
+    """A script as ``command_for``'s command line reads it from stdin (its data follows)."""
+    return f"{len(body):010d}\n".encode() + body
 
 
 def execute(
@@ -232,9 +250,9 @@ class Connection:
         try:
             run = self._exec(command_for(script), cfg)
             if isinstance(data, bytes | bytearray):
-                run.send(_framed(script.body) + data, last=True)
+                run.send(framed(script.body) + data, last=True)
             else:
-                sending = run.send(_framed(script.body), last=False)
+                sending = run.send(framed(script.body), last=False)
                 for chunk in data if sending else ():
                     if not run.send(chunk, last=False):
                         break
@@ -251,11 +269,20 @@ class Connection:
         return _result(self.worker, script, status, out, err, time.monotonic() - started)
 
     def begin(
-        self, first: Script, data: bytes, then: Script, *, dry_run: bool | None = None
+        self,
+        first: Script,
+        data: bytes,
+        then: Script,
+        *,
+        then_data: bytes | None = None,
+        dry_run: bool | None = None,
     ) -> Step:
         """Run ``first`` with ``data`` and hold the host there: the returned Step says
         ``go`` (``then`` runs with its data) or stops. Raises RemoteError like ``run``;
-        a first script that failed leaves nothing waiting on the host."""
+        a first script that failed leaves nothing waiting on the host. With
+        ``then_data``, ``then`` runs at once after ``first`` with that data and reads
+        the word (``go`` and the Step's data) itself: it prepares while the host waits,
+        and undoes that when the word is not ``go`` or never comes."""
         cfg = self._ready(dry_run)
         if cfg is None:
             log.info("dry run: would run %s then %s on %s", first.name, then.name, self.worker)
@@ -263,9 +290,12 @@ class Connection:
         started = time.monotonic()
         run = None
         try:
-            run = self._exec(command_for_two(first, then), cfg)
-            lengths = b"".join(f"{len(x):010d}".encode() for x in (first.body, then.body, data))
-            run.send(lengths + first.body + then.body + data, last=False)
+            prepared = then_data is not None
+            run = self._exec(command_for_two(first, then, prepared=prepared), cfg)
+            lengths = " ".join(f"{len(x):010d}" for x in (first.body, then.body, data))
+            lengths = (lengths + "\n").encode()
+            early = then_data if prepared else b""
+            run.send(lengths + first.body + then.body + data + early, last=False)
             if run.wait_for(_STEP_DONE):
                 out, err = run.take()
                 status = 0

@@ -257,11 +257,14 @@ class _Hosts:
         remote = [r for w in chosen for r in self.remote if self.model[id(r)] is w]
         return self._seen(self.sessions.run(script, self.payload(data), only=remote))
 
-    def begin(self, first: str, data, then: str, *, give_up=None) -> Held:
+    def begin(self, first: str, data, then: str, *, then_data=None, give_up=None) -> Held:
         """``first`` on every worker, each held until ``go`` runs ``then`` (give it
-        ``payload(data)``) or the ``with`` block is left without it. ``give_up``: see
-        ``Sessions.begin``."""
-        held = self.sessions.begin(first, self.payload(data), then, give_up=give_up)
+        ``payload(data)``) or the ``with`` block is left without it. ``then_data`` and
+        ``give_up``: see ``Sessions.begin``."""
+        early = None if then_data is None else self.payload(then_data)
+        held = self.sessions.begin(
+            first, self.payload(data), then, then_data=early, give_up=give_up
+        )
         self._seen(held.first)
         return held
 
@@ -376,10 +379,14 @@ def _validate_and_start(job: Job, vm: TpuVm, workers, hosts: _Hosts, report: Pas
         return Job.objects.filter(pk=job.pk, cancel_requested_at__isnull=False).exists()
 
     # The pre-flight and the start are one exec per worker: each worker answers its
-    # checks and waits; only when every worker passed does each get the word to start.
-    # Leaving this block otherwise (a failed check, a cancel, an error) stops them all;
-    # a cancel while workers still check stops waiting for them at once.
-    with hosts.begin("job-preflight.sh", preflight, "job-start.sh", give_up=cancelled) as held:
+    # checks, makes the job's cgroup and folder, and waits; only when every worker
+    # passed does each get the word to start. Leaving this block otherwise (a failed
+    # check, a cancel, an error) stops them all, and each removes what it made; a
+    # cancel while workers still check stops waiting for them at once.
+    start = _start_input(job, vm, workers, username)
+    with hosts.begin(
+        "job-preflight.sh", preflight, "job-start.sh", then_data=start, give_up=cancelled
+    ) as held:
         return _judge_and_start(job, vm, workers, hosts, held, report, carried)
 
 
@@ -680,19 +687,12 @@ def _holder_fields(detail: str) -> dict:
     return fields
 
 
-def _start(
-    job: Job, vm: TpuVm, workers, reports, report: PassReport, hosts: _Hosts, held: Held
-) -> bool:
-    username = job.user.unix_account.username
-    first = workers[0]
-    coordinator = coordinator_of(first)
-    env = [(name, value) for name, value in job.env]
-    if job.use_tcmalloc and "LD_PRELOAD" not in {name for name, _ in env}:
-        found = reports[first.index].detail("tcmalloc")
-        if found.startswith("/"):
-            env.append(("LD_PRELOAD", found.split()[0]))
-
+def _start_input(job: Job, vm: TpuVm, workers, username: str):
+    """Each worker's input of job-start.sh, held until the word (``wire.encode_word``)."""
+    coordinator = coordinator_of(workers[0])
+    env = tuple((name, value) for name, value in job.env)
     limits = job_limits(vm.lab)
+    ports = chip_metrics.ports()
 
     def start(worker) -> bytes:
         pod = wire.Pod(coordinator, len(workers), worker.index) if len(workers) > 1 else None
@@ -701,16 +701,32 @@ def _start(
                 job_id=job.host_id,
                 user=username,
                 argv=tuple(job.argv),
-                env=tuple(env),
+                env=env,
                 python=job.python,
                 cwd=job.cwd,
                 pod=pod,
-                metrics_ports=chip_metrics.ports(),
+                metrics_ports=ports,
+                hold=True,
                 **limits,
             )
         )
 
-    outcomes = held.go(hosts.payload(start))
+    return start
+
+
+def _start(
+    job: Job, vm: TpuVm, workers, reports, report: PassReport, hosts: _Hosts, held: Held
+) -> bool:
+    first = workers[0]
+    # The word carries what the pre-flight found for the environment: the TCMalloc
+    # library of worker 0, for every worker.
+    late = []
+    if job.use_tcmalloc and "LD_PRELOAD" not in {name for name, _ in job.env}:
+        found = reports[first.index].detail("tcmalloc")
+        if found.startswith("/"):
+            late.append(("LD_PRELOAD", found.split()[0]))
+
+    outcomes = held.go(wire.encode_word(late))
     problems = []
     # The workers' answers and the job's running state commit together: the API says
     # running as soon as every worker's process is up, with their pids.

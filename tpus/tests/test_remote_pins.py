@@ -60,7 +60,7 @@ def test_no_pins_is_false():
 def test_the_command_line_is_a_constant_that_carries_no_data():
     command = command_for(scripts.load("whoami.sh"))
     assert command == (
-        'sudo -n -- /bin/sh -c \'set -eu; n=$(head -c 10); s=$(head -c "$n"); '
+        'sudo -n -- /bin/sh -c \'set -eu; read -r n; s=$(head -c "$n"); '
         'exec /bin/sh -c "$s" "$0"\' whoami.sh'
     )
 

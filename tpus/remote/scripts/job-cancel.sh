@@ -164,7 +164,7 @@ if [ -n "$cgroup" ]; then
 elif [ -f "$dir/pid" ]; then
     # A folder from before jobs had cgroups: its process group, only while its leader
     # is still the recorded process (same boot, same start time).
-    read -r pgid pgid_start <"$dir/pid"
+    read -r pgid pgid_start <"$dir/pid" || pgid=0 pgid_start=0  # written a moment ago
     if same_process "$pgid" "$pgid_start"; then
         kill -TERM "-$pgid" 2>/dev/null || true
         now

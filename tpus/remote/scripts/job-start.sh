@@ -15,7 +15,15 @@
 #   log_max_bytes <n>               keep_days <n>               (optional; 0: keep forever)
 #   metrics_ports <n>[,<n>...]      (optional: TPU_RUNTIME_METRICS_PORTS, where libtpu
 #                                   serves its runtime metrics; job-status.sh reads them)
+#   hold                            (optional: prepare, then wait for the word, below)
 #   end
+# With hold (the exec that runs the pre-flight first, tpus/remote/ssh.py), the input
+# ends at its end line, the job's cgroup and folder are made at once, and the start
+# waits for the portal's word on stdin:
+#   go
+#   env <NAME> <base64 value>       (repeated: added to the job's environment)
+#   end
+# Anything else, or the end of stdin, starts nothing and removes what was made.
 # Answers: start=started|running|refused, and for a started job pid=, boot_id=,
 # started_at=, cgroup=, tasks_max=, memory_max= (job-status.sh reports the rest). Bad
 # input exits non-zero, changes nothing.
@@ -80,8 +88,8 @@ ports_fit() {
     done
     [ "$2" -le 8 ]
 }
-job="" user="" python_b64="" cwd_b64="" first_b64="" last="" spec="" bad_name=""
-n_line=0 n_job=0 n_user=0 n_arg=0 n_python=0 n_cwd=0 n_pod=0 seen_limits=" " size=0
+job="" user="" python_b64="" cwd_b64="" first_b64="" last="" spec="" bad_name="" hold=""
+n_line=0 n_job=0 n_user=0 n_arg=0 n_python=0 n_cwd=0 n_pod=0 n_hold=0 seen_limits=" " size=0
 # The lab's limits for each job on each worker, unless the input says otherwise.
 tasks_max=4096 memory_max_mb=0 log_max_bytes=104857600 keep_days=0
 partial=""
@@ -98,7 +106,7 @@ while :; do
     key=${line%% *} value=${line#* }
     ok=""
     case $line in
-        "tpu-portal-job-start 1" | end) ok=1 value="" ;;
+        "tpu-portal-job-start 1" | end | hold) ok=1 value="" ;;
         "job "*) fits "$value" "a-z0-9-" 64 && case $value in [a-z0-9]*) ok=1 ;; esac ;;
         "user "*) fits "$value" "a-z0-9-" 31 && case $value in [a-z]*) ok=1 ;; esac ;;
         "python "* | "cwd "* | "arg "*) base64_fits "$value" && ok=1 ;;
@@ -152,6 +160,8 @@ while :; do
             [ -n "$first_b64" ] || first_b64=$value
             n_arg=$((n_arg + 1))
             ;;
+        hold) hold=1 n_hold=$((n_hold + 1)) ;;
+        end) [ -z "$hold" ] || break ;; # the word follows on stdin
     esac
 done
 [ "$last" = end ] || die "the input was cut off (no final end)"
@@ -161,6 +171,7 @@ done
 [ "$n_python" -le 1 ] || die "python is given more than once"
 [ "$n_cwd" -le 1 ] || die "cwd is given more than once"
 [ "$n_pod" -le 1 ] || die "pod is given more than once"
+[ "$n_hold" -le 1 ] || die "hold is given more than once"
 # Leading zeros would read as octal numbers below.
 tasks_max=${tasks_max#"${tasks_max%%[!0]*}"} memory_max_mb=${memory_max_mb#"${memory_max_mb%%[!0]*}"}
 log_max_bytes=${log_max_bytes#"${log_max_bytes%%[!0]*}"} keep_days=${keep_days#"${keep_days%%[!0]*}"}
@@ -245,9 +256,40 @@ case $first_arg in
     *=*) die "the command's first word must not contain '='" ;;
 esac
 
+# The word, with hold: go and the environment's further lines, or nothing starts.
+late=""
+await_word() {
+    word=""
+    IFS= read -r word || exit 0
+    [ "$word" = go ] || exit 0
+    while :; do
+        line=""
+        IFS= read -r line || die "the word was cut off (no final end)"
+        case $line in
+            end) return 0 ;;
+            "env "*)
+                value=${line#env } name=""
+                case $value in
+                    *" "*)
+                        name=${value%% *}
+                        [ -z "${value#* }" ] || base64_fits "${value#* }" || name=""
+                        ;;
+                esac
+                fits "$name" "A-Za-z0-9_" 128 || die "a line of the word is not allowed"
+                case $name in [A-Za-z_]*) ;; *) die "a line of the word is not allowed" ;; esac
+                ! forbidden "$name" || die "the environment variable $name is not allowed"
+                late="$late$line
+"
+                ;;
+            *) die "a line of the word is not allowed" ;;
+        esac
+    done
+}
+
 # 2. Already there? Starting the same job again is a success, not a second run.
 dir=$JOBS/$job
 if [ -d "$dir" ]; then
+    [ -z "$hold" ] || await_word
     if [ -f "$dir/exit" ]; then
         echo "start=refused ended"
     else
@@ -256,8 +298,7 @@ if [ -d "$dir" ]; then
     exit 0
 fi
 
-# 3. The TPU's lock: taken here, held by the supervisor (it inherits the descriptor)
-#    until the job's last process is gone.
+# 3. Where jobs live, and old folders expired.
 # Made once (the pre-flight may have made $RUN, 0755 too): no programs on later starts.
 if [ ! -d "$RUN" ] || [ ! -d "$JOBS" ]; then
     mkdir -p "$RUN" "$JOBS"
@@ -307,47 +348,15 @@ if [ "$keep_days" -gt 0 ] && [ -d "$JOBS" ] &&
     ) &
 fi
 
-exec 9>>"$LOCK"
-if ! flock -n 9; then
-    echo "start=refused busy $(cat "$HOLDER" 2>/dev/null || echo unknown)"
-    exit 0
-fi
-
-# Whether a cgroup v2 directory still has processes (cgroup.events, read by the shell).
-populated() {
-    [ -f "$1/cgroup.events" ] || return 1
-    while read -r key value; do
-        if [ "$key" = populated ]; then
-            [ "$value" = 1 ]
-            return
-        fi
-    done <"$1/cgroup.events"
-    return 1
-}
-# The TPU is free only once every job's cgroup is empty: a job of this boot whose
-# processes outlived its supervisor (killed by hand) still holds it.
-for record in "$JOBS"/*/cgroup; do
-    old=${record%/cgroup}
-    if [ ! -f "$record" ] || [ -f "$old/exit" ]; then continue; fi
-    read -r old_boot <"$old/boot_id" 2>/dev/null || continue
-    [ "$old_boot" = "$boot" ] || continue
-    while read -r kind path; do
-        if [ "$kind" = v2 ] && populated "$path"; then
-            echo "start=refused busy ${old##*/}"
-            exit 0
-        fi
-    done <"$record"
-done
-printf '%s\n' "$job" >"$HOLDER.new"
-mv -f "$HOLDER.new" "$HOLDER"
-# Until the supervisor runs, a failure undoes what this start made.
-cgroup="" pids_dir="" memory_dir=""
+# Until the supervisor runs, a failure undoes what this start made (the holder file
+# once it holds the lock).
+cgroup="" pids_dir="" memory_dir="" holding=""
 cleanup_cgroups() {
     for path in "$@"; do
         [ -z "$path" ] || rmdir "$path" 2>/dev/null || true
     done
 }
-trap 'cleanup_cgroups "$cgroup" "$pids_dir" "$memory_dir"; rm -f "$HOLDER"; rm -rf -- "$dir.new"' EXIT
+trap 'cleanup_cgroups "$cgroup" "$pids_dir" "$memory_dir"; [ -z "$holding" ] || rm -f "$HOLDER"; rm -rf -- "$dir.new"' EXIT
 
 # 3c. The job's cgroup, with the lab's limits on tasks and memory. Where systemd runs
 #     (a TPU VM), a transient scope in the person's user-<uid>.slice, made by the
@@ -367,19 +376,33 @@ if [ "$memory_bytes" = 0 ]; then
     done </proc/meminfo
 fi
 # The hierarchies, from /proc/self/mountinfo: "... <mount point> <options> [optional
-# fields] - <type> <source> <super options>".
-v2_mount="" pids_mount="" memory_mount=""
-while read -r _ _ _ _ point _ rest; do
-    case " $rest" in
-        *" - cgroup2 "*) [ -n "$v2_mount" ] || v2_mount=$point ;;
-        *" - cgroup "*)
-            case ",${rest##* }," in
-                *,pids,*) [ -n "$pids_mount" ] || pids_mount=$point ;;
-                *,memory,*) [ -n "$memory_mount" ] || memory_mount=$point ;;
-            esac
-            ;;
+# fields] - <type> <source> <super options>". The shell reads a file a byte at a time,
+# and mountinfo is kilobytes: what it found is kept in /run for this boot (one short
+# line, read by the next start instead).
+LAYOUT=$RUN/cgroup-layout
+v2_mount="" pids_mount="" memory_mount="" layout_boot=""
+[ ! -f "$LAYOUT" ] || read -r layout_boot v2_mount pids_mount memory_mount <"$LAYOUT" || true
+if [ "$layout_boot" != "$boot" ] || [ -z "$v2_mount" ]; then
+    v2_mount="" pids_mount="" memory_mount=""
+    while read -r _ _ _ _ point _ rest; do
+        case " $rest" in
+            *" - cgroup2 "*) [ -n "$v2_mount" ] || v2_mount=$point ;;
+            *" - cgroup "*)
+                case ",${rest##* }," in
+                    *,pids,*) [ -n "$pids_mount" ] || pids_mount=$point ;;
+                    *,memory,*) [ -n "$memory_mount" ] || memory_mount=$point ;;
+                esac
+                ;;
+        esac
+    done </proc/self/mountinfo
+    # Mount points with a space (mountinfo writes it \040) are not kept: read again.
+    case "$v2_mount$pids_mount$memory_mount" in
+        *\\*) ;;
+        *) [ -z "$v2_mount" ] || echo "$boot $v2_mount ${pids_mount:--} ${memory_mount:--}" >"$LAYOUT" ;;
     esac
-done </proc/self/mountinfo
+fi
+[ "$pids_mount" != - ] || pids_mount=""
+[ "$memory_mount" != - ] || memory_mount=""
 [ -n "$v2_mount" ] || die "this worker has no cgroup v2 hierarchy (jobs run in cgroups)"
 tasks_where=none memory_where=none
 read -r init_comm </proc/1/comm || init_comm=""
@@ -445,6 +468,9 @@ umask 027
     printf '%s' "$spec"
 } >"$dir.new/spec"
 : >"$dir.new/log"
+# The pipe from the command to the log's writer (the supervisor's), made here: with
+# hold, while the other workers still check.
+mkfifo -m 600 "$dir.new/log.pipe"
 # Where the job's cgroup is (cgroup), or where systemd runs the scope to make
 # (cgroup.plan; the supervisor writes cgroup once systemd made it).
 if [ -n "$cgroup" ]; then
@@ -607,7 +633,7 @@ write_log() {
         cat >/dev/null
     fi
 }
-mkfifo -m 600 log.pipe
+[ -p log.pipe ] || mkfifo -m 600 log.pipe
 # (exec closes them for good: dash would keep a copy of a function's redirected fds.)
 (
     exec 3>&- 9>&-
@@ -654,10 +680,14 @@ else
     read -r _ cgroup <"$dir/cgroup"
 fi
 exec 5>&-
+# Both ends of the pipe are open (opening it to write waited for the writer): its name
+# goes now, while the command starts on its way (setsid, setpriv and env take a few
+# milliseconds of a busy worker), so the look below often finds it run already.
+rm -f log.pipe
 # The answer waits until the command runs as the user (it has joined its cgroup and
 # left root's side), or is gone already. Looked at at once, then after waits that
 # grow (each is a program started: a busy worker is not asked often), 2 s at most.
-for pause in 0.002 0.005 0.01 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
+for pause in 0.004 0.008 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
     now_uid=""
     while read -r key real _; do
         if [ "$key" = Uid: ]; then
@@ -668,12 +698,12 @@ for pause in 0.002 0.005 0.01 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 
     if [ "$now_uid" = "$uid" ] || [ "$pause" = - ]; then break; fi
     sleep "$pause"
 done
-echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid.new
-mv -f pid.new pid
+# (Written in place, one short write: job-status.sh and job-cancel.sh read a pid file
+# still empty as no process.)
+echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid
 # What job-start.sh answers; it returns once the pipe is closed.
 echo "$child $boot $started $cgroup" >&3
 exec 3>&-
-rm -f log.pipe
 set +e
 wait "$child"
 status=$?
@@ -717,11 +747,54 @@ exec 9>&-
 date +%s.%N >ended_at
 mv -f exit.new exit
 SUPERVISOR
+
+# 5. With hold, everything up to here was made while the other workers still checked;
+#    now the word. Then the lock, the holder, and the folder under its name.
+if [ -n "$hold" ]; then
+    await_word
+    [ -z "$late" ] || printf '%s' "$late" >>"$dir.new/spec"
+fi
+# The TPU's lock: taken here, held by the supervisor (it inherits the descriptor) until
+# the job's last process is gone.
+exec 9>>"$LOCK"
+if ! flock -n 9; then
+    echo "start=refused busy $(cat "$HOLDER" 2>/dev/null || echo unknown)"
+    exit 0
+fi
+
+# Whether a cgroup v2 directory still has processes (cgroup.events, read by the shell).
+populated() {
+    [ -f "$1/cgroup.events" ] || return 1
+    while read -r key value; do
+        if [ "$key" = populated ]; then
+            [ "$value" = 1 ]
+            return
+        fi
+    done <"$1/cgroup.events"
+    return 1
+}
+# The TPU is free only once every job's cgroup is empty: a job of this boot whose
+# processes outlived its supervisor (killed by hand) still holds it.
+for record in "$JOBS"/*/cgroup; do
+    old=${record%/cgroup}
+    if [ ! -f "$record" ] || [ -f "$old/exit" ] || [ "$old" = "$dir.new" ]; then continue; fi
+    read -r old_boot <"$old/boot_id" 2>/dev/null || continue
+    [ "$old_boot" = "$boot" ] || continue
+    while read -r kind path; do
+        if [ "$kind" = v2 ] && populated "$path"; then
+            echo "start=refused busy ${old##*/}"
+            exit 0
+        fi
+    done <"$record"
+done
+holding=1
+# (Written in place: one short write, and a reader that finds it empty names no job.)
+printf '%s\n' "$job" >"$HOLDER"
 mv "$dir.new" "$dir"
 # From here the supervisor owns the folder, the cgroup and the holder file.
 trap - EXIT
 
-# 5. Detach: a new session, nothing of the SSH channel, the lock's descriptor kept.
+# 6. Detach: a new session, nothing of the SSH channel, the lock's descriptor kept.
 #    The supervisor's fd 3 is a pipe to here: it writes the command's pid, the boot id
 #    the start time and its cgroup once the command runs, then closes it (no polling).
 answer=$(setsid -f /bin/sh "$dir/supervise.sh" "$dir" "$uid" "$gid" "$user" "$home" \

@@ -93,7 +93,7 @@ while read -r job offset mode; do
     job_boot=$(cat "$dir/boot_id" 2>/dev/null || echo -)
     pid=- process=gone
     if [ -f "$dir/pid" ]; then
-        read -r pid pid_start <"$dir/pid"
+        read -r pid pid_start <"$dir/pid" || pid=- pid_start=0  # written a moment ago
         if [ "$job_boot" = "$boot" ] && alive "$pid" "$pid_start"; then process=alive; fi
     fi
     # The supervisor first, its exit file second: it writes the file before it ends, so
