@@ -7,7 +7,6 @@ from django.contrib import admin
 from accounts.keys import delete_key
 from accounts.models import SSHKey, UidAllocation, UnixAccount, User
 from tpus.services.access_changes import user_keys_changed
-from tpus.services.snapshots import forget_person
 
 
 @admin.register(SSHKey)
@@ -97,17 +96,6 @@ class UserAdmin(admin.ModelAdmin):
             user.is_active = False
             user.save(update_fields=["is_active"])
             user_keys_changed(user)
-
-    # A person deleted takes their stored workdir snapshots with them (the files in the
-    # storage too, which no database cascade reaches).
-    def delete_model(self, request, obj):
-        forget_person(obj)
-        super().delete_model(request, obj)
-
-    def delete_queryset(self, request, queryset):
-        for user in queryset:
-            forget_person(user)
-        super().delete_queryset(request, queryset)
 
     def save_model(self, request, obj, form, change):
         """Unticking "active" in the edit form is the same deactivation as the bulk

@@ -10,7 +10,17 @@ class TpusConfig(AppConfig):
         # finds them by name from its first call on, in any thread, without asking
         # Celery to import them (which would run django.setup() again and reset
         # logging).
+        from django.contrib.auth import get_user_model
+        from django.db.models.signals import pre_delete
+
         from tpus import (
             checks,  # noqa: F401  (registers the system checks)
             tasks,  # noqa: F401
+        )
+        from tpus.services import snapshots
+
+        pre_delete.connect(
+            snapshots.person_deleted,
+            sender=get_user_model(),
+            dispatch_uid="tpus.snapshots.person_deleted",
         )

@@ -44,6 +44,7 @@ def test_the_heartbeat_is_scheduled_in_code():
         "look-at-idle-chips": "tpus.tasks.look_at_idle_chips",
         "idle-holders": "tpus.tasks.follow_idle_holders",
         "disk-recheck": "tpus.tasks.recheck_disks",
+        "expire-snapshots": "tpus.tasks.expire_snapshots",
         "send-mail": "portal.tasks.send_mail",
     }
 

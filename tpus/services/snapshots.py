@@ -482,6 +482,13 @@ def remove_snapshots_of(user, lab: Lab, why: str, *, actor=None) -> int:
     return removed
 
 
+def person_deleted(sender, instance, **kwargs) -> None:
+    """A person deleted, from the admin or anywhere else, takes their stored workdir
+    contents with them: the files in the storage too, which no database cascade
+    reaches (connected to the user model's ``pre_delete`` in ``tpus.apps``)."""
+    forget_person(instance)
+
+
 def forget_person(user) -> int:
     """A person being deleted: every content they stored goes from the storage (their
     rows go with them). The number of contents removed."""

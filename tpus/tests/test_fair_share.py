@@ -239,7 +239,8 @@ def test_the_placements_snapshot_reads_as_many_queries_for_any_size(scene, passe
     users = [scene.milo, scene.ann]
     small = queries_of_a_load(scene.lab, 2, 3, users)
     large = queries_of_a_load(scene.lab, 30, 60, users)
-    assert small == large <= 5
+    # Five for the placement, and the reasons' one look at the kinds' elastic pools.
+    assert small == large <= 6
 
 
 def test_the_migration_gives_everyone_the_recent_use_of_jobs_counted_before_it(scene):

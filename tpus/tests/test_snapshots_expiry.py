@@ -11,10 +11,11 @@ import io
 from pathlib import Path
 
 import pytest
+from django.db.models import ProtectedError
 from django.utils import timezone
 
 from portal.celery import app
-from tpus.models import AuditEvent, Membership, Snapshot, SnapshotBlob
+from tpus.models import AuditEvent, Grant, Membership, Snapshot, SnapshotBlob
 from tpus.services import labs as lab_services
 from tpus.services import snapshots
 from tpus.tests import jobs_support
@@ -142,3 +143,17 @@ def test_a_person_deleted_takes_their_stored_contents_with_them(scene, _storage)
     _snapshot(scene.ann, scene.lab, b"stays\n", days_ago=0)
     assert snapshots.forget_person(scene.milo) == 1
     assert _stored(_storage) == 1 and not SnapshotBlob.objects.filter(owner=scene.milo).exists()
+
+
+def test_deleting_a_person_anywhere_removes_their_stored_files(scene, _storage):
+    _snapshot(scene.milo, scene.lab, b"gone with milo\n", days_ago=0)
+    _snapshot(scene.ann, scene.lab, b"stays\n", days_ago=0)
+    assert _stored(_storage) == 2
+    # Refused while rows protect the person: nothing is lost.
+    with pytest.raises(ProtectedError):
+        type(scene.milo).objects.filter(pk=scene.milo.pk).delete()
+    assert _stored(_storage) == 2
+    Grant.objects.filter(user=scene.milo).delete()
+    type(scene.milo).objects.filter(pk=scene.milo.pk).delete()
+    assert _stored(_storage) == 1
+    assert not SnapshotBlob.objects.filter(owner_id=scene.milo.pk).exists()
