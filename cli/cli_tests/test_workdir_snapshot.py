@@ -90,7 +90,7 @@ class SnapshotPortal:
     def __init__(self, cap: int = 10**6):
         self.cap, self.blobs, self.puts, self.jobs = cap, {}, [], []
         self.refuse_path, self.old, self.forget_once, self.snapshots = "", False, False, []
-        self.cap_in_refusal = False
+        self.cap_in_refusal, self.ignores_snapshot, self.cancelled = False, False, []
         portal = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -143,8 +143,9 @@ class SnapshotPortal:
                     "errors": {"files": [f"{self.refuse_path}: not a relative path."]}}  # fmt: skip
         if total > self.cap:
             refusal = {"detail": f"The snapshot is {total} bytes; the lab allows {self.cap}.",
-                       "errors": {"files": ["over the lab's cap"]}}  # fmt: skip
-            return {**refusal, "cap_bytes": self.cap} if self.cap_in_refusal else refusal
+                       "errors": {"bytes": [f"{total} > {self.cap}"]}}  # fmt: skip
+            numbers = {"bytes": total, "cap_bytes": self.cap}
+            return {**refusal, **numbers} if self.cap_in_refusal else refusal
         return None
 
     def post(self, path, body):
@@ -171,9 +172,20 @@ class SnapshotPortal:
                          "expires_at": "2026-12-05T00:00:00Z"}  # fmt: skip
         if path == "/labs/vision/jobs":
             self.jobs.append(body)
-            return 201, {"id": 70 + len(self.jobs), "vm_id": None, "vm": None, "lab": "vision",
-                         "state": "queued", "reason": "", "accelerator_type": "v4-8",
-                         "url": f"{self.url}/labs/vision/jobs/7/"}  # fmt: skip
+            carried = body.get("snapshot")
+            if carried is not None and not self.ignores_snapshot:
+                carried = {"id": carried, "digest": "d", "files": 4}
+            else:
+                carried = None
+            job = {"id": 70 + len(self.jobs), "vm_id": None, "vm": None, "lab": "vision",
+                   "state": "queued", "reason": "", "accelerator_type": "v4-8",
+                   "url": f"{self.url}/labs/vision/jobs/7/"}  # fmt: skip
+            # A portal older than snapshots takes the job and says nothing of the field.
+            return 201, job if self.ignores_snapshot else {**job, "snapshot": carried}
+        cancel = re.fullmatch(r"/labs/vision/jobs/(\d+)/cancel", path)
+        if cancel:
+            self.cancelled.append(int(cancel[1]))
+            return 200, {"id": int(cancel[1]), "state": "cancelled"}
         return 404, {"detail": "Not Found"}
 
     def put(self, path, received, kind):
@@ -258,13 +270,16 @@ def test_a_workdir_over_the_cap_says_its_size_the_cap_and_the_largest_files(lab,
 
     assert code == errors.USAGE
     assert "The snapshot is 8" in err and "the lab allows 4000" in err
-    assert "The workdir is 8.0 kB in 7 file(s). Largest: data/big.bin (5.0 kB)" in err
-    assert "weights.npy (3.0 kB)" in err and ".gitignore" in err
+    assert "The workdir is 7.8 KB in 7 file(s). Largest: data/big.bin (4.9 KB)" in err
+    assert "weights.npy (2.9 KB)" in err and ".gitignore" in err
     assert not lab.puts and not lab.jobs
-    # A refusal that gives the cap as a number: the client says it too.
+    # A refusal that gives the cap as a number (as the portal does): the client says it
+    # too, in the portal's units, and leaves out the raw numbers of the field's error.
     lab.cap_in_refusal = True
     code, err = _submit(capsys, root)
-    assert "The workdir is 8.0 kB in 7 file(s), over the cap of 4.0 kB." in err
+    assert code == errors.USAGE
+    assert "The workdir is 7.8 KB in 7 file(s), over the lab's cap of 3.9 KB on a workdir." in err
+    assert " > 4000" not in err
 
 
 def test_a_path_the_portal_refuses_is_named_and_nothing_is_sent(lab, capsys, tmp_path):
@@ -288,6 +303,19 @@ def test_a_portal_without_snapshots_is_named_as_too_old_and_no_job_is_queued(lab
     assert code == errors.FAILED
     assert "takes no workdir for a job on any VM of a kind" in err and "older than" in err
     assert not lab.jobs
+
+
+def test_a_portal_that_queues_the_job_without_its_snapshot_has_it_cancelled(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj")
+    lab.ignores_snapshot = True
+
+    code, err = _submit(capsys, root)
+
+    assert code == errors.FAILED
+    [job] = lab.jobs
+    assert job["snapshot"] == 1 and lab.cancelled == [71]
+    assert "queued job 71 without its workdir" in err and "was cancelled" in err
+    assert "Job 71 queued" not in err
 
 
 def test_symlinks_left_out_are_named(lab, capsys, tmp_path):

@@ -114,12 +114,13 @@ def list_workdir(root: Path, cache: HashCache | None = None) -> Listed:
     return Listed(root, files, sources, walked.skipped_links, cache.hashed)
 
 
-def size_text(count: float) -> str:
-    for unit in ("bytes", "kB", "MB", "GB"):
-        if count < 1000 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
-        count /= 1000
-    return ""
+def size_text(size: int) -> str:
+    """``1.3 GB``, ``512 MB``, ``12 KB``, ``7 bytes``: binary units, written as the
+    portal writes them, so its refusals and the client's words give the same numbers."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{size} byte{'s' if size != 1 else ''}"
 
 
 def upload(api, lab: str, root: Path, say) -> dict:
@@ -187,15 +188,29 @@ def _refusal(exc: ApiError, api, listed: Listed) -> CliError:
     if exc.status != 400:
         return exc
     lines = [f"The portal refused the workdir {listed.root}: {exc.detail}"]
+    body = exc.body
+    cap, cap_files = body.get("cap_bytes"), body.get("cap_files")
+    person_cap = body.get("person_cap_bytes")
+    numbers = any(isinstance(v, int) for v in (cap, cap_files, person_cap))
     for field_name, messages in list(exc.errors.items())[:10]:
+        if numbers and field_name in ("bytes", "count"):
+            continue  # the detail and the line below say it in words
         text = "; ".join(str(m) for m in messages) if isinstance(messages, list) else messages
         lines.append(f"  {field_name}: {text}")
-    cap = exc.body.get("cap_bytes")
     words = (exc.detail + " " + json.dumps(exc.errors)).lower()
-    if isinstance(cap, int) or any(w in words for w in ("cap", "too large", "total", "bytes")):
+    if numbers or any(w in words for w in ("cap", "too large", "total", "bytes")):
         size = f"{size_text(listed.total)} in {len(listed.files)} file(s)"
         if isinstance(cap, int):
-            size += f", over the cap of {size_text(cap)}"
+            size += f", over the lab's cap of {size_text(cap)} on a workdir"
+        elif isinstance(cap_files, int):
+            size += f", over the lab's cap of {cap_files} file(s) on a workdir"
+        elif isinstance(person_cap, int):
+            kept = body.get("stored_bytes")
+            size += (
+                f"; with the {size_text(kept)} you keep stored it passes"
+                if isinstance(kept, int)
+                else "; it passes"
+            ) + f" the {size_text(person_cap)} one person may keep"
         largest = sorted(listed.files, key=lambda f: -f["size"])[:5]
         biggest = ", ".join(f"{f['path']} ({size_text(f['size'])})" for f in largest)
         lines.append(

@@ -118,6 +118,8 @@ def _run_in_pool(
         pool.check(session, lab, body)  # a refused job sends no file
         body["snapshot"] = snapshot.upload(session.api, lab, local, say)["id"]
     job = pool.submit(session, lab, body)
+    if "snapshot" in body:
+        pool.check_carried(session, lab, job, body["snapshot"])
     where = f"on {lab}/{job['vm']}" if job["vm_id"] else f"for any free {args.type} of {lab}"
     say(f"Job {job['id']} queued {where}: {job['url']}")
     if args.detach:

@@ -36,10 +36,19 @@ class MissingOut(Schema):
 class SnapshotError(Error):
     """A refused manifest or upload: ``detail`` for people; ``errors`` by field
     (``files``: one message per bad file; ``bytes``, ``count``: a cap); ``missing``: the
-    contents to upload before the snapshot can be made."""
+    contents to upload before the snapshot can be made. Past a cap, the numbers: the
+    workdir's ``bytes`` and the lab's ``cap_bytes`` on one snapshot; its ``files`` and
+    ``cap_files``; or the ``bytes`` more to keep, the ``stored_bytes`` you keep and the
+    ``person_cap_bytes`` one person may keep."""
 
     errors: dict[str, list[str]] = {}
     missing: list[str] | None = None
+    bytes: int | None = None
+    cap_bytes: int | None = None
+    files: int | None = None
+    cap_files: int | None = None
+    stored_bytes: int | None = None
+    person_cap_bytes: int | None = None
 
 
 class BlobOut(Schema):
@@ -70,7 +79,7 @@ def _refused(exc: snapshots.SnapshotRefused):
     body = {"detail": exc.detail, "errors": exc.errors}
     if exc.missing is not None:
         body["missing"] = exc.missing
-    return Status(400, body)
+    return Status(400, {**body, **exc.caps})
 
 
 @router.post(

@@ -53,13 +53,23 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 class SnapshotRefused(Exception):
     """A manifest or an upload refused: ``detail`` for people, ``errors`` by field
     (``files``: one message per bad file; ``bytes``, ``count``: the caps), and for a
-    snapshot whose contents are not all stored yet, the ``missing`` hashes."""
+    snapshot whose contents are not all stored yet, the ``missing`` hashes. A refusal
+    past a cap says it in numbers too (``caps``): ``bytes`` and ``cap_bytes`` (the
+    lab's cap on one snapshot), ``files`` and ``cap_files``, or ``stored_bytes`` and
+    ``person_cap_bytes`` (what one person may keep)."""
 
-    def __init__(self, detail: str, errors: dict | None = None, missing: list | None = None):
+    def __init__(
+        self,
+        detail: str,
+        errors: dict | None = None,
+        missing: list | None = None,
+        caps: dict | None = None,
+    ):
         super().__init__(detail)
         self.detail = detail
         self.errors = errors or {}
         self.missing = missing
+        self.caps = caps or {}
 
 
 @dataclass(frozen=True)
@@ -188,11 +198,13 @@ def check_manifest(lab: Lab, files) -> list[FileEntry]:
             f"The workdir has {len(entries):,} files; the lab's cap is "
             f"{lab.snapshot_max_files:,} file{'s' if lab.snapshot_max_files != 1 else ''}.",
             {"count": [f"{len(entries)} > {lab.snapshot_max_files}"]},
+            caps={"files": len(entries), "cap_files": lab.snapshot_max_files},
         )
     if total > lab_cap_bytes(lab):
         raise SnapshotRefused(
             f"The workdir is {size_text(total)}; the lab's cap is {size_text(lab_cap_bytes(lab))}.",
             {"bytes": [f"{total} > {lab_cap_bytes(lab)}"]},
+            caps={"bytes": total, "cap_bytes": lab_cap_bytes(lab)},
         )
     return sorted(entries, key=lambda e: e.path.encode())
 
@@ -218,6 +230,7 @@ def _check_person_cap(user, more: int) -> None:
             f"snapshots and may keep {size_text(person_cap_bytes())} in all. Remove old "
             "snapshots or wait for them to expire.",
             {"bytes": [f"{kept} + {more} > {person_cap_bytes()}"]},
+            caps={"stored_bytes": kept, "bytes": more, "person_cap_bytes": person_cap_bytes()},
         )
 
 
@@ -265,6 +278,7 @@ def store_blob(user, lab: Lab, sha256: str, body, declared) -> tuple[SnapshotBlo
             f"The file is {size_text(size)}; the lab's cap on a workdir is "
             f"{size_text(lab_cap_bytes(lab))}.",
             {"bytes": [f"{size} > {lab_cap_bytes(lab)}"]},
+            caps={"bytes": size, "cap_bytes": lab_cap_bytes(lab)},
         )
     _check_person_cap(user, size)
     digest = hashlib.sha256()

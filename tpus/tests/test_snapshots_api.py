@@ -173,10 +173,13 @@ def test_the_labs_caps_refuse_a_workdir_before_anything_is_stored(client, scene,
     response = _missing(client, lab, scene.milo, [big])
     assert response.status_code == 400
     assert response.json()["detail"] == "The workdir is 1.3 MB; the lab's cap is 1 MB."
+    # The numbers too, for a client to say in its own words.
+    assert (response.json()["bytes"], response.json()["cap_bytes"]) == (1363149, 2**20)
     many = [_file(f"f{i}.py", bytes([i])) for i in range(3)]
     response = _missing(client, lab, scene.milo, many)
     assert response.status_code == 400
     assert response.json()["detail"] == "The workdir has 3 files; the lab's cap is 2 files."
+    assert (response.json()["files"], response.json()["cap_files"]) == (3, 2)
     # An upload past the lab's cap is refused on its declared length.
     content = b"x" * (2**20 + 1)
     response = _put(client, lab, scene.milo, content)
@@ -184,6 +187,7 @@ def test_the_labs_caps_refuse_a_workdir_before_anything_is_stored(client, scene,
         response.status_code == 400
         and "the lab's cap on a workdir is 1 MB" in response.json()["detail"]
     )
+    assert response.json()["cap_bytes"] == 2**20
     assert _stored_files(_storage) == [] and not SnapshotBlob.objects.exists()
 
 
@@ -195,6 +199,13 @@ def test_the_persons_cap_across_their_snapshots_is_kept(client, scene, settings,
     refused = _missing(client, scene.lab, scene.milo, [_file("b.bin", second)])
     assert refused.status_code == 400
     assert "you keep 700 KB of snapshots and may keep 1 MB in all" in refused.json()["detail"]
+    said = refused.json()
+    assert (said["stored_bytes"], said["bytes"], said["person_cap_bytes"]) == (
+        700 * 1024,
+        400 * 1024,
+        2**20,
+    )
+    assert said["cap_bytes"] is None  # not the lab's cap that refused it
     assert _put(client, scene.lab, scene.milo, second).status_code == 400
     assert len(_stored_files(_storage)) == 1
     # Ann's own cap is hers.
