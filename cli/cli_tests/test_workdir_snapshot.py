@@ -91,6 +91,8 @@ class SnapshotPortal:
         self.cap, self.blobs, self.puts, self.jobs = cap, {}, [], []
         self.refuse_path, self.old, self.forget_once, self.snapshots = "", False, False, []
         self.cap_in_refusal, self.ignores_snapshot, self.cancelled = False, False, []
+        # one_at_a_time: a portal that takes a content per request only (PUT).
+        self.one_at_a_time, self.bundles = False, []
         portal = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -107,6 +109,14 @@ class SnapshotPortal:
                 return self.rfile.read(int(self.headers["Content-Length"]))
 
             def do_POST(self):
+                if self.path.endswith("/snapshots/blobs"):
+                    if portal.old or portal.one_at_a_time:
+                        self._body()
+                        self._reply(404, {"detail": "Not Found"})
+                        return
+                    self._reply(*portal.bundle(self.rfile, int(self.headers["Content-Length"]),
+                                               self.headers.get("Content-Type")))  # fmt: skip
+                    return
                 body = json.loads(self._body() or b"{}")
                 self._reply(*portal.post(self.path.removeprefix("/api/v1"), body))
 
@@ -188,6 +198,25 @@ class SnapshotPortal:
             return 200, {"id": int(cancel[1]), "state": "cancelled"}
         return 404, {"detail": "Not Found"}
 
+    def bundle(self, stream, length, kind):
+        """Many contents in one body, each ``<sha256> <size>\\n`` and its bytes."""
+        assert kind == "application/octet-stream"
+        got, left = [], length
+        while left:
+            head = stream.readline(100)
+            left -= len(head)
+            sha, size = head.decode().split()
+            data = stream.read(int(size))
+            left -= len(data)
+            if hashlib.sha256(data).hexdigest() != sha:
+                return 400, {"detail": f"The content's sha256 is not {sha}."}
+            got.append((sha, data))
+        self.bundles.append([sha for sha, _ in got])
+        for sha, data in got:
+            self.puts.append(sha)
+            self.blobs[sha] = data[: 1 << 16]
+        return 200, {"stored": len(got), "had": 0, "bytes": length}
+
     def put(self, path, received, kind):
         digest, size, head = received
         found = re.fullmatch(r"/labs/vision/snapshots/blobs/([0-9a-f]{64})", path)
@@ -250,6 +279,25 @@ def test_a_run_after_one_edit_sends_that_file_alone(lab, capsys, tmp_path):
     assert code == 0, err
     assert lab.puts[4:] == [hashlib.sha256(b"x = 2\n").hexdigest()]
     assert lab.jobs[1]["snapshot"] == 2 and "sent 1 " in err
+
+
+def test_small_files_go_many_to_an_upload_and_one_by_one_to_a_portal_without_it(
+    lab, capsys, tmp_path
+):
+    files = {f"src/m{n:03d}.py": f"x = {n}\n" * 50 for n in range(300)}
+    root = build(tmp_path / "proj", {**FILES, **files})
+
+    code, err = _submit(capsys, root)
+
+    assert code == 0, err
+    assert len(lab.bundles) == 1 and len(lab.puts) == 304 and "sent 304 " in err
+    # A portal that takes one content per request: each is sent on its own, no failure.
+    lab.one_at_a_time = True
+    (root / "src/m007.py").write_text("changed\n")
+    (root / "src/m008.py").write_text("changed too\n")
+    code, err = _submit(capsys, root)
+    assert code == 0, err
+    assert len(lab.bundles) == 1 and len(lab.puts) == 306 and "sent 2 " in err
 
 
 def test_contents_the_portal_let_go_are_sent_again_once(lab, capsys, tmp_path):

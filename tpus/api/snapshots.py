@@ -118,6 +118,36 @@ def put_blob(request, slug: str, sha256: str):
     return Status(201 if made else 200, {"sha256": blob.sha256, "size": blob.size})
 
 
+class BundleOut(Schema):
+    """What an upload of many contents did: ``stored`` now, ``had`` (stored before),
+    and the body's ``bytes``."""
+
+    stored: int
+    had: int
+    bytes: int
+
+
+@router.post(
+    "/labs/{slug}/snapshots/blobs",
+    response={200: BundleOut, 400: SnapshotError},
+    summary="Upload many file contents in one body (application/octet-stream)",
+    description="The body is the contents one after another, each as a line `<sha256> "
+    "<size>` then its raw bytes (small files in one request rather than one each). "
+    "Content-Length is required and checked against the caps before a byte is read; "
+    "each content is hashed as it arrives and must have its sha256; all are stored or "
+    "none (400 names the first that is wrong).",
+)
+def post_blobs(request, slug: str):
+    lab = access.get_member_lab(request.user, slug)
+    try:
+        done = snapshots.store_bundle(
+            request.user, lab, request, request.META.get("CONTENT_LENGTH")
+        )
+    except snapshots.SnapshotRefused as exc:
+        return _refused(exc)
+    return Status(200, done)
+
+
 @router.post(
     "/labs/{slug}/snapshots",
     response={200: SnapshotOut, 201: SnapshotOut, 400: SnapshotError},

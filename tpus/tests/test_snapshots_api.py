@@ -362,3 +362,56 @@ def test_the_labs_admins_set_its_caps_on_a_snapshot(client, scene):
         url, {"snapshot_max_mb": 5000}, content_type="application/json", **_auth(scene.milo)
     )
     assert member.status_code == 403
+
+
+def _bundle(client, lab, user, body: bytes, **extra):
+    return client.post(
+        _url(lab, "/blobs"), body, content_type="application/octet-stream", **_auth(user), **extra
+    )
+
+
+def _framed(*contents: bytes) -> bytes:
+    return b"".join(f"{hashlib.sha256(c).hexdigest()} {len(c)}\n".encode() + c for c in contents)
+
+
+def test_many_contents_go_in_one_upload_and_make_a_snapshot(client, scene, _storage):
+    lab, milo = scene.lab, scene.milo
+    assert _put(client, lab, milo, A).status_code == 201  # one stored before
+
+    sent = _bundle(client, lab, milo, _framed(A, B, b""))
+
+    assert sent.status_code == 200, sent.content
+    assert sent.json() == {"stored": 2, "had": 1, "bytes": len(_framed(A, B, b""))}
+    assert _missing(client, lab, milo, FILES).json()["missing"] == []
+    assert _create(client, lab, milo, FILES).status_code == 201
+    assert len(_stored_files(_storage)) == 3
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (_framed(A) + f"{'c' * 64} 3\nxyz".encode(), "sha256 is"),  # the second is wrong
+        (_framed(A)[:-3], "ends past the"),  # cut short
+        (b"not a header\n" + A, "has no header"),
+        (_framed(A, A), "comes twice"),
+    ],
+)
+def test_an_upload_of_many_with_one_wrong_stores_none(client, scene, _storage, body, words):
+    refused = _bundle(client, scene.lab, scene.milo, body)
+
+    assert refused.status_code == 400 and words in refused.json()["detail"], refused.content
+    assert _stored_files(_storage) == [] and not SnapshotBlob.objects.exists()
+
+
+def test_an_upload_of_many_past_the_labs_cap_is_refused_before_it_is_read(client, scene):
+    scene.lab.snapshot_max_mb = 1
+    scene.lab.save()
+    body = _framed(b"x" * 700 * 1024, b"y" * 400 * 1024)
+
+    refused = _bundle(client, scene.lab, scene.milo, body)
+
+    assert refused.status_code == 400
+    assert refused.json()["detail"].startswith("The upload is 1.1 MB; the lab's cap on a workdir")
+    assert refused.json()["cap_bytes"] == 2**20 and not SnapshotBlob.objects.exists()
+    stranger = _bundle(client, scene.lab, scene.ann, _framed(A))
+    assert stranger.status_code == 200  # ann is a member: her own upload
