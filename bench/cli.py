@@ -79,7 +79,7 @@ class CliBench(Bench):
         log = open(self.dir / "gunicorn.log", "w")
         proc = subprocess.Popen(
             [PYTHON, "-m", "gunicorn", "portal.wsgi", "-b", f"127.0.0.1:{port}", "-w", "2",
-             "--access-logfile", "-"],
+             "--access-logfile", "-", "--access-logformat", "%(m)s %(U)s %(s)s %(L)s"],
             cwd=ROOT, env={**os.environ, **self.stack.env}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
@@ -243,7 +243,22 @@ class CliBench(Bench):
         split = ["workers", "run", "client: snapshot step", "client: whole command",
                  "after the command → running", "total"]  # fmt: skip
         where = "where --type's time went (medians, s)"
-        return f"{table(headers, rows)}\n\n{where}\n\n{table(split, parts)}"
+        portal = "the portal's time per request (gunicorn, whole run)"
+        return (f"{table(headers, rows)}\n\n{where}\n\n{table(split, parts)}\n\n"
+                f"{portal}\n\n{self.requests()}")  # fmt: skip
+
+    def requests(self) -> str:
+        """Per kind of request the portal answered: how many, the seconds it spent on
+        them in all and the median (from gunicorn's access log)."""
+        spent: dict[str, list[float]] = {}
+        for line in (self.dir / "gunicorn.log").read_text().splitlines():
+            found = re.fullmatch(r"(\w+) (/api/v1/\S+) (\d+) ([\d.]+)", line.strip())
+            if not found:
+                continue
+            path = re.sub(r"/\d+", "/N", re.sub(r"[0-9a-f]{64}", "SHA", found[2]))
+            spent.setdefault(f"{found[1]} {path} {found[3]}", []).append(float(found[4]))
+        rows = [[k, len(v), sum(v), median(v)] for k, v in sorted(spent.items())]
+        return table(["request", "count", "seconds in all", "median"], rows)
 
     # --- 2. tpu exec -----------------------------------------------------------------------
 
