@@ -178,16 +178,18 @@ class CliBench(Bench):
         for n in range(FILES):
             (folder / f"part{n:03d}.bin").write_bytes(os.urandom(SIZE // FILES))
 
-    def pool_run(self, size: int, folder: str) -> tuple[float, float, float]:
+    def pool_run(self, size: int, folder: str, profile: str = "") -> tuple[float, float, float]:
         """``tpu run --type v4-N --workdir folder --detach`` until RUNNING: (seconds to
-        running, seconds of the command itself, seconds of its snapshot step)."""
+        running, seconds of the command itself, seconds of its snapshot step). With
+        ``profile``, the client runs under cProfile, its statistics written there."""
         from tpus.models import Job
         from tpus.services import jobs
 
         began = time.perf_counter()
         argv = ["run", "--type", f"v4-{8 * size}", "--workdir", folder, "--venv", "~/jax",
                 "--detach", "--json", "--", "sleep", "600"]  # fmt: skip
-        done = self.tpu_ok(*TPU, *argv)
+        tpu = [*TPU[:3], "-m", "cProfile", "-o", profile, *TPU[3:]] if profile else TPU
+        done = self.tpu_ok(*tpu, *argv)
         command = time.perf_counter() - began
         job = Job.objects.get(pk=json.loads(done.stdout)["id"])
         while job.state != "running":
@@ -219,7 +221,10 @@ class CliBench(Bench):
                         cold.append(took)
                         steps["cold"].append((command, snap))
                         self.touch_one(name)
-                        took, command, snap = self.pool_run(size, name)
+                        profile = str(self.dir / "client.prof") if self.args.profile else ""
+                        took, command, snap = self.pool_run(size, name, profile)
+                        if profile:
+                            self.print_profile(profile)
                         again.append(took)
                         steps["again"].append((command, snap))
                     else:
@@ -246,6 +251,16 @@ class CliBench(Bench):
         portal = "the portal's time per request (gunicorn, whole run)"
         return (f"{table(headers, rows)}\n\n{where}\n\n{table(split, parts)}\n\n"
                 f"{portal}\n\n{self.requests()}")  # fmt: skip
+
+    @staticmethod
+    def print_profile(path: str) -> None:
+        """The client's own functions that took the most of a run (cumulative)."""
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(path, stream=text).sort_stats("cumulative").print_stats(30)
+        print(text.getvalue(), flush=True)
 
     def requests(self) -> str:
         """Per kind of request the portal answered: how many, the seconds it spent on
@@ -324,6 +339,9 @@ def main(argv=None) -> int:
         "--long-runtime",
         action="store_true",
         help="the laptop's XDG_RUNTIME_DIR as long as /run/user/<10-digit uid>",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="pool: the client's re-run under cProfile"
     )
     args = parser.parse_args(argv)
     args.parts = set(args.parts.split(","))
