@@ -92,7 +92,7 @@ class SnapshotPortal:
         self.refuse_path, self.old, self.forget_once, self.snapshots = "", False, False, []
         self.cap_in_refusal, self.ignores_snapshot, self.cancelled = False, False, []
         # one_at_a_time: a portal that takes a content per request only (PUT).
-        self.one_at_a_time, self.bundles = False, []
+        self.one_at_a_time, self.bundles, self.refuse_job = False, [], ""
         portal = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -162,6 +162,8 @@ class SnapshotPortal:
         if self.old and "/snapshots" in path:
             return 404, {"detail": "Not Found"}
         if path == "/labs/vision/jobs/validate":
+            if self.refuse_job:
+                return 400, {"detail": self.refuse_job, "errors": {}}
             return 200, {"ok": True, "detail": "ok"}
         if path == "/labs/vision/snapshots/missing":
             refused = self._files_refused(body["files"])
@@ -298,6 +300,18 @@ def test_small_files_go_many_to_an_upload_and_one_by_one_to_a_portal_without_it(
     code, err = _submit(capsys, root)
     assert code == 0, err
     assert len(lab.bundles) == 1 and len(lab.puts) == 306 and "sent 2 " in err
+
+
+def test_a_job_the_portal_refuses_sends_no_file_though_the_files_were_listed_meanwhile(
+    lab, capsys, tmp_path
+):
+    root = build(tmp_path / "proj")
+    lab.refuse_job = "You already have 3 jobs waiting in Vision Lab."
+
+    code, err = _submit(capsys, root)
+
+    assert code != 0 and lab.refuse_job in err
+    assert not lab.puts and not lab.bundles and not lab.snapshots and not lab.jobs
 
 
 def test_contents_the_portal_let_go_are_sent_again_once(lab, capsys, tmp_path):

@@ -98,6 +98,7 @@ class Listed:
     sources: dict[str, Path]  # sha256 -> a file on this machine with that content
     skipped_links: list[tuple[str, str]]
     hashed: int
+    started: float = 0.0  # time.monotonic() when the listing began
 
     @property
     def total(self) -> int:
@@ -106,6 +107,7 @@ class Listed:
 
 def list_workdir(root: Path, cache: HashCache | None = None) -> Listed:
     """The workdir's files with their hashes (the cache saved again)."""
+    started = time.monotonic()
     cache = cache or HashCache.default()
     walked = ignore.walk(root)
     files, sources = [], {}
@@ -115,7 +117,7 @@ def list_workdir(root: Path, cache: HashCache | None = None) -> Listed:
                       "sha256": digest})  # fmt: skip
         sources.setdefault(digest, found.source)
     cache.save(root.resolve(), {str(f.source) for f in walked.files})
-    return Listed(root, files, sources, walked.skipped_links, cache.hashed)
+    return Listed(root, files, sources, walked.skipped_links, cache.hashed, started)
 
 
 def size_text(size: int) -> str:
@@ -127,11 +129,14 @@ def size_text(size: int) -> str:
     return f"{size} byte{'s' if size != 1 else ''}"
 
 
-def upload(api, lab: str, root: Path, say) -> dict:
+def upload(api, lab: str, root: Path, say, listed: Listed | None = None, ready=None) -> dict:
     """The workdir as a snapshot of the lab, sending only the contents the portal
-    lacks; the portal's answer (``id``, ``digest``, ``files``, ``bytes``, ``expires_at``)."""
-    started = time.monotonic()
-    listed = list_workdir(root)
+    lacks; the portal's answer (``id``, ``digest``, ``files``, ``bytes``, ``expires_at``).
+    ``listed``: the workdir listed already (while the portal was asked other things);
+    ``ready``: called before a content is sent or the snapshot made (raising stops
+    it: the job's own check, asked meanwhile)."""
+    listed = listed or list_workdir(root)
+    started = listed.started or time.monotonic()
     for path, why in listed.skipped_links:
         say(f"Left out {path}: a symlink {why} (only files in the workdir go with the job).")
     base = f"/labs/{lab}/snapshots"
@@ -140,6 +145,8 @@ def upload(api, lab: str, root: Path, say) -> dict:
     except ApiError as exc:
         raise _refusal(exc, api, listed) from None
     missing = [m for m in dict.fromkeys(asked.get("missing") or []) if m in listed.sources]
+    if ready is not None:
+        ready()
     sent = _send(api, base, listed, missing)
     try:
         snapshot = api.post(base, {"files": listed.files})
