@@ -13,6 +13,10 @@ person would write:
    floor for doing it by hand).
 2. `tpu exec VM --worker all true` beside `for w in workers: ssh w true`: first with
    the client's shared ssh connections closed (it opens one per worker), then again.
+3. (`--parts pool`) `tpu run --type v4-N --workdir W --detach -- sleep 600`: W goes to
+   the portal as a snapshot, placed by the portal on the VM's workers, beside `tpu run
+   VM --workdir W` (rsync), each with W new (nothing stored, no cache has it) and again
+   after one file changed, to RUNNING; with where --type's time went.
 
 Everything runs as the collaborator from a laptop of his own (tests.laptop: a home of
 its own for the real ssh client), with the ssh config `tpu config install` wrote, a
