@@ -13,6 +13,10 @@ person would write:
    floor for doing it by hand).
 2. `tpu exec VM --worker all true` beside `for w in workers: ssh w true`: first with
    the client's shared ssh connections closed (it opens one per worker), then again.
+3. (`--parts pool`) `tpu run --type v4-N --workdir W --detach -- sleep 600`: W goes to
+   the portal as a snapshot, placed by the portal on the VM's workers, beside `tpu run
+   VM --workdir W` (rsync), each with W new (nothing stored, no cache has it) and again
+   after one file changed, to RUNNING; with where --type's time went.
 
 Everything runs as the collaborator from a laptop of his own (tests.laptop: a home of
 its own for the real ssh client), with the ssh config `tpu config install` wrote, a
@@ -25,6 +29,7 @@ import argparse
 import atexit
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -78,7 +83,7 @@ class CliBench(Bench):
         log = open(self.dir / "gunicorn.log", "w")
         proc = subprocess.Popen(
             [PYTHON, "-m", "gunicorn", "portal.wsgi", "-b", f"127.0.0.1:{port}", "-w", "2",
-             "--access-logfile", "-"],
+             "--access-logfile", "-", "--access-logformat", "%(m)s %(U)s %(s)s %(L)s"],
             cwd=ROOT, env={**os.environ, **self.stack.env}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
@@ -167,6 +172,113 @@ class CliBench(Bench):
                    "tpu run: 1 file changed → running", "serial", "ratio"]  # fmt: skip
         return table(headers, rows)
 
+    # --- 3. tpu run --type (a snapshot) beside tpu run VM (rsync) ------------------------
+
+    def fresh_workdir(self, name: str) -> None:
+        """A workdir of FILES files, SIZE bytes, of random bytes nobody stored yet (so
+        the portal has none of its contents and no worker's cache does)."""
+        folder = self.laptop.path(f"~/{name}")
+        folder.mkdir()
+        for n in range(FILES):
+            (folder / f"part{n:03d}.bin").write_bytes(os.urandom(SIZE // FILES))
+
+    def pool_run(self, size: int, folder: str, profile: str = "") -> tuple[float, float, float]:
+        """``tpu run --type v4-N --workdir folder --detach`` until RUNNING: (seconds to
+        running, seconds of the command itself, seconds of its snapshot step). With
+        ``profile``, the client runs under cProfile, its statistics written there."""
+        from tpus.models import Job
+        from tpus.services import jobs
+
+        began = time.perf_counter()
+        argv = ["run", "--type", f"v4-{8 * size}", "--workdir", folder, "--venv", "~/jax",
+                "--detach", "--json", "--", "sleep", "600"]  # fmt: skip
+        tpu = [*TPU[:3], "-m", "cProfile", "-o", profile, *TPU[3:]] if profile else TPU
+        done = self.tpu_ok(*tpu, *argv)
+        command = time.perf_counter() - began
+        job = Job.objects.get(pk=json.loads(done.stdout)["id"])
+        while job.state != "running":
+            if job.has_ended:
+                raise RuntimeError(f"job {job.pk}: {job.state} {job.reason}")
+            time.sleep(0.01)
+            job.refresh_from_db(fields=["state", "reason", "ended_at"])
+        took = time.perf_counter() - began
+        said = re.search(r"the portal had the rest; ([\d.]+) s\.", done.stderr)
+        jobs.cancel_job(job, self.user)
+        deadline = time.monotonic() + 120
+        while not job.has_ended and time.monotonic() < deadline:
+            time.sleep(0.2)
+            job.refresh_from_db(fields=["state"])
+        return took, command, float(said[1]) if said else float("nan")
+
+    def part_pool(self) -> str:
+        rows, parts = [], []
+        for size in self.args.sizes:
+            cold, s_cold, again, s_again = [], [], [], []
+            steps = {"cold": [], "again": []}
+            for rep in range(self.args.reps):
+                # Which way goes first alternates; each has a folder of new contents.
+                ways = [("pool", f"pool{size}r{rep}"), ("rsync", f"rsync{size}r{rep}")]
+                for way, name in ways if rep % 2 == 0 else ways[::-1]:
+                    self.fresh_workdir(name)
+                    if way == "pool":
+                        took, command, snap = self.pool_run(size, name)
+                        cold.append(took)
+                        steps["cold"].append((command, snap))
+                        self.touch_one(name)
+                        profile = str(self.dir / "client.prof") if self.args.profile else ""
+                        took, command, snap = self.pool_run(size, name, profile)
+                        if profile:
+                            self.print_profile(profile)
+                        again.append(took)
+                        steps["again"].append((command, snap))
+                    else:
+                        s_cold.append(self.tpu_run(size, name))
+                        self.touch_one(name)
+                        s_again.append(self.tpu_run(size, name))
+                print(f"  {size} workers, repetition {rep + 1}: --type {cold[-1]:.2f}/"
+                      f"{again[-1]:.2f} s, by name (rsync) {s_cold[-1]:.2f}/{s_again[-1]:.2f} s",
+                      flush=True)  # fmt: skip
+            rows.append([size, median(again), median(s_again), median(again) / median(s_again),
+                         "met" if median(again) <= 1.5 else "missed",
+                         median(cold), median(s_cold), median(cold) / median(s_cold)])  # fmt: skip
+            for label in ("cold", "again"):
+                command = median([c for c, _ in steps[label]])
+                snap = median([x for _, x in steps[label]])
+                total = median(cold if label == "cold" else again)
+                parts.append([size, label, snap, command, total - command, total])
+        headers = ["workers", "--type, 1 file changed → running", "by name (rsync)", "ratio",
+                   "≤ 1.5 s", "--type, first (cold) → running", "by name (rsync), first",
+                   "ratio"]  # fmt: skip
+        split = ["workers", "run", "client: snapshot step", "client: whole command",
+                 "after the command → running", "total"]  # fmt: skip
+        where = "where --type's time went (medians, s)"
+        portal = "the portal's time per request (gunicorn, whole run)"
+        return (f"{table(headers, rows)}\n\n{where}\n\n{table(split, parts)}\n\n"
+                f"{portal}\n\n{self.requests()}")  # fmt: skip
+
+    @staticmethod
+    def print_profile(path: str) -> None:
+        """The client's own functions that took the most of a run (cumulative)."""
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(path, stream=text).sort_stats("cumulative").print_stats(30)
+        print(text.getvalue(), flush=True)
+
+    def requests(self) -> str:
+        """Per kind of request the portal answered: how many, the seconds it spent on
+        them in all and the median (from gunicorn's access log)."""
+        spent: dict[str, list[float]] = {}
+        for line in (self.dir / "gunicorn.log").read_text().splitlines():
+            found = re.fullmatch(r"(\w+) (/api/v1/\S+) (\d+) ([\d.]+)", line.strip())
+            if not found:
+                continue
+            path = re.sub(r"/\d+", "/N", re.sub(r"[0-9a-f]{64}", "SHA", found[2]))
+            spent.setdefault(f"{found[1]} {path} {found[3]}", []).append(float(found[4]))
+        rows = [[k, len(v), sum(v), median(v)] for k, v in sorted(spent.items())]
+        return table(["request", "count", "seconds in all", "median"], rows)
+
     # --- 2. tpu exec -----------------------------------------------------------------------
 
     def close_shared(self) -> None:
@@ -224,11 +336,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4,32", help="workers per pod (default 4,32)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per size (1..10)")
-    parser.add_argument("--parts", default="run,exec", help="which parts (default run,exec)")
+    parser.add_argument(
+        "--parts", default="run,exec", help="which parts: run, exec, pool (default run,exec)"
+    )
     parser.add_argument(
         "--long-runtime",
         action="store_true",
         help="the laptop's XDG_RUNTIME_DIR as long as /run/user/<10-digit uid>",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="pool: the client's re-run under cProfile"
     )
     args = parser.parse_args(argv)
     args.parts = set(args.parts.split(","))
@@ -242,7 +359,11 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     try:
         bench.start()
-        runs = execs = ""
+        runs = execs = pools = ""
+        if "pool" in args.parts:
+            print("3. tpu run --type --workdir (a snapshot) beside tpu run VM (rsync) …",
+                  flush=True)  # fmt: skip
+            pools = bench.part_pool()
         if "run" in args.parts:
             print("1. tpu run, first sync and one file changed → running …", flush=True)
             runs = bench.part_run()
@@ -254,7 +375,7 @@ def main(argv=None) -> int:
         runtime = f"; XDG_RUNTIME_DIR {bench.laptop.runtime}" if args.long_runtime else ""
         print(f"{FILES} files, {SIZE // 2**20} MB; sizes {args.sizes}; {args.reps} "
               f"repetitions{runtime}")  # fmt: skip
-        print(f"\n{runs}\n\n{execs}")
+        print(f"\n{runs}\n\n{execs}\n\n{pools}")
     finally:
         bench.close()
     return 0

@@ -90,7 +90,9 @@ class SnapshotPortal:
     def __init__(self, cap: int = 10**6):
         self.cap, self.blobs, self.puts, self.jobs = cap, {}, [], []
         self.refuse_path, self.old, self.forget_once, self.snapshots = "", False, False, []
-        self.cap_in_refusal = False
+        self.cap_in_refusal, self.ignores_snapshot, self.cancelled = False, False, []
+        # one_at_a_time: a portal that takes a content per request only (PUT).
+        self.one_at_a_time, self.bundles, self.refuse_job = False, [], ""
         portal = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -107,6 +109,14 @@ class SnapshotPortal:
                 return self.rfile.read(int(self.headers["Content-Length"]))
 
             def do_POST(self):
+                if self.path.endswith("/snapshots/blobs"):
+                    if portal.old or portal.one_at_a_time:
+                        self._body()
+                        self._reply(404, {"detail": "Not Found"})
+                        return
+                    self._reply(*portal.bundle(self.rfile, int(self.headers["Content-Length"]),
+                                               self.headers.get("Content-Type")))  # fmt: skip
+                    return
                 body = json.loads(self._body() or b"{}")
                 self._reply(*portal.post(self.path.removeprefix("/api/v1"), body))
 
@@ -143,14 +153,17 @@ class SnapshotPortal:
                     "errors": {"files": [f"{self.refuse_path}: not a relative path."]}}  # fmt: skip
         if total > self.cap:
             refusal = {"detail": f"The snapshot is {total} bytes; the lab allows {self.cap}.",
-                       "errors": {"files": ["over the lab's cap"]}}  # fmt: skip
-            return {**refusal, "cap_bytes": self.cap} if self.cap_in_refusal else refusal
+                       "errors": {"bytes": [f"{total} > {self.cap}"]}}  # fmt: skip
+            numbers = {"bytes": total, "cap_bytes": self.cap}
+            return {**refusal, **numbers} if self.cap_in_refusal else refusal
         return None
 
     def post(self, path, body):
         if self.old and "/snapshots" in path:
             return 404, {"detail": "Not Found"}
         if path == "/labs/vision/jobs/validate":
+            if self.refuse_job:
+                return 400, {"detail": self.refuse_job, "errors": {}}
             return 200, {"ok": True, "detail": "ok"}
         if path == "/labs/vision/snapshots/missing":
             refused = self._files_refused(body["files"])
@@ -171,10 +184,40 @@ class SnapshotPortal:
                          "expires_at": "2026-12-05T00:00:00Z"}  # fmt: skip
         if path == "/labs/vision/jobs":
             self.jobs.append(body)
-            return 201, {"id": 70 + len(self.jobs), "vm_id": None, "vm": None, "lab": "vision",
-                         "state": "queued", "reason": "", "accelerator_type": "v4-8",
-                         "url": f"{self.url}/labs/vision/jobs/7/"}  # fmt: skip
+            carried = body.get("snapshot")
+            if carried is not None and not self.ignores_snapshot:
+                carried = {"id": carried, "digest": "d", "files": 4}
+            else:
+                carried = None
+            job = {"id": 70 + len(self.jobs), "vm_id": None, "vm": None, "lab": "vision",
+                   "state": "queued", "reason": "", "accelerator_type": "v4-8",
+                   "url": f"{self.url}/labs/vision/jobs/7/"}  # fmt: skip
+            # A portal older than snapshots takes the job and says nothing of the field.
+            return 201, job if self.ignores_snapshot else {**job, "snapshot": carried}
+        cancel = re.fullmatch(r"/labs/vision/jobs/(\d+)/cancel", path)
+        if cancel:
+            self.cancelled.append(int(cancel[1]))
+            return 200, {"id": int(cancel[1]), "state": "cancelled"}
         return 404, {"detail": "Not Found"}
+
+    def bundle(self, stream, length, kind):
+        """Many contents in one body, each ``<sha256> <size>\\n`` and its bytes."""
+        assert kind == "application/octet-stream"
+        got, left = [], length
+        while left:
+            head = stream.readline(100)
+            left -= len(head)
+            sha, size = head.decode().split()
+            data = stream.read(int(size))
+            left -= len(data)
+            if hashlib.sha256(data).hexdigest() != sha:
+                return 400, {"detail": f"The content's sha256 is not {sha}."}
+            got.append((sha, data))
+        self.bundles.append([sha for sha, _ in got])
+        for sha, data in got:
+            self.puts.append(sha)
+            self.blobs[sha] = data[: 1 << 16]
+        return 200, {"stored": len(got), "had": 0, "bytes": length}
 
     def put(self, path, received, kind):
         digest, size, head = received
@@ -240,6 +283,37 @@ def test_a_run_after_one_edit_sends_that_file_alone(lab, capsys, tmp_path):
     assert lab.jobs[1]["snapshot"] == 2 and "sent 1 " in err
 
 
+def test_small_files_go_many_to_an_upload_and_one_by_one_to_a_portal_without_it(
+    lab, capsys, tmp_path
+):
+    files = {f"src/m{n:03d}.py": f"x = {n}\n" * 50 for n in range(300)}
+    root = build(tmp_path / "proj", {**FILES, **files})
+
+    code, err = _submit(capsys, root)
+
+    assert code == 0, err
+    assert len(lab.bundles) == 1 and len(lab.puts) == 304 and "sent 304 " in err
+    # A portal that takes one content per request: each is sent on its own, no failure.
+    lab.one_at_a_time = True
+    (root / "src/m007.py").write_text("changed\n")
+    (root / "src/m008.py").write_text("changed too\n")
+    code, err = _submit(capsys, root)
+    assert code == 0, err
+    assert len(lab.bundles) == 1 and len(lab.puts) == 306 and "sent 2 " in err
+
+
+def test_a_job_the_portal_refuses_sends_no_file_though_the_files_were_listed_meanwhile(
+    lab, capsys, tmp_path
+):
+    root = build(tmp_path / "proj")
+    lab.refuse_job = "You already have 3 jobs waiting in Vision Lab."
+
+    code, err = _submit(capsys, root)
+
+    assert code != 0 and lab.refuse_job in err
+    assert not lab.puts and not lab.bundles and not lab.snapshots and not lab.jobs
+
+
 def test_contents_the_portal_let_go_are_sent_again_once(lab, capsys, tmp_path):
     root = build(tmp_path / "proj")
     lab.forget_once = True
@@ -258,13 +332,16 @@ def test_a_workdir_over_the_cap_says_its_size_the_cap_and_the_largest_files(lab,
 
     assert code == errors.USAGE
     assert "The snapshot is 8" in err and "the lab allows 4000" in err
-    assert "The workdir is 8.0 kB in 7 file(s). Largest: data/big.bin (5.0 kB)" in err
-    assert "weights.npy (3.0 kB)" in err and ".gitignore" in err
+    assert "The workdir is 7.8 KB in 7 file(s). Largest: data/big.bin (4.9 KB)" in err
+    assert "weights.npy (2.9 KB)" in err and ".gitignore" in err
     assert not lab.puts and not lab.jobs
-    # A refusal that gives the cap as a number: the client says it too.
+    # A refusal that gives the cap as a number (as the portal does): the client says it
+    # too, in the portal's units, and leaves out the raw numbers of the field's error.
     lab.cap_in_refusal = True
     code, err = _submit(capsys, root)
-    assert "The workdir is 8.0 kB in 7 file(s), over the cap of 4.0 kB." in err
+    assert code == errors.USAGE
+    assert "The workdir is 7.8 KB in 7 file(s), over the lab's cap of 3.9 KB on a workdir." in err
+    assert " > 4000" not in err
 
 
 def test_a_path_the_portal_refuses_is_named_and_nothing_is_sent(lab, capsys, tmp_path):
@@ -288,6 +365,19 @@ def test_a_portal_without_snapshots_is_named_as_too_old_and_no_job_is_queued(lab
     assert code == errors.FAILED
     assert "takes no workdir for a job on any VM of a kind" in err and "older than" in err
     assert not lab.jobs
+
+
+def test_a_portal_that_queues_the_job_without_its_snapshot_has_it_cancelled(lab, capsys, tmp_path):
+    root = build(tmp_path / "proj")
+    lab.ignores_snapshot = True
+
+    code, err = _submit(capsys, root)
+
+    assert code == errors.FAILED
+    [job] = lab.jobs
+    assert job["snapshot"] == 1 and lab.cancelled == [71]
+    assert "queued job 71 without its workdir" in err and "was cancelled" in err
+    assert "Job 71 queued" not in err
 
 
 def test_symlinks_left_out_are_named(lab, capsys, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -80,14 +80,25 @@ class Api:
     def close(self) -> None:
         self.client.close()
 
-    def send(self, method: str, path: str, *, file: Path | None = None, **kwargs) -> httpx.Response:
+    def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        file: Path | None = None,
+        chunks: Callable[[], Iterator[bytes]] | None = None,
+        **kwargs,
+    ) -> httpx.Response:
         """The answer to one request, retried a few times on 429 and 503 (a proxy or a
         restarting portal), honouring ``Retry-After``. ``file``: the body, streamed
-        from disk (opened again for each try)."""
+        from disk (opened again for each try); ``chunks``: the body as it is made, a
+        new one for each try."""
         delay = 1.0
         for attempt in range(4):
             try:
-                if file is None:
+                if chunks is not None:
+                    response = self._followed(method, path, content=chunks(), **kwargs)
+                elif file is None:
                     response = self._followed(method, path, **kwargs)
                 else:
                     with open(file, "rb") as body:
@@ -150,6 +161,13 @@ class Api:
         in chunks as they go, never whole into memory."""
         headers = {"Content-Type": "application/octet-stream"}
         response = self.send("PUT", path, file=file, headers=headers)
+        return self._json(response) if response.content else None
+
+    def post_chunks(self, path: str, chunks: Callable[[], Iterator[bytes]], length: int) -> Any:
+        """POST a body of ``length`` bytes made as it goes (``application/octet-stream``),
+        never whole in memory."""
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(length)}
+        response = self.send("POST", path, chunks=chunks, headers=headers)
         return self._json(response) if response.content else None
 
     def delete(self, path: str) -> None:

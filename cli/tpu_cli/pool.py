@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 
-from tpu_cli.errors import USAGE, ApiError, CliError
+from tpu_cli.errors import FAILED, USAGE, ApiError, CliError
 from tpu_cli.session import Session, out, say
 
 # How often a job waiting for a VM of its kind is asked about.
@@ -45,6 +45,28 @@ def check(session: Session, lab: str, body: dict) -> None:
     except ApiError as exc:
         if exc.status not in (404, 405):
             raise
+
+
+IGNORED = (
+    "The portal at {url} queued job {job} without its workdir (it did not say the job "
+    "carries snapshot {snapshot}: it takes no workdir for a job on any VM of a kind), so "
+    "the job was cancelled before it could run without its files. Run on a VM by name "
+    "(tpu run VM --workdir …), or ask the portal's admins to update it."
+)
+
+
+def check_carried(session: Session, lab: str, job: dict, snapshot_id: int) -> None:
+    """The job the portal queued carries the workdir's snapshot; a portal that took the
+    job but not the snapshot (one that ignores fields it does not know) would run the
+    command without its files: that job is cancelled and the person told."""
+    carried = job.get("snapshot")
+    if isinstance(carried, dict) and carried.get("id") == snapshot_id:
+        return
+    try:
+        session.api.post(f"/labs/{lab}/jobs/{job['id']}/cancel")
+    except ApiError:
+        pass  # said below either way; the job may have ended already
+    raise CliError(IGNORED.format(url=session.api.url, job=job["id"], snapshot=snapshot_id), FAILED)
 
 
 def wait_until_placed(session: Session, lab: str, job: dict) -> dict:

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -109,15 +110,26 @@ def _run_in_pool(
     """``tpu run --type v4-8``: queued for any free VM of the kind; followed on the VM
     the portal gives it. A workdir goes to the portal first as a snapshot, which the
     portal puts at the same folder as a sync would on every worker of that VM."""
-    lab = pool.lab_of(session, args.lab)
     body = {"args": command, "python": worker_path(args.venv or ""), "env": env,
             "time_limit_minutes": args.time_limit, "notify": args.notify,
             **pool.kind_body(args)}  # fmt: skip
-    if local is not None:
+    if local is None:
+        lab = pool.lab_of(session, args.lab)
+    else:
         body["cwd"] = remote_folder(local)
-        pool.check(session, lab, body)  # a refused job sends no file
-        body["snapshot"] = snapshot.upload(session.api, lab, local, say)["id"]
+        # The files are hashed while the portal is asked for the lab, and which contents
+        # it lacks while it checks the job; a refused job sends no file all the same.
+        with ThreadPoolExecutor(max_workers=2) as side:
+            listing = side.submit(snapshot.list_workdir, local)
+            lab = pool.lab_of(session, args.lab)
+            checked = side.submit(pool.check, session, lab, dict(body))
+            made = snapshot.upload(
+                session.api, lab, local, say, listed=listing.result(), ready=checked.result
+            )
+        body["snapshot"] = made["id"]
     job = pool.submit(session, lab, body)
+    if "snapshot" in body:
+        pool.check_carried(session, lab, job, body["snapshot"])
     where = f"on {lab}/{job['vm']}" if job["vm_id"] else f"for any free {args.type} of {lab}"
     say(f"Job {job['id']} queued {where}: {job['url']}")
     if args.detach:

@@ -36,10 +36,19 @@ class MissingOut(Schema):
 class SnapshotError(Error):
     """A refused manifest or upload: ``detail`` for people; ``errors`` by field
     (``files``: one message per bad file; ``bytes``, ``count``: a cap); ``missing``: the
-    contents to upload before the snapshot can be made."""
+    contents to upload before the snapshot can be made. Past a cap, the numbers: the
+    workdir's ``bytes`` and the lab's ``cap_bytes`` on one snapshot; its ``files`` and
+    ``cap_files``; or the ``bytes`` more to keep, the ``stored_bytes`` you keep and the
+    ``person_cap_bytes`` one person may keep."""
 
     errors: dict[str, list[str]] = {}
     missing: list[str] | None = None
+    bytes: int | None = None
+    cap_bytes: int | None = None
+    files: int | None = None
+    cap_files: int | None = None
+    stored_bytes: int | None = None
+    person_cap_bytes: int | None = None
 
 
 class BlobOut(Schema):
@@ -70,7 +79,7 @@ def _refused(exc: snapshots.SnapshotRefused):
     body = {"detail": exc.detail, "errors": exc.errors}
     if exc.missing is not None:
         body["missing"] = exc.missing
-    return Status(400, body)
+    return Status(400, {**body, **exc.caps})
 
 
 @router.post(
@@ -107,6 +116,36 @@ def put_blob(request, slug: str, sha256: str):
     except snapshots.SnapshotRefused as exc:
         return _refused(exc)
     return Status(201 if made else 200, {"sha256": blob.sha256, "size": blob.size})
+
+
+class BundleOut(Schema):
+    """What an upload of many contents did: ``stored`` now, ``had`` (stored before),
+    and the body's ``bytes``."""
+
+    stored: int
+    had: int
+    bytes: int
+
+
+@router.post(
+    "/labs/{slug}/snapshots/blobs",
+    response={200: BundleOut, 400: SnapshotError},
+    summary="Upload many file contents in one body (application/octet-stream)",
+    description="The body is the contents one after another, each as a line `<sha256> "
+    "<size>` then its raw bytes (small files in one request rather than one each). "
+    "Content-Length is required and checked against the caps before a byte is read; "
+    "each content is hashed as it arrives and must have its sha256; all are stored or "
+    "none (400 names the first that is wrong).",
+)
+def post_blobs(request, slug: str):
+    lab = access.get_member_lab(request.user, slug)
+    try:
+        done = snapshots.store_bundle(
+            request.user, lab, request, request.META.get("CONTENT_LENGTH")
+        )
+    except snapshots.SnapshotRefused as exc:
+        return _refused(exc)
+    return Status(200, done)
 
 
 @router.post(

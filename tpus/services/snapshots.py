@@ -53,13 +53,23 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 class SnapshotRefused(Exception):
     """A manifest or an upload refused: ``detail`` for people, ``errors`` by field
     (``files``: one message per bad file; ``bytes``, ``count``: the caps), and for a
-    snapshot whose contents are not all stored yet, the ``missing`` hashes."""
+    snapshot whose contents are not all stored yet, the ``missing`` hashes. A refusal
+    past a cap says it in numbers too (``caps``): ``bytes`` and ``cap_bytes`` (the
+    lab's cap on one snapshot), ``files`` and ``cap_files``, or ``stored_bytes`` and
+    ``person_cap_bytes`` (what one person may keep)."""
 
-    def __init__(self, detail: str, errors: dict | None = None, missing: list | None = None):
+    def __init__(
+        self,
+        detail: str,
+        errors: dict | None = None,
+        missing: list | None = None,
+        caps: dict | None = None,
+    ):
         super().__init__(detail)
         self.detail = detail
         self.errors = errors or {}
         self.missing = missing
+        self.caps = caps or {}
 
 
 @dataclass(frozen=True)
@@ -188,11 +198,13 @@ def check_manifest(lab: Lab, files) -> list[FileEntry]:
             f"The workdir has {len(entries):,} files; the lab's cap is "
             f"{lab.snapshot_max_files:,} file{'s' if lab.snapshot_max_files != 1 else ''}.",
             {"count": [f"{len(entries)} > {lab.snapshot_max_files}"]},
+            caps={"files": len(entries), "cap_files": lab.snapshot_max_files},
         )
     if total > lab_cap_bytes(lab):
         raise SnapshotRefused(
             f"The workdir is {size_text(total)}; the lab's cap is {size_text(lab_cap_bytes(lab))}.",
             {"bytes": [f"{total} > {lab_cap_bytes(lab)}"]},
+            caps={"bytes": total, "cap_bytes": lab_cap_bytes(lab)},
         )
     return sorted(entries, key=lambda e: e.path.encode())
 
@@ -218,6 +230,7 @@ def _check_person_cap(user, more: int) -> None:
             f"snapshots and may keep {size_text(person_cap_bytes())} in all. Remove old "
             "snapshots or wait for them to expire.",
             {"bytes": [f"{kept} + {more} > {person_cap_bytes()}"]},
+            caps={"stored_bytes": kept, "bytes": more, "person_cap_bytes": person_cap_bytes()},
         )
 
 
@@ -244,6 +257,90 @@ def missing(user, lab: Lab, files) -> dict:
 # --- contents ------------------------------------------------------------------------
 
 
+def _declared(declared) -> int:
+    try:
+        size = int(declared)
+    except (TypeError, ValueError):
+        raise SnapshotRefused("Send the content's length (Content-Length).") from None
+    if size < 0:
+        raise SnapshotRefused("Send the content's length (Content-Length).")
+    return size
+
+
+def _check_lab_cap(lab: Lab, size: int, what: str) -> None:
+    if size > lab_cap_bytes(lab):
+        raise SnapshotRefused(
+            f"{what} is {size_text(size)}; the lab's cap on a workdir is "
+            f"{size_text(lab_cap_bytes(lab))}.",
+            {"bytes": [f"{size} > {lab_cap_bytes(lab)}"]},
+            caps={"bytes": size, "cap_bytes": lab_cap_bytes(lab)},
+        )
+
+
+def _receive(body, size: int, sha256: str, spool) -> None:
+    """``size`` bytes of ``body`` into ``spool``, hashed as they stream; refused when
+    the body ends early or they are not the content named ``sha256``."""
+    digest = hashlib.sha256()
+    count = 0
+    while count < size:
+        chunk = body.read(min(CHUNK, size - count))
+        if not chunk:
+            break
+        count += len(chunk)
+        digest.update(chunk)
+        spool.write(chunk)
+    if count != size:
+        raise SnapshotRefused(
+            f"The body ended after {count:,} of the {size:,} bytes declared; nothing was stored."
+        )
+    if digest.hexdigest() != sha256:
+        raise SnapshotRefused(
+            f"The content's sha256 is {digest.hexdigest()}, not {sha256}; nothing was stored."
+        )
+
+
+def _keep(user, received: list[tuple[str, int, object]]) -> list[tuple[SnapshotBlob, bool]]:
+    """The received contents (sha256, size, spooled file) stored as the person's, the
+    person's cap checked again for their sum with the person's row locked (one
+    person's uploads one after another here); nothing stays when it is refused."""
+    store = storage()
+    written = []
+    for sha256, _, spool in received:
+        spool.seek(0)
+        name = blob_name(user.pk, sha256)
+        if not store.exists(name):
+            saved = store.save(name, File(spool))
+            if saved != name:  # stored meanwhile by a request alike
+                store.delete(saved)
+            written.append(sha256)
+    with transaction.atomic():
+        get_user_model().objects.select_for_update().filter(pk=user.pk).exists()
+        have = dict(
+            SnapshotBlob.objects.filter(
+                owner=user, sha256__in=[sha for sha, _, _ in received]
+            ).values_list("sha256", "pk")
+        )
+        try:
+            _check_person_cap(user, sum(size for sha, size, _ in received if sha not in have))
+        except SnapshotRefused:
+            for sha256 in written:
+                if sha256 not in have:
+                    store.delete(blob_name(user.pk, sha256))
+            raise
+        kept = []
+        for sha256, size, _ in received:
+            if sha256 in have:
+                kept.append((SnapshotBlob.objects.get(pk=have[sha256]), False))
+                continue
+            try:
+                with transaction.atomic():
+                    blob = SnapshotBlob.objects.create(owner=user, sha256=sha256, size=size)
+                kept.append((blob, True))
+            except IntegrityError:
+                kept.append((SnapshotBlob.objects.get(owner=user, sha256=sha256), False))
+    return kept
+
+
 def store_blob(user, lab: Lab, sha256: str, body, declared) -> tuple[SnapshotBlob, bool]:
     """Store one content from ``body`` (a stream), ``declared`` bytes long (the
     request's Content-Length): refused before reading when the declared size is
@@ -254,63 +351,77 @@ def store_blob(user, lab: Lab, sha256: str, body, declared) -> tuple[SnapshotBlo
     existing = SnapshotBlob.objects.filter(owner=user, sha256=sha256).first()
     if existing is not None:
         return existing, False
-    try:
-        size = int(declared)
-    except (TypeError, ValueError):
-        raise SnapshotRefused("Send the content's length (Content-Length).") from None
-    if size < 0:
-        raise SnapshotRefused("Send the content's length (Content-Length).")
-    if size > lab_cap_bytes(lab):
-        raise SnapshotRefused(
-            f"The file is {size_text(size)}; the lab's cap on a workdir is "
-            f"{size_text(lab_cap_bytes(lab))}.",
-            {"bytes": [f"{size} > {lab_cap_bytes(lab)}"]},
-        )
+    size = _declared(declared)
+    _check_lab_cap(lab, size, "The file")
     _check_person_cap(user, size)
-    digest = hashlib.sha256()
-    count = 0
     with tempfile.TemporaryFile() as spool:
-        while True:
-            chunk = body.read(min(CHUNK, size - count + 1))
-            if not chunk:
-                break
-            count += len(chunk)
-            if count > size:
+        _receive(body, size, sha256, spool)
+        if body.read(1):
+            raise SnapshotRefused(
+                f"The body is longer than the {size:,} bytes declared; nothing was stored."
+            )
+        [kept] = _keep(user, [(sha256, size, spool)])
+    return kept
+
+
+BUNDLE_MAX_CONTENTS = 10_000
+
+
+def store_bundle(user, lab: Lab, body, declared) -> dict:
+    """Store many contents sent in one body (``declared`` bytes, the Content-Length),
+    each as ``<sha256> <size>\\n`` then its bytes, one after another (small files in
+    one request, not one each). Refused before reading past a cap; each content hashed
+    as it streams; all are stored or none. Those the person had stored already are
+    read and left as they were. ``{"stored": n, "had": n, "bytes": n}``."""
+    total = _declared(declared)
+    _check_lab_cap(lab, total, "The upload")
+    _check_person_cap(user, total)
+    received: list[tuple[str, int, object]] = []
+    seen: set[str] = set()
+    count = 0
+    try:
+        while count < total:
+            head = body.readline(100)
+            count += len(head)
+            sha256, _, size_text_ = head.decode("ascii", "replace").rstrip("\n").partition(" ")
+            if (
+                not head.endswith(b"\n")
+                or not _SHA256.fullmatch(sha256)
+                or not (size_text_.isdigit() and len(size_text_) <= 13)
+            ):
                 raise SnapshotRefused(
-                    f"The body is longer than the {size:,} bytes declared; nothing was stored."
+                    f"Content {len(received) + 1} of the upload has no header "
+                    "(<sha256> <size> and a newline); nothing was stored."
                 )
-            digest.update(chunk)
-            spool.write(chunk)
-        if count != size:
+            size = int(size_text_)
+            where = f"Content {len(received) + 1} of the upload ({sha256})"
+            if count + size > total:
+                raise SnapshotRefused(
+                    f"{where} ends past the {total:,} bytes declared; nothing was stored."
+                )
+            if sha256 in seen or len(seen) >= BUNDLE_MAX_CONTENTS:
+                raise SnapshotRefused(
+                    f"{where} comes twice, or is more than {BUNDLE_MAX_CONTENTS:,} in one "
+                    "upload; nothing was stored."
+                )
+            seen.add(sha256)
+            spool = tempfile.TemporaryFile()
+            received.append((sha256, size, spool))
+            _receive(body, size, sha256, spool)
+            count += size
+        if body.read(1):
             raise SnapshotRefused(
-                f"The body ended after {count:,} of the {size:,} bytes declared; nothing was "
-                "stored."
+                f"The body is longer than the {total:,} bytes declared; nothing was stored."
             )
-        if digest.hexdigest() != sha256:
-            raise SnapshotRefused(
-                f"The content's sha256 is {digest.hexdigest()}, not {sha256}; nothing was stored."
-            )
-        spool.seek(0)
-        name = blob_name(user.pk, sha256)
-        store = storage()
-        if not store.exists(name):
-            saved = store.save(name, File(spool))
-            if saved != name:  # stored meanwhile by a request alike
-                store.delete(saved)
-    with transaction.atomic():
-        # One person's uploads one after another here: the cap holds for the sum.
-        get_user_model().objects.select_for_update().filter(pk=user.pk).exists()
-        try:
-            _check_person_cap(user, size)
-        except SnapshotRefused:
-            if not SnapshotBlob.objects.filter(owner=user, sha256=sha256).exists():
-                storage().delete(name)
-            raise
-        try:
-            with transaction.atomic():
-                return SnapshotBlob.objects.create(owner=user, sha256=sha256, size=size), True
-        except IntegrityError:
-            return SnapshotBlob.objects.get(owner=user, sha256=sha256), False
+        kept = _keep(user, received)
+    finally:
+        for _, _, spool in received:
+            spool.close()
+    return {
+        "stored": sum(1 for _, made in kept if made),
+        "had": sum(1 for _, made in kept if not made),
+        "bytes": total,
+    }
 
 
 def open_blob(owner_id: int, sha256: str):

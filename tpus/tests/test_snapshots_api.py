@@ -173,10 +173,13 @@ def test_the_labs_caps_refuse_a_workdir_before_anything_is_stored(client, scene,
     response = _missing(client, lab, scene.milo, [big])
     assert response.status_code == 400
     assert response.json()["detail"] == "The workdir is 1.3 MB; the lab's cap is 1 MB."
+    # The numbers too, for a client to say in its own words.
+    assert (response.json()["bytes"], response.json()["cap_bytes"]) == (1363149, 2**20)
     many = [_file(f"f{i}.py", bytes([i])) for i in range(3)]
     response = _missing(client, lab, scene.milo, many)
     assert response.status_code == 400
     assert response.json()["detail"] == "The workdir has 3 files; the lab's cap is 2 files."
+    assert (response.json()["files"], response.json()["cap_files"]) == (3, 2)
     # An upload past the lab's cap is refused on its declared length.
     content = b"x" * (2**20 + 1)
     response = _put(client, lab, scene.milo, content)
@@ -184,6 +187,7 @@ def test_the_labs_caps_refuse_a_workdir_before_anything_is_stored(client, scene,
         response.status_code == 400
         and "the lab's cap on a workdir is 1 MB" in response.json()["detail"]
     )
+    assert response.json()["cap_bytes"] == 2**20
     assert _stored_files(_storage) == [] and not SnapshotBlob.objects.exists()
 
 
@@ -195,6 +199,13 @@ def test_the_persons_cap_across_their_snapshots_is_kept(client, scene, settings,
     refused = _missing(client, scene.lab, scene.milo, [_file("b.bin", second)])
     assert refused.status_code == 400
     assert "you keep 700 KB of snapshots and may keep 1 MB in all" in refused.json()["detail"]
+    said = refused.json()
+    assert (said["stored_bytes"], said["bytes"], said["person_cap_bytes"]) == (
+        700 * 1024,
+        400 * 1024,
+        2**20,
+    )
+    assert said["cap_bytes"] is None  # not the lab's cap that refused it
     assert _put(client, scene.lab, scene.milo, second).status_code == 400
     assert len(_stored_files(_storage)) == 1
     # Ann's own cap is hers.
@@ -351,3 +362,56 @@ def test_the_labs_admins_set_its_caps_on_a_snapshot(client, scene):
         url, {"snapshot_max_mb": 5000}, content_type="application/json", **_auth(scene.milo)
     )
     assert member.status_code == 403
+
+
+def _bundle(client, lab, user, body: bytes, **extra):
+    return client.post(
+        _url(lab, "/blobs"), body, content_type="application/octet-stream", **_auth(user), **extra
+    )
+
+
+def _framed(*contents: bytes) -> bytes:
+    return b"".join(f"{hashlib.sha256(c).hexdigest()} {len(c)}\n".encode() + c for c in contents)
+
+
+def test_many_contents_go_in_one_upload_and_make_a_snapshot(client, scene, _storage):
+    lab, milo = scene.lab, scene.milo
+    assert _put(client, lab, milo, A).status_code == 201  # one stored before
+
+    sent = _bundle(client, lab, milo, _framed(A, B, b""))
+
+    assert sent.status_code == 200, sent.content
+    assert sent.json() == {"stored": 2, "had": 1, "bytes": len(_framed(A, B, b""))}
+    assert _missing(client, lab, milo, FILES).json()["missing"] == []
+    assert _create(client, lab, milo, FILES).status_code == 201
+    assert len(_stored_files(_storage)) == 3
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (_framed(A) + f"{'c' * 64} 3\nxyz".encode(), "sha256 is"),  # the second is wrong
+        (_framed(A)[:-3], "ends past the"),  # cut short
+        (b"not a header\n" + A, "has no header"),
+        (_framed(A, A), "comes twice"),
+    ],
+)
+def test_an_upload_of_many_with_one_wrong_stores_none(client, scene, _storage, body, words):
+    refused = _bundle(client, scene.lab, scene.milo, body)
+
+    assert refused.status_code == 400 and words in refused.json()["detail"], refused.content
+    assert _stored_files(_storage) == [] and not SnapshotBlob.objects.exists()
+
+
+def test_an_upload_of_many_past_the_labs_cap_is_refused_before_it_is_read(client, scene):
+    scene.lab.snapshot_max_mb = 1
+    scene.lab.save()
+    body = _framed(b"x" * 700 * 1024, b"y" * 400 * 1024)
+
+    refused = _bundle(client, scene.lab, scene.milo, body)
+
+    assert refused.status_code == 400
+    assert refused.json()["detail"].startswith("The upload is 1.1 MB; the lab's cap on a workdir")
+    assert refused.json()["cap_bytes"] == 2**20 and not SnapshotBlob.objects.exists()
+    stranger = _bundle(client, scene.lab, scene.ann, _framed(A))
+    assert stranger.status_code == 200  # ann is a member: her own upload
