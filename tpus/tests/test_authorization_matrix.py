@@ -934,6 +934,12 @@ def _urls(cast):
             [401, MISSING, MISSING, 201, 201, 201],
         ),
         (
+            "api_snapshot_blobs",
+            "post",
+            f"/api/v1/labs/{lab}/snapshots/blobs",
+            [401, MISSING, MISSING, OK, OK, OK],
+        ),
+        (
             "api_snapshot_create",
             "post",
             f"/api/v1/labs/{lab}/snapshots",
@@ -1068,6 +1074,8 @@ def test_every_url_answers_each_kind_of_visitor_as_expected(client, cast, role_i
                 "api_pool_job_validate": {"args": ["true"], "accelerator_type": "v4-8"},
                 "api_snapshot_missing": {"files": [_SNAPSHOT_FILE]},
                 "api_snapshot_create": {"files": [_SNAPSHOT_FILE]},
+                # One content in the bundle's framing: its sha256 and size, then "{}".
+                "api_snapshot_blobs": f"{_EMPTY_JSON_SHA} 2\n{{}}",
             }.get(name, {})
             response = getattr(client, method)(url, body, content_type="application/json")
         else:

@@ -385,7 +385,8 @@ def test_a_late_device_is_looked_for_again_every_recheck_interval(
     gaps = [round((b - a).total_seconds(), 2) for a, b in zip(times, times[1:], strict=False)]
     # Every 2 s, counted from when the last look began: not 2 s after it ended, then
     # up to a beat later (which made 5 s into 10 s; 2 s into 3.9–4.0 s). A loaded machine
-    # can delay one look, so the typical gap is what is held to the interval.
-    assert all(gap >= 1.5 for gap in gaps), gaps
-    assert statistics.median(gaps) <= 3.0, gaps
+    # can delay one look (and the gap after it is that much shorter), so the typical
+    # gap is what is held to the interval; no two looks come close together.
+    assert all(gap >= 1.0 for gap in gaps), gaps
+    assert 1.5 <= statistics.median(gaps) <= 3.0, gaps
     assert "waiting for the device" in disk_mounts.disk_rows(scene.vm)[0].state
