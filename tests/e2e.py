@@ -267,9 +267,42 @@ def browser():
     # the test body are still synchronous and safe.
     os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        chromium = _Relaunched(playwright)
         yield chromium
         chromium.close()
+
+
+class _Relaunched:
+    """The session's Chromium, launched again if it died: a browser that crashed under
+    a loaded machine fails the test it crashed in, not every later test of the worker."""
+
+    def __init__(self, playwright):
+        self._playwright = playwright
+        self._browser = self._launch()
+
+    def _launch(self):
+        return self._playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+    def new_context(self, **options):
+        from playwright.sync_api import Error
+
+        try:
+            return self._browser.new_context(**options)
+        except Error:
+            if self._browser.is_connected() and self._answers():
+                raise
+            self._browser = self._launch()
+            return self._browser.new_context(**options)
+
+    def _answers(self) -> bool:
+        try:
+            self._browser.new_context().close()
+        except Exception:
+            return False
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._browser, name)
 
 
 @pytest.fixture
