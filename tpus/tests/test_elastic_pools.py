@@ -344,6 +344,9 @@ def test_the_kinds_page_shows_each_pool_and_switches_one_on(cast, lab, tpu_emula
     client.force_login(cast.admin)
     page = client.get(f"/labs/{lab.slug}/kinds/").content.decode()
     assert 'id="pool-v4-8"' in page and "off" in page
+    # The pools are one section of the page's body: not in its title, not in its head.
+    assert page.count('id="elastic-pools"') == 1
+    assert "<h2>Elastic pools</h2>" not in page.split("</head>")[0]
     form = {
         "accelerator_type": "v4-8",
         "enabled": "on",
