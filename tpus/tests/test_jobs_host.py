@@ -542,6 +542,39 @@ def test_the_environments_versions_are_read_again_once_a_package_changes(
     assert "jaxlib=none" in versions()
 
 
+def test_a_kept_answer_about_an_environment_is_not_used_once_the_person_cannot_run_it(
+    fleet, fleet_settings, fleet_host, fleet_username
+):
+    """The versions kept from an earlier pre-flight stand in for the look at whether the
+    person can run the interpreter, until the interpreter or its folder changes: a
+    folder the person can no longer enter fails the check again, and opened once more
+    the check passes."""
+    workers = Workers(fleet, [fleet_host], fleet_username)
+    venv = f"{workers.home}/kept-env"
+    workers.sh(0, f"setpriv --reuid={workers.user} --regid={workers.user} --init-groups -- "
+               f"/usr/bin/python3 -m venv --without-pip {venv}")  # fmt: skip
+    site = workers.sh(0, f"ls -d {venv}/lib/python3*/site-packages").strip()
+    for name in ("jax", "jaxlib"):
+        meta = f"{site}/{name}-0.4.1.dist-info"
+        text = f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.4.1\n"
+        workers.sh(0, f"mkdir {meta} && cat > {meta}/METADATA && chown -R {workers.user}: {site}",
+                   input=text.encode())  # fmt: skip
+
+    def python_check():
+        report = workers.preflight_with(python=venv)[fleet_host.name]
+        return next((c.status, c.detail) for c in report.checks if c.name == "python")
+
+    assert python_check()[0] == "ok"
+    assert python_check()[0] == "ok"  # the kept answer
+    workers.sh(0, f"chown root: {venv}/bin && chmod 700 {venv}/bin")
+    assert python_check() == (
+        "fail", f"{venv}/bin/python is not there or {workers.user} cannot run it"
+    )  # fmt: skip
+    workers.sh(0, f"chmod 755 {venv}/bin")
+    assert python_check() == ("ok", python_check()[1])
+    assert "jax=0.4.1 jaxlib=0.4.1" in python_check()[1]
+
+
 def test_job_start_refuses_bad_input_whole_and_starts_nothing(
     fleet, fleet_settings, fleet_host, fleet_username
 ):

@@ -245,19 +245,13 @@ b64d() {
 decode() {
     b64d "$1" 2>/dev/null || die "a base64 field is not valid"
 }
-# The account: from /etc/passwd, read by the shell, where the portal's accounts are;
-# else from the name service (getent).
-uid=""
-while IFS=: read -r name _ uid gid _ home _; do
-    [ "$name" != "$user" ] || break
-    uid=""
-done </etc/passwd
-if [ -z "$uid" ]; then
-    entry=$(getent passwd "$user") || die "no user $user on this worker"
-    IFS=: read -r _ _ uid gid _ home _ <<EOF
+# The account, as the name service has it: getent reads /etc/passwd a block at a time,
+# where the shell's read takes a byte a system call (thousands, on a worker with many
+# accounts, the portal's at the end).
+entry=$(getent passwd "$user") || die "no user $user on this worker"
+IFS=: read -r _ _ uid gid _ home _ <<EOF
 $entry
 EOF
-fi
 [ "$uid" -ge 1000 ] || die "jobs never run as a system account ($user has uid $uid)"
 # probe code|tool <name> <command...>: runs the command as the user, stdin from
 # /dev/null, stdout in $work/<name>.out and stderr in $work/<name>.err (name -: neither
@@ -356,19 +350,12 @@ fi
 
 # --- the coordinator's port (worker 0 only) ----------------------------------------
 if [ -n "$port" ]; then
-    # /proc/net/tcp{,6}, read by the shell: a socket in state 0A (LISTEN) on the port.
+    # /proc/net/tcp{,6}: a socket in state 0A (LISTEN) on the port. Read by grep, a
+    # block at a time: the kernel walks its table of sockets from the start for every
+    # read, and the shell reads a byte at a time: tens of milliseconds on a busy host.
     hex=$(printf '%04X' "$port")
-    listening=""
-    for table in /proc/net/tcp /proc/net/tcp6; do
-        [ -r "$table" ] || continue
-        while read -r _ local _ state _; do
-            if [ "$state" = 0A ] && [ "${local##*:}" = "$hex" ]; then
-                listening=1
-                break
-            fi
-        done <"$table"
-    done
-    if [ -n "$listening" ]; then
+    if grep -q -s -E "^ *[0-9]+: [0-9A-F]+:$hex [0-9A-F]+:[0-9A-F]+ 0A " \
+        /proc/net/tcp /proc/net/tcp6; then
         check port fail "port $port is already listening"
     else
         check port ok "port $port is free"
@@ -379,17 +366,27 @@ fi
 # Reading the versions starts the environment's Python (the slowest check), so the
 # answer is kept, root's, in /run (gone at reboot), one file per account and
 # environment (named by the uid and the environment's path in base64, '/' made '_'),
-# with what it depends on: the interpreter and the folders its packages live in
-# (installing, upgrading or removing a package changes its folder's time). It is used
-# while that is the same. (A very long path: a file named by a hash of it all.)
+# with what it depends on: the interpreter, its folder and the folders its packages
+# live in (installing, upgrading or removing a package changes its folder's time; a
+# chmod, the interpreter's or its folder's). While that is the same, the answer is used
+# as it is, and the look at whether the user can run the interpreter (three programs) is
+# not made again either: the answer was read by the user running it. (A very long path:
+# a file named by a hash of it all.)
 PYCACHE=/run/tpu-portal/python-versions
-python_versions() {
-    set -- "$python"
+# What the answer depends on, now.
+read_depends() {
+    set -- "$python" "${python%/*}"
     for dir in "$venv"/lib/python3*/site-packages "$home"/.local/lib/python3*/site-packages \
         /usr/lib/python3/dist-packages /usr/local/lib/python3*/dist-packages; do
         [ ! -d "$dir" ] || set -- "$@" "$dir"
     done
     depends=$(stat -L -c '%n %d %i %y %z %s' -- "$@" 2>/dev/null || true)
+}
+# Sets entry (and depends, unless no answer is kept: the environment is then looked at
+# as the user first, within probe_seconds, as a path on a dead mount would hang a stat);
+# succeeds, with versions set, when a kept answer still holds.
+depends="" entry=""
+kept_versions() {
     if [ -z "$python_b64" ]; then
         entry=$uid.system
     elif [ "${#python_b64}" -le 200 ]; then
@@ -402,10 +399,13 @@ python_versions() {
         done
         entry=$entry$rest
     else
+        [ -d "$PYCACHE" ] || return 1
+        read_depends
         entry=$(printf '%s %s\n%s\n' "$uid" "$python" "$depends" | sha256sum)
         entry=${entry%% *}
     fi
     if [ -f "$PYCACHE/$entry" ]; then
+        [ -n "$depends" ] || read_depends
         kept="" line=""
         {
             IFS= read -r versions || versions=""
@@ -419,12 +419,27 @@ python_versions() {
             return 0
         fi
     fi
+    return 1
+}
+# Reads the versions as the user, and keeps them (depends and entry: kept_versions).
+python_versions() {
+    [ -n "$depends" ] || read_depends
+    if [ -z "$entry" ]; then
+        entry=$(printf '%s %s\n%s\n' "$uid" "$python" "$depends" | sha256sum)
+        entry=${entry%% *}
+    fi
     probe code python "$python" -E -c "$PYCODE" || return
     versions=$(first_line python)
     # shellcheck disable=SC2174 # /run is there: -m is for /run/tpu-portal, as job-start.sh makes it
     if [ -d "$PYCACHE" ] || { mkdir -p -m 0755 "${PYCACHE%/*}" && mkdir -m 700 "$PYCACHE"; } 2>/dev/null; then
         printf '%s\n%s\n' "$versions" "$depends" >"$PYCACHE/$entry"
     fi
+}
+judge_versions() {
+    case $versions in
+        *"jax=none"* | *"jaxlib=none"*) check python fail "$python has no jax or jaxlib: $versions" ;;
+        *) check python ok "$versions" ;;
+    esac
 }
 if [ -n "$python_b64" ]; then
     venv=$(decode "$python_b64")
@@ -436,9 +451,15 @@ late="did not answer within $probe_seconds s"
 case $python in
     /*[![:print:]]* | [!/]*) check python fail "the environment path must be absolute and printable" ;;
     *)
-        status=0
-        probe tool - test -x "$python" || status=$?
-        if [ "$status" = 124 ]; then
+        status=0 versions=""
+        if kept_versions; then
+            status=kept
+        else
+            probe tool - test -x "$python" || status=$?
+        fi
+        if [ "$status" = kept ]; then
+            judge_versions
+        elif [ "$status" = 124 ]; then
             check python fail "$python $late (looking for it)"
         elif [ "$status" != 0 ]; then
             check python fail "$python is not there or $user cannot run it"
@@ -450,10 +471,7 @@ case $python in
             elif [ "$status" != 0 ]; then
                 check python fail "$python did not run: $(tail -n 1 "$work/python.err")"
             else
-                case $versions in
-                    *"jax=none"* | *"jaxlib=none"*) check python fail "$python has no jax or jaxlib: $versions" ;;
-                    *) check python ok "$versions" ;;
-                esac
+                judge_versions
             fi
         fi
         ;;
