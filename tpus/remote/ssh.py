@@ -2,15 +2,17 @@
 
 How a script travels. The command line is the same constant for every run::
 
-    sudo -n -- /bin/sh -c 'set -eu; read -r n; s=$(head -c "$n");
-                           exec /bin/sh -c "$s" "$0"' whoami.sh
+    sudo -n -- /bin/sh -c 'set -eu; read -r tpu_n; tpu_s=$(head -c "$tpu_n");
+                           eval "$tpu_s"' whoami.sh
 
 and stdin carries, in order, the script's length as ten digits and a newline, the
 script, and the script's data. So no byte of data is ever part of a command line, the
 script needs no temporary file on the host (no upload, no path a collaborator could
 race), and the run costs one channel: one round trip after authentication. The shell's
 ``read`` takes the length line a byte at a time and ``head -c`` exactly the bytes it is
-asked for, so the data the script reads from stdin starts right after it.
+asked for, so the data the script reads from stdin starts right after it. The script
+runs in the shell that read it (``eval``, as ``$0`` the script's name, no arguments):
+one program fewer than a shell of its own, on every run of every worker.
 
 A script answers with ``key=value`` lines on stdout (other lines are ignored), exits
 non-zero with its reason as the last line of stderr, and is idempotent.
@@ -22,7 +24,8 @@ worker before any worker goes on (a job's pre-flight, then its start)::
 
 stdin carries one line with the three lengths (the first script, the second, the first
 script's data; ten digits each), then both scripts and that data. The first script
-runs with exactly that data as its stdin; once it has exited 0, the host prints
+runs (in a subshell, no arguments) with exactly that data as its stdin; once it has
+exited 0, the host prints
 ``tpu-portal-step=done`` and waits for one line: ``go`` runs the second script with the
 rest of stdin as its data; anything else, or the end of stdin (the portal went away),
 ends the run with nothing more done.
@@ -65,17 +68,19 @@ log = logging.getLogger(__name__)
 # Every program started costs the host about a millisecond of CPU (on a VM, the
 # loader's CPUID probes trap to the hypervisor), times every worker of a pod: the
 # lengths are a line the shell reads itself (no program).
-_BOOTSTRAP = 'set -eu; read -r n; s=$(head -c "$n"); exec /bin/sh -c "$s" "$0"'
+# The scripts run in the shell that read them (eval): no shell of their own to start.
+# Its own names begin tpu_, which no script uses; neither sees an argument.
+_BOOTSTRAP = 'set -eu; read -r tpu_n; tpu_s=$(head -c "$tpu_n"); eval "$tpu_s"'
 _TWO_STEPS = (
-    'set -eu; read -r n m k; a=$(head -c "$n"); b=$(head -c "$m"); '
-    'head -c "$k" | /bin/sh -c "$a" "$0"; '
-    'echo tpu-portal-step=done; read -r word || word=""; [ "$word" = go ] || exit 0; '
-    'exec /bin/sh -c "$b" "$1"'
+    'set -eu; read -r tpu_n tpu_m tpu_k; tpu_a=$(head -c "$tpu_n"); '
+    'tpu_b=$(head -c "$tpu_m"); set --; head -c "$tpu_k" | eval "$tpu_a"; '
+    'echo tpu-portal-step=done; read -r tpu_word || tpu_word=""; '
+    '[ "$tpu_word" = go ] || exit 0; eval "$tpu_b"'
 )
 _PREPARED = (
-    'set -eu; read -r n m k; a=$(head -c "$n"); b=$(head -c "$m"); '
-    'head -c "$k" | /bin/sh -c "$a" "$0"; echo tpu-portal-step=done; '
-    'exec /bin/sh -c "$b" "$1"'
+    'set -eu; read -r tpu_n tpu_m tpu_k; tpu_a=$(head -c "$tpu_n"); '
+    'tpu_b=$(head -c "$tpu_m"); set --; head -c "$tpu_k" | eval "$tpu_a"; '
+    'echo tpu-portal-step=done; eval "$tpu_b"'
 )
 _STEP_DONE = b"tpu-portal-step=done\n"
 _RESULT_LINE = re.compile(r"^([a-z][a-z0-9_.-]*)=(.*)$")

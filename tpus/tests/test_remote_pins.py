@@ -60,8 +60,8 @@ def test_no_pins_is_false():
 def test_the_command_line_is_a_constant_that_carries_no_data():
     command = command_for(scripts.load("whoami.sh"))
     assert command == (
-        'sudo -n -- /bin/sh -c \'set -eu; read -r n; s=$(head -c "$n"); '
-        'exec /bin/sh -c "$s" "$0"\' whoami.sh'
+        'sudo -n -- /bin/sh -c \'set -eu; read -r tpu_n; tpu_s=$(head -c "$tpu_n"); '
+        'eval "$tpu_s"\' whoami.sh'
     )
 
 
