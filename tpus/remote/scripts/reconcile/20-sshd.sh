@@ -15,8 +15,9 @@ if [ -n "$series" ]; then
         die "$VERSION_DIR exists and is not a folder"
     fi
     [ -d "$VERSION_DIR" ] || mkdir -m 0711 "$VERSION_DIR"
-    [ "$(stat -c '%u' "$VERSION_DIR")" = 0 ] || die "$VERSION_DIR does not belong to root"
-    chmod 0711 "$VERSION_DIR"
+    owner_mode=$(stat -c '%u %a' "$VERSION_DIR")
+    [ "${owner_mode% *}" = 0 ] || die "$VERSION_DIR does not belong to root"
+    [ "${owner_mode#* }" = 711 ] || chmod 0711 "$VERSION_DIR"
     seen_series="" seen_version=""
     if [ -f "$VERSION_DIR/version" ] && [ ! -L "$VERSION_DIR/version" ]; then
         read -r seen_series seen_version _ <"$VERSION_DIR/version" || true
@@ -31,8 +32,7 @@ if [ -n "$series" ]; then
         exit 0
     fi
     if [ "$seen_series $seen_version" != "$series $version" ]; then
-        echo "$series $version" >"$work/version"
-        replace_file "$VERSION_DIR/version" "$work/version" 600 || true
+        replace_text "$VERSION_DIR/version" "$series $version" 600
     fi
 fi
 
