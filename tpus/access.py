@@ -272,12 +272,18 @@ def get_own_job(user, job_id: int):
     404, whoever administers what."""
     from tpus.models import Job
 
+    # Read once, with all its object shows (followed by a client every few tenths of
+    # a second while it starts): the person's own job needs no more than the lab's
+    # membership and, on a VM, that they may still see the VM.
+    jobs = Job.objects.select_related("vm__lab", "lab", "user__unix_account", "snapshot")
     try:
-        job = Job.objects.select_related("vm__lab", "lab").get(pk=job_id, user=user)
+        job = jobs.get(pk=job_id, user=user)
     except (Job.DoesNotExist, ValueError, TypeError):
         raise Http404("No such job.") from None
     lab = get_member_lab(user, (job.vm.lab if job.vm_id else job.lab).slug)
-    return get_lab_job_for_viewer(user, lab, job.pk)
+    if job.vm_id is not None and not viewable_vms(user, lab).filter(pk=job.vm_id).exists():
+        raise Http404("No such job.")
+    return job
 
 
 CANCEL_REFUSED = "Only the person who submitted a job and the lab's admins can cancel it."

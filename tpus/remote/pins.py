@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,8 +37,11 @@ def _inner_type(blob: bytes) -> str:
     return blob[4 : 4 + length].decode("ascii", errors="replace")
 
 
+@functools.lru_cache(maxsize=4096)
 def canonical(line: str) -> str:
-    """``"<type> <base64>"`` from one public key line (a trailing comment is dropped)."""
+    """``"<type> <base64>"`` from one public key line (a trailing comment is dropped).
+    Remembered by line (a refused line is checked again): every pass over a pod reads
+    each worker's pins, and loading a key to check it costs about a millisecond."""
     if any(ch in line for ch in "\r\n\0"):
         raise InvalidHostKey("a host key must be one line")
     parts = line.split()

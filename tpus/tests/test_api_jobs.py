@@ -284,6 +284,36 @@ def test_a_job_in_another_lab_or_a_lab_i_left_is_a_404_at_my_jobs(client, scene,
     assert client.get(f"/api/v1/me/jobs/{mine.pk}", **_auth(scene.milo)).status_code == 404
 
 
+@pytest.mark.parametrize("workers", [2, 16])
+def test_my_pod_job_is_read_in_the_same_five_queries_whatever_its_workers(
+    client, scene, django_assert_num_queries, workers
+):
+    vm = make_vm(scene.lab, "pod1", workers=workers)
+    Grant.objects.create(user=scene.milo, vm=vm, state="active")
+    rows = [["chips", "ok", "4 of 4 at /dev/accel*"], ["python", "ok", "jax 0.4.35"]]
+    job = make_job(vm, scene.milo, "running", preflight={str(i): rows for i in range(workers)})
+    url, headers = f"/api/v1/me/jobs/{job.pk}", _auth(scene.milo)
+    client.get(url, **headers)  # the token's first use is recorded
+    # The token, the job (with its VM, lab, owner and snapshot), the person's lab, that
+    # they may see the VM, the parts (with their workers).
+    with django_assert_num_queries(5):
+        body = client.get(url, **headers).json()
+    assert [p["alias"] for p in body["parts"]] == [f"pod1-w{i}" for i in range(workers)]
+    last = body["parts"][-1]
+    assert last["outcome"] == "running" and last["pid"] == 4000 + workers - 1
+    assert last["log_url"].endswith(f"/jobs/{job.pk}/workers/{workers - 1}/log")
+    assert len(body["preflight"]) == 2 * workers
+    assert body["preflight"][-1] == {
+        "worker": workers - 1, "check": "python", "status": "ok", "detail": "jax 0.4.35"
+    }  # fmt: skip
+
+
+def test_my_job_on_a_vm_i_may_no_longer_see_is_a_404(client, scene):
+    job = make_job(scene.vm, scene.milo, "succeeded")
+    Grant.objects.filter(user=scene.milo, vm=scene.vm).update(state="revoked")
+    assert client.get(f"/api/v1/me/jobs/{job.pk}", **_auth(scene.milo)).status_code == 404
+
+
 def _ended(part, when, *, status=None, signal=""):
     part.exit_status, part.signal = status, signal
     part.ended_at = timezone.now() - timezone.timedelta(seconds=when)

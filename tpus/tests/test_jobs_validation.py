@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tpus.models import Job
+from portal.audit import AuditAction
+from tpus.models import AuditEvent, Job, JobWorker
 from tpus.models.jobs import JobState
 from tpus.remote import RemoteError, ScriptResult, WorkerOutcome
 from tpus.services import job_engine, jobs
@@ -190,3 +191,93 @@ def test_a_job_whose_pre_flight_was_cut_short_again_and_again_is_rejected_saying
     assert job.state == JobState.REJECTED and report.ended == [job.pk]
     assert job.reason.startswith("The pre-flight was cut short 3 times")
     assert "Run the job again" in job.reason
+
+
+# --- the start round, as the pass records it ------------------------------------------
+
+
+class Started(Held):
+    """Every worker passed its pre-flight; the word to start gets ``answers``."""
+
+    def __init__(self, first, answers):
+        super().__init__(first)
+        self.answers = answers
+
+    def go(self, data=b""):
+        return [
+            WorkerOutcome(None, error=a) if isinstance(a, RemoteError) else WorkerOutcome(None, a)
+            for a in self.answers
+        ]
+
+
+class NoHosts:
+    """The pass's workers when nothing is left to stop on them."""
+
+    workers: list = []
+
+
+def started(pid: int, boot_id: str = "boot-1", at: float = 1_800_000_000.5) -> ScriptResult:
+    pairs = [("start", "started"), ("pid", str(pid)), ("boot_id", boot_id),
+             ("started_at", str(at))]  # fmt: skip
+    return ScriptResult(None, "job-start.sh", 0, pairs=pairs)
+
+
+def start(job: Job, answers) -> job_engine.PassReport:
+    """The pass from the workers' passed pre-flight on: the word, and what each
+    worker's start answered (a list, or a ``Started``). The job's parts are as its
+    begin made them."""
+    workers = list(job.vm.workers.order_by("index"))
+    JobWorker.objects.bulk_create(JobWorker(job=job, worker=w, index=w.index) for w in workers)
+    Job.objects.filter(pk=job.pk).update(state=JobState.VALIDATING)
+    job.refresh_from_db()
+    report = job_engine.PassReport(job.vm_id)
+    held = answers if isinstance(answers, Started) else Started(None, answers)
+    held.first = [WorkerOutcome(None, passing())] * len(workers)
+    job_engine._judge_and_start(job, job.vm, workers, NoHosts(), held, report)
+    job.refresh_from_db()
+    return report
+
+
+def test_every_worker_started_makes_the_job_running_with_each_workers_process(scene, pod):
+    job = make_job(pod, scene.milo, "queued")
+    report = start(job, [started(100 + i, boot_id=f"boot-{i}") for i in range(4)])
+    assert job.state == JobState.RUNNING and job.started_at is not None
+    assert report.started == [job.pk] and report.ended == []
+    parts = list(job.parts.order_by("index"))
+    assert [(p.state, p.pid, p.boot_id, p.error) for p in parts] == [
+        ("running", 100 + i, f"boot-{i}", "") for i in range(4)
+    ]
+    assert {p.started_at.timestamp() for p in parts} == {1_800_000_000.5}
+    event = AuditEvent.objects.get(action=AuditAction.JOB_STARTED)
+    assert event.target_user == scene.milo and event.lab == scene.lab
+    assert event.summary == f"job {job.pk} on pod5, 4 worker(s)"
+    assert event.data == {"job": job.pk, "vm": pod.pk}
+
+
+def test_a_worker_that_refused_to_start_fails_the_job_and_says_why_on_its_part(scene, pod):
+    job = make_job(pod, scene.milo, "queued")
+    refused = ScriptResult(None, "job-start.sh", 0, pairs=[("start", "refused busy j7")])
+    report = start(job, [started(100), started(101), refused, started(103)])
+    assert job.state == JobState.FAILED and report.ended == [job.pk]
+    assert job.reason == (
+        "It could not start on worker 2 (pod5-w2): the TPU is held by another job (j7)"
+    )
+    parts = {p.index: p for p in job.parts.all()}
+    assert parts[2].state == "not_started" and parts[2].pid is None
+    assert parts[2].error == "the TPU is held by another job (j7)"
+    assert (parts[3].state, parts[3].pid, parts[3].error) == ("running", 103, "")
+    assert not AuditEvent.objects.filter(action=AuditAction.JOB_STARTED).exists()
+
+
+def test_a_cancel_that_came_during_the_start_round_leaves_the_job_cancelling(scene, pod):
+    job = make_job(pod, scene.milo, "queued")
+
+    def cancelled_meanwhile(data=b""):
+        jobs.cancel_job(Job.objects.get(pk=job.pk), scene.milo)
+        return Started.go(held, data)
+
+    held = Started(None, [started(100 + i) for i in range(4)])
+    held.go = cancelled_meanwhile
+    report = start(job, held)
+    assert job.state == JobState.CANCELLING and report.started == [job.pk]
+    assert set(job.parts.values_list("state", flat=True)) == {"running"}
