@@ -186,7 +186,7 @@ def _placed_here(vm_id: int) -> bool:
     vm = TpuVm.objects.filter(pk=vm_id).values("lab_id", "accelerator_type").first()
     if vm is None or not vm["accelerator_type"]:
         return False
-    placed = scheduler.place(vm["lab_id"], vm["accelerator_type"])
+    placed = scheduler.place(vm["lab_id"], vm["accelerator_type"], in_pass_of=vm_id)
     return any(p.vm_id == vm_id for p in placed)
 
 
