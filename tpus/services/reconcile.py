@@ -289,6 +289,20 @@ def reconcile_vm(vm_id: int) -> ReconcileReport:
     return report
 
 
+def up_to_date(vm_id: int) -> bool:
+    """Every worker of the VM has applied its desired version, and none has an error
+    standing (a run now would apply nothing)."""
+    desired = TpuVm.objects.filter(pk=vm_id).values_list("desired_version", flat=True).first()
+    rows = list(
+        Worker.objects.filter(vm_id=vm_id).values_list("sync__applied_version", "sync__last_error")
+    )
+    return (
+        desired is not None
+        and bool(rows)
+        and all(applied is not None and applied >= desired and not error for applied, error in rows)
+    )
+
+
 def _outcome(report: ReconcileReport) -> str:
     """The reconcile's outcome as ``portal_reconcile_duration_seconds`` labels it."""
     if report.busy:
