@@ -92,9 +92,10 @@ class PassReport:
 
 
 def vms_with_jobs() -> list[int]:
-    """The VMs the job poll visits: a job holds their place, or one waits in line."""
+    """The VMs the job poll visits: a job holds their place, or one waits in line (a
+    pool job waiting without a VM has none to visit: placement gives it one)."""
     return list(
-        Job.objects.filter(state__in=[*ACTIVE_STATES, *WAITING_STATES])
+        Job.objects.filter(state__in=[*ACTIVE_STATES, *WAITING_STATES], vm__isnull=False)
         .values_list("vm_id", flat=True)
         .distinct()
         .order_by("vm_id")
