@@ -60,13 +60,19 @@ def _install_probes() -> None:
         if _done:
             return
         from tpus.remote import Held, ssh
-        from tpus.services import job_engine, reconcile
+        from tpus.services import emails, job_engine, reconcile, scheduler
 
         _timed(ssh, "_connect", "connect", lambda worker, *_: {"worker": str(worker)})
         _timed(ssh.Connection, "run", "run", lambda conn, *_: {"worker": str(conn.worker)})
         _timed(reconcile, "run_on_workers", "fanout", lambda workers, *_: {"n": len(workers)})
         _timed(reconcile, "settle_grants", "settle", lambda vm_id, *_: {"vm": vm_id})
         _timed(reconcile, "_run_once", "run_once", lambda vm_id, *_: {"vm": vm_id})
+        # Putting a grant in force (its audit and email with it), and the placement of
+        # pool jobs (``bench/elastic.py``).
+        _timed(reconcile, "_activate", "activate", lambda grant, *_: {"grant": grant.pk})
+        _timed(scheduler, "place", "place", lambda lab_id, *_: {"lab": lab_id})
+        _timed(emails, "send_grant_email", "grant_email", lambda grant_id, *_: {"grant": grant_id})
+        _timed(job_engine, "_begin", "job_begin", lambda job, *_: {"job": job.pk})
         # A job's start: every worker's pre-flight (until the last answered), then the
         # word to start and the start answers (``bench/jobstart.py``).
         _timed(job_engine._Hosts, "begin", "job_preflight", lambda hosts, *_: {"vm": hosts.vm.pk})

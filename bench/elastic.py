@@ -190,7 +190,34 @@ class ElasticBench:
             "→ placed": (row.placed_at - grant.activated_at).total_seconds(),
             "→ running": (end - row.placed_at).total_seconds(),
         }
+        self._timeline("elastic", t0.timestamp(), end.timestamp(), {
+            "submitted": t0, "pool asked": made.created_at, "sent": made.sent_at,
+            "waiting": made.waiting_since, "VM in lab": made.ready_at,
+            "grant active": grant.activated_at, "placed": row.placed_at, "running": end,
+        })  # fmt: skip
         return (end - t0).total_seconds(), parts, row
+
+    def _timeline(self, what: str, start: float, end: float, rows: dict) -> None:
+        """With ``--timeline``: the rows' times and every task the worker ran between
+        ``start`` and ``end``, in seconds from ``start`` (what ran when, and on which
+        worker process)."""
+        if not self.args.timeline:
+            return
+        self.stack.events.wait_idle(timeout=3)
+        lines = [(t.timestamp() - start, f"row  {k}") for k, t in rows.items() if t]
+        for e in self.stack.events.between(start - 0.05, end + 0.05):
+            if e["kind"] == "task_start":
+                name = e["task"].rsplit(".", 1)[-1]
+                lines.append((e["t"] - start, f"{e['pid']} > {name}{tuple(e['args'])}"))
+            elif e["kind"] == "task_end":
+                name = e["task"].rsplit(".", 1)[-1]
+                lines.append((e["t"] - start, f"{e['pid']} < {name}"))
+            elif "start" in e:
+                lines.append((e["start"] - start, f"{e['pid']}   {e['kind']} "
+                              f"{e['end'] - e['start']:.3f} s"))  # fmt: skip
+        print(f"  -- {what}")
+        for at, text in sorted(lines):
+            print(f"  {at:7.3f}  {text}")
 
     def parts(self) -> dict:
         from tpus.models import Grant, VmRequest
@@ -210,6 +237,11 @@ class ElasticBench:
         )
         job = self._submit()
         row = self._running(job)
+        self._timeline("parts", made.created_at.timestamp(), row.started_at.timestamp(), {
+            "asked": made.created_at, "sent": made.sent_at, "waiting": made.waiting_since,
+            "VM in lab": made.ready_at, "grant active": grant.activated_at,
+            "submitted": row.queued_at, "placed": row.placed_at, "running": row.started_at,
+        })  # fmt: skip
         self._end(row)
         return {
             "capacity + create": (made.ready_at - made.created_at).total_seconds(),
@@ -236,12 +268,27 @@ class ElasticBench:
         )
         return (event.created_at - limit).total_seconds()
 
-    def _delete_admin_vm(self, vm_id: int) -> None:
+    def _delete_admin_vm(self, vm_id: int) -> str:
         from tpus.models import TpuVm
         from tpus.services import vm_lifecycle
 
         vm = TpuVm.objects.get(pk=vm_id)
         vm_lifecycle.delete_vm(self.admin, vm, vm.name)
+        return vm.name
+
+    def _quiet(self, names: set[str]) -> None:
+        """Until the VMs just deleted are gone at Google and the machines they gave back
+        are made new (seconds of work per host, in this process's agent thread): the
+        next repetition's journey then runs as its parts do, with nothing of the last
+        repetition still running beside it."""
+        controls = self.emulator.controls
+
+        def quiet() -> bool:
+            nodes = controls.show().get("nodes", {})
+            there = {name.rsplit("/", 1)[-1] for name in nodes}
+            return not (there & names) and not controls.released_hosts()
+
+        self._until("the deleted VMs' machines made new", quiet, timeout=TIMEOUT)
 
     def run(self) -> None:
         totals, sums, shrinks, rows_a, rows_b = [], [], [], [], []
@@ -250,7 +297,8 @@ class ElasticBench:
             self._end(job)
             parts_b = self.parts()
             delay = self.shrink(job.vm_id)
-            self._delete_admin_vm(parts_b.pop("vm"))
+            deleted = {job.vm.name, self._delete_admin_vm(parts_b.pop("vm"))}
+            self._quiet(deleted)
             base = sum(parts_b.values())
             totals.append(total)
             sums.append(base)
@@ -303,6 +351,9 @@ def main(argv=None) -> int:
     parser.add_argument("--every", type=int, default=5, help="PORTAL_ELASTIC_POOL_SECONDS")
     parser.add_argument("--follow", type=int, default=2, help="PORTAL_VM_REQUEST_POLL_SECONDS")
     parser.add_argument("--poll", type=int, default=5, help="PORTAL_JOB_POLL_SECONDS")
+    parser.add_argument(
+        "--timeline", action="store_true", help="print each repetition's rows and tasks in time"
+    )
     args = parser.parse_args(argv)
     args.reps = max(1, min(args.reps, 10))
     return run_on_fleet(ElasticBench(args))

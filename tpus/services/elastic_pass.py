@@ -3,9 +3,10 @@ the one way a VM is asked for (``vm_requests.store``: a queued request, the chip
 claimed with the lab's row locked), and deletes a VM it made that sat idle past its
 limit through the portal's own deletion (``vm_lifecycle.delete_idle_vm``).
 
-It runs on the beat (``PORTAL_ELASTIC_POOL_SECONDS``) for every pool, and soon after a
-pool job is submitted that no VM took (``queue.check_elastic_pool``). Nothing in it
-waits on Google: a request's call and its follow-up are the request's own tasks.
+It runs on the beat (``PORTAL_ELASTIC_POOL_SECONDS``) for every pool; a pool job
+submitted that no VM took grows its kind's pool in the submit's own transaction
+(``grow_kind``), so the request is sent with the job's commit. Nothing in it waits on
+Google: a request's call and its follow-up are the request's own tasks.
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ def check_kind(lab_id: int, accelerator_type: str) -> None:
     ).first()
     if pool is not None:
         check(pool.pk)
+
+
+def grow_kind(lab_id: int, accelerator_type: str) -> list[int]:
+    """Grow the kind's pool, if the lab has one switched on (``grow``): what a submit
+    that no free VM took does before it commits. Returns the requests made."""
+    pool_id = (
+        ElasticPool.objects.filter(lab_id=lab_id, accelerator_type=accelerator_type, enabled=True)
+        .values_list("pk", flat=True)
+        .first()
+    )
+    return [] if pool_id is None else grow(pool_id)
 
 
 def grow(pool_id: int) -> list[int]:

@@ -92,9 +92,10 @@ class PassReport:
 
 
 def vms_with_jobs() -> list[int]:
-    """The VMs the job poll visits: a job holds their place, or one waits in line."""
+    """The VMs the job poll visits: a job holds their place, or one waits in line (a
+    pool job waiting without a VM has none to visit: placement gives it one)."""
     return list(
-        Job.objects.filter(state__in=[*ACTIVE_STATES, *WAITING_STATES])
+        Job.objects.filter(state__in=[*ACTIVE_STATES, *WAITING_STATES], vm__isnull=False)
         .values_list("vm_id", flat=True)
         .distinct()
         .order_by("vm_id")
@@ -188,7 +189,7 @@ def _placed_here(vm_id: int) -> bool:
     vm = TpuVm.objects.filter(pk=vm_id).values("lab_id", "accelerator_type").first()
     if vm is None or not vm["accelerator_type"]:
         return False
-    placed = scheduler.place(vm["lab_id"], vm["accelerator_type"])
+    placed = scheduler.place(vm["lab_id"], vm["accelerator_type"], in_pass_of=vm_id)
     return any(p.vm_id == vm_id for p in placed)
 
 

@@ -17,7 +17,7 @@ from pathlib import PurePosixPath
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from portal import audit
@@ -432,9 +432,25 @@ def submit_pool_job(
         # A free VM of the kind takes it at once: its pass is queued with the commit.
         placed = scheduler.place(lab.pk, kind.accelerator_type)
         if not any(p.job_id == job.pk for p in placed):
-            # None free: the kind's elastic pool, if on, may ask for one.
-            queue.check_elastic_pool(lab.pk, kind.accelerator_type)
+            # None free: the kind's elastic pool, if on, asks for one now (the lab's row
+            # is locked already), and its request is sent with this commit.
+            _grow_pool(lab.pk, kind.accelerator_type)
     return job
+
+
+def _grow_pool(lab_id: int, accelerator_type: str) -> None:
+    """The kind's elastic pool looks at the jobs no VM takes, in the submit's
+    transaction. A look that fails does not fail the submit: it is undone alone and
+    left to the pool's own task, queued with the commit."""
+    # Imported here: the pool's pass reaches the VMs' deletion, which imports this module.
+    from tpus.services import elastic_pass
+
+    try:
+        with transaction.atomic():
+            elastic_pass.grow_kind(lab_id, accelerator_type)
+    except DatabaseError:
+        log.exception("the %s elastic pool's look at a submit failed", accelerator_type)
+        queue.check_elastic_pool(lab_id, accelerator_type)
 
 
 def _move_fields(lost: Job, why: str, what: str) -> dict:

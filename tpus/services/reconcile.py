@@ -26,7 +26,6 @@ from accounts.unix import mark_names_provisioned
 from portal import audit
 from portal.metrics import histograms
 from portal.metrics.histograms import RECONCILE_DURATION, REVOKE_DURATION
-from tpus import queue
 from tpus.models import (
     AuditAction,
     ConnectionState,
@@ -43,7 +42,7 @@ from tpus.models.jobs import JobState
 from tpus.models.labs import MembershipState
 from tpus.remote import HostKeyMismatch, RemoteError, run_on_workers
 from tpus.remote.desired import DesiredState, DesiredUser, encode
-from tpus.services import connect, disk_mounts, emails, leases, made_anew
+from tpus.services import connect, disk_mounts, emails, leases, made_anew, scheduler
 from tpus.services.hostkey_alarms import raise_alarm
 from tpus.services.hosts import remote_worker
 from tpus.services.labkeys import login_for
@@ -288,6 +287,20 @@ def reconcile_vm(vm_id: int) -> ReconcileReport:
         _release(vm_id, token)
         histograms.observe(RECONCILE_DURATION, time.monotonic() - started, outcome=outcome)
     return report
+
+
+def up_to_date(vm_id: int) -> bool:
+    """Every worker of the VM has applied its desired version, and none has an error
+    standing (a run now would apply nothing)."""
+    desired = TpuVm.objects.filter(pk=vm_id).values_list("desired_version", flat=True).first()
+    rows = list(
+        Worker.objects.filter(vm_id=vm_id).values_list("sync__applied_version", "sync__last_error")
+    )
+    return (
+        desired is not None
+        and bool(rows)
+        and all(applied is not None and applied >= desired and not error for applied, error in rows)
+    )
 
 
 def _outcome(report: ReconcileReport) -> str:
@@ -575,10 +588,11 @@ def settle_grants(vm_id: int) -> None:
             _fail(grant, "; ".join(f"{alias}: {err}" for alias, err in sorted(hard_errors.items())))
         elif grant.version <= applied and _activate(grant, now):
             activated = True
-    if activated and _pool_jobs_wait_for(vm_id):
+    kind = _pool_jobs_wait_for(vm_id) if activated else None
+    if kind is not None:
         # A job for any VM of this kind may run here now (a VM just made for it by the
-        # elastic pool): the VM's pass places it, not the next poll.
-        queue.advance_jobs(vm_id)
+        # elastic pool): it is placed now, and the pass that starts it queued at once.
+        scheduler.place(*kind)
     revoking = Grant.objects.filter(vm_id=vm_id, state=GrantState.REVOKING, version__lte=applied)
     for grant in revoking.select_related("user", "vm__lab"):
         # The email is in the outbox in the same transaction as the change it tells of.
@@ -602,18 +616,18 @@ def _tell_back(vm_id: int, applied: int) -> None:
             emails.send_vm_back(vm_id)
 
 
-def _pool_jobs_wait_for(vm_id: int) -> bool:
-    """Jobs of the VM's lab wait for any VM of its type."""
+def _pool_jobs_wait_for(vm_id: int) -> tuple[int, str] | None:
+    """The VM's (lab, type) when jobs of its lab wait for any VM of its type."""
     vm = TpuVm.objects.filter(pk=vm_id).values("lab_id", "accelerator_type").first()
-    return (
-        bool(vm and vm["accelerator_type"])
-        and Job.objects.filter(
-            lab_id=vm["lab_id"],
-            vm__isnull=True,
-            state=JobState.QUEUED,
-            accelerator_type=vm["accelerator_type"],
-        ).exists()
-    )
+    if not (vm and vm["accelerator_type"]):
+        return None
+    waiting = Job.objects.filter(
+        lab_id=vm["lab_id"],
+        vm__isnull=True,
+        state=JobState.QUEUED,
+        accelerator_type=vm["accelerator_type"],
+    ).exists()
+    return (vm["lab_id"], vm["accelerator_type"]) if waiting else None
 
 
 def _activate(grant: Grant, now) -> bool:

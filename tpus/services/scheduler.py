@@ -420,9 +420,12 @@ def job_text(job: JobRow) -> str:
 # --- doing it ------------------------------------------------------------------------
 
 
-def place(lab_id: int, accelerator_type: str | None = None) -> list[Placement]:
+def place(
+    lab_id: int, accelerator_type: str | None = None, *, in_pass_of: int | None = None
+) -> list[Placement]:
     """Give the lab's waiting pool jobs (of one kind, or all) the free VMs they may
-    run on, and queue each VM's pass to start its job. Returns what was placed."""
+    run on, and queue each VM's pass to start its job; a VM whose own pass is placing
+    (``in_pass_of``) starts its job in that pass. Returns what was placed."""
     with transaction.atomic():
         # One placement of a lab at a time, for its few queries: two cannot both see a
         # VM free and give it a job each.
@@ -449,7 +452,8 @@ def place(lab_id: int, accelerator_type: str | None = None) -> list[Placement]:
         )
         placed = [p for p in decided if (p.job_id, p.vm_id) in taken]
         for placement in placed:
-            queue.advance_jobs(placement.vm_id)
+            if placement.vm_id != in_pass_of:
+                queue.advance_jobs(placement.vm_id)
         _tell_moved([p.job_id for p in placed])
     return placed
 

@@ -17,6 +17,10 @@ def reconcile_vm(self, vm_id: int) -> None:
     """Make every worker of a VM match the database (see tpus.services.reconcile)."""
     if not TpuVm.objects.filter(pk=vm_id).exists():
         return
+    if self.request.retries and reconcile.up_to_date(vm_id):
+        # Tried again for workers that another run has reached meanwhile (a new VM's
+        # key came, its connection check reconciled it): nothing is left to apply.
+        return
     report = reconcile.reconcile_vm(vm_id)
     if report.busy or not report.retryable:
         return

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.test import Client
 from django.utils import timezone
 
@@ -108,11 +108,13 @@ def test_it_grows_by_exactly_what_the_waiting_jobs_need(
         ]
     assert all(job.vm_id is None for job in jobs)
     made = list(pool_requests(lab))
-    # Each submit queued a look at the pool (run in-process here): one VM per job.
+    # Each submit grew the pool in its own transaction: one VM per job, each asked for
+    # as the submit committed (sent at once), with the jobs and chips as they stood.
     assert [r.name for r in made] == ["v4-8-pool-1", "v4-8-pool-2", "v4-8-pool-3"]
     assert all(r.queued and r.provisioning == "spot" and r.requested_by is None for r in made)
     assert {r.state for r in made} == {"waiting"}  # queued at Google: no capacity
-    assert made[0].elastic_reason == "3 jobs wait; allowance 0 of 5 spot v4-8 in use"
+    assert made[0].elastic_reason == "1 job waits; allowance 0 of 5 spot v4-8 in use"
+    assert made[1].elastic_reason == "2 jobs wait; allowance 1 of 5 spot v4-8 in use"
     assert made[2].elastic_reason == "3 jobs wait; allowance 2 of 5 spot v4-8 in use"
     elastic_pass.run_all()
     elastic_pass.run_all()
@@ -123,6 +125,30 @@ def test_it_grows_by_exactly_what_the_waiting_jobs_need(
     Job.objects.filter(pk=jobs[0].pk).update(state="cancelled")
     elastic_pass.run_all()
     assert pool_requests(lab).count() == 3
+
+
+def test_a_submit_asks_in_its_own_transaction_and_a_failed_look_falls_back(
+    cast, lab, monkeypatch, django_capture_on_commit_callbacks
+):
+    switch_on(cast, lab)
+    with django_capture_on_commit_callbacks(execute=False) as sent:
+        submit_pool_job(cast.member, lab, Kind("v4-8"), JobSpec(args=["true"]))
+        # Asked for before the submit's commit; sending it is what the commit queues.
+        (made,) = pool_requests(lab)
+        assert made.state == "requested"
+    assert len(sent) == 1
+    assert AuditEvent.objects.filter(action="elastic_pool.grew", data__request=made.pk).exists()
+    # A look that fails is undone alone: the job stands, and the pool's task asks.
+
+    def broken(lab_id, accelerator_type):
+        VmRequest.objects.update(name="x")  # undone with the look
+        raise DatabaseError("the look failed")
+
+    monkeypatch.setattr(elastic_pass, "grow_kind", broken)
+    with django_capture_on_commit_callbacks(execute=True):
+        second = submit_pool_job(cast.member, lab, Kind("v4-8"), JobSpec(args=["true"]))
+    assert Job.objects.get(pk=second.pk).state == "queued"
+    assert [r.name for r in pool_requests(lab)] == ["v4-8-pool-1", "v4-8-pool-2"]
 
 
 def test_it_grows_only_within_each_persons_chip_limit(cast, lab):

@@ -69,13 +69,15 @@ def test_a_job_waiting_on_an_empty_elastic_pool_runs_on_the_vm_the_pool_made(
         if connection.next_check_at is not None:
             time.sleep(max(0.0, (connection.next_check_at - timezone.now()).total_seconds()))
     assert connection.state == "connected"
-    # The kind grant gave milo an account on the new VM; its reconcile puts it in force
-    # and queues the VM's pass, which places the waiting job there and starts it.
+    # The kind grant gave milo an account on the new VM; its reconcile puts it in force,
+    # places the waiting job there in the same settle and queues the VM's pass, which
+    # starts it.
     with django_capture_on_commit_callbacks(execute=True):
         reconcile.reconcile_vm(vm.pk)
     grant = Grant.objects.get(vm=vm, user=milo)
     assert grant.state == "active" and grant.from_kind_id is not None
     job.refresh_from_db()
+    assert job.vm_id == vm.pk and job.placed_at >= grant.activated_at
     try:
         while job.state != "running" and time.monotonic() < deadline:
             job_engine.advance(vm.pk)

@@ -8,9 +8,9 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from tpus.models import Grant, Job, LabAllowance, TpuVm, Worker
+from tpus.models import Grant, Job, LabAllowance, TpuVm, Worker, WorkerSync
 from tpus.services import grants as grant_services
-from tpus.services import scheduler
+from tpus.services import reconcile, scheduler
 from tpus.services.jobs import JobSpec, Kind, submit_pool_job
 from tpus.services.kind_grants import grant_kind
 from tpus.tests import jobs_support
@@ -84,3 +84,42 @@ def queries_of_a_placement(scene, vms: int) -> int:
 def test_placement_with_kind_grants_costs_the_same_queries_for_any_size(scene, passes):
     scene.vm.delete()
     assert queries_of_a_placement(scene, 2) == queries_of_a_placement(scene, 20)
+
+
+def test_the_settle_that_puts_the_grant_in_force_places_the_waiting_job(scene, passes):
+    """A VM the elastic pool made: once every worker has applied the account the kind
+    grant gave, the settle that puts the grant in force gives the waiting job the VM
+    and queues that VM's pass, which starts it (no later look places it)."""
+    scene.vm.delete()
+    vm = pool_vm(scene.lab, "v4-8-pool-1")
+    grant_kind(scene.admin, scene.lab, scene.milo, "v4-8", sudo=False)
+    grant = Grant.objects.get(vm=vm, user=scene.milo)
+    job = Job.objects.create(
+        lab=scene.lab, user=scene.milo, accelerator_type="v4-8", host_id="k-s", args=["true"]
+    )
+    reconcile.settle_grants(vm.pk)  # no worker has applied it yet
+    assert (Job.objects.get(pk=job.pk).vm_id, passes) == (None, [])
+    for worker in vm.workers.all():
+        WorkerSync.objects.create(worker=worker, applied_version=grant.version)
+    reconcile.settle_grants(vm.pk)
+    grant.refresh_from_db()
+    job.refresh_from_db()
+    assert grant.state == "active" and job.vm_id == vm.pk and job.placed_at is not None
+    assert passes == [vm.pk]
+
+
+def test_a_pass_that_places_on_its_own_vm_queues_no_second_pass(scene, passes):
+    scene.vm.delete()
+    vm = pool_vm(scene.lab, "a-free")
+    other = pool_vm(scene.lab, "b-free")
+    for each in (vm, other):
+        Grant.objects.create(user=scene.milo, vm=each, state="active")
+    for index in range(2):
+        Job.objects.create(
+            lab=scene.lab, user=scene.milo, accelerator_type="v4-8", host_id=f"k-o{index}",
+            args=["true"],
+        )  # fmt: skip
+    placed = scheduler.place(scene.lab.pk, "v4-8", in_pass_of=vm.pk)
+    assert {p.vm_id for p in placed} == {vm.pk, other.pk}
+    # The pass placing starts its own job; the other VM's pass is queued.
+    assert passes == [other.pk]

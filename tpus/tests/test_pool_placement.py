@@ -215,6 +215,11 @@ def test_the_job_poll_places_waiting_pool_jobs(scene, passes):
     job_engine.poll_all()
     job.refresh_from_db()
     assert job.vm_id == scene.vm.pk and scene.vm.pk in passes
+    # A pool job no VM takes waits without one: the poll visits no "VM" for it.
+    passes.clear()
+    pool_job(scene.milo, scene.lab)
+    job_engine.poll_all()
+    assert None not in passes and passes == [scene.vm.pk]
 
 
 def queries_of_a_placement(lab, vms: int, jobs: int, users) -> int:

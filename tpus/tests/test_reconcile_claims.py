@@ -153,3 +153,24 @@ def test_the_desired_state_carries_the_vms_series_and_version(vm):
     state = reconcile.desired_state(vm)
     assert state.version == 7
     assert state.series == f"vm{vm.pk}-{int(vm.created_at.timestamp() * 1_000_000)}"
+
+
+def test_a_retry_finds_the_workers_reached_meanwhile_and_runs_no_more(make_lab):
+    """A new VM's first reconcile met workers that had not taken the lab's key yet and
+    asked to try again; the connection check's reconcile reached them meanwhile. The
+    retry has nothing to apply and contacts no worker; once the VM must change again,
+    a retry runs."""
+    from tpus.models import AuditEvent, WorkerSync
+    from tpus.tasks.hosts import reconcile_vm
+    from tpus.tests.jobs_support import make_vm
+
+    vm = make_vm(make_lab())
+    TpuVm.objects.filter(pk=vm.pk).update(desired_version=3)
+    (worker,) = vm.workers.all()
+    WorkerSync.objects.create(worker=worker, applied_version=3)
+    reconcile_vm.apply(args=(vm.pk,), retries=1)
+    assert not AuditEvent.objects.filter(action="vm.reconciled").exists()
+    assert WorkerSync.objects.get(worker=worker).last_attempt_at is None
+    TpuVm.objects.filter(pk=vm.pk).update(desired_version=4)
+    reconcile_vm.apply(args=(vm.pk,), retries=1)
+    assert AuditEvent.objects.filter(action="vm.reconciled", data__vm=vm.pk).exists()
