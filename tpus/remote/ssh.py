@@ -38,6 +38,45 @@ while the other workers still check, and reads the word itself)::
 
 stdin is the same, then the second script's data; the word (``go`` and what the
 second script wants with it) comes after that, and the second script reads it.
+
+The kept shell. Each exec above costs the worker sshd's session, the account's login
+shell, sudo (PAM, sudoers) and a shell: about 11-13 ms of its CPU per run, most of a
+job start's. So a kept connection (``kept``) keeps one root shell open on one channel,
+started by the connection's first run the same way::
+
+    sudo -n -- /bin/sh -c '<_SHELL>' tpu-portal-shell
+
+and each later run of the connection sends it one request on that channel's stdin
+instead of opening an exec: a line (a kind, a random 128-bit nonce, the lengths, each
+script's SHA-256), the scripts the shell does not have yet (it keeps each by digest,
+so a script travels and is read once per shell), then the data. The shell runs each
+script in a subshell (``set -eu``, no arguments) with exactly its data as stdin, read
+by ``head -c`` through a pipe (what the script leaves unread is read away), so one
+run's variables, functions, traps, directory, umask, descriptors and ``exit`` never
+reach the next. On both streams it prints ``tpu-portal-run-<nonce>`` before the script
+and ``tpu-portal-end-<nonce>`` (on stdout with the status) after it; the portal reads
+each stream up to its markers. No script sees the nonce (the subshell unsets it), so
+no output can end a run early or give it another status; script and data bytes are
+never part of a command line. Two steps go the same way (kind ``t`` or ``p``, a
+``tpu-portal-step-<nonce>`` marker between them, then ``go <length>`` and the word).
+
+Only where that is safe: data of a known length (bytes; a stream of chunks, whose end
+is the end of stdin, takes an exec of its own beside the shell), one run at a time
+(a shell held by a Step sends another run to an exec). A shell whose run broke, timed
+out or was interrupted goes with its connection (``drop``); one that ended between
+runs is replaced on the same connection; one left between two steps without the word
+is closed (the end of its stdin, as for an exec). It ends when its connection closes,
+and a changed address, host key or generation never meets it (``kept.Key``). On a
+shell that answered before, the run's first marker must come within the connect
+timeout, as a new channel on a kept connection must open within it.
+``PORTAL_REMOTE_KEEP_SHELL`` off: every run in an exec of its own.
+
+It is a root shell reading only what the portal sends on its authenticated channel,
+as trusted as the sudo of each exec was. What a worker's admin sees differs: sudo logs
+the shell's start once per connection, not one line per script. Two smaller
+differences: ``$0`` is ``tpu-portal-shell`` and ``$$`` the shell's pid, not the
+script's; a script killed by a signal answers 128 + the signal's number (a SCRIPT
+error) where an exec answered no status (DISCONNECTED).
 """
 
 from __future__ import annotations
@@ -484,6 +523,7 @@ class Connection:
         run = self._exec(_SHELL_COMMAND, cfg)  # may connect anew: self.client is that one
         shell = _Shell(run, self.worker)
         self.client.shell = shell
+        kept.kept.counted(shells=1)
         return shell
 
     def _let_go_of(self, shell: _Shell) -> None:
@@ -857,6 +897,7 @@ class _Shell:
         as a new channel would have been)."""
         self.busy = True
         self.nonce = secrets.token_hex(16)
+        kept.kept.counted(shell_runs=1)
         fields, bodies = [kind, self.nonce, str(len(data))], []
         for script in scripts:
             digest = hashlib.sha256(script.body).hexdigest()

@@ -17,7 +17,7 @@ from tpus.models import Job, JobWorker, TpuVm
 from tpus.models.jobs import JobState
 from tpus.services import job_engine, jobs
 from tpus.services.grants import grant_access, revoke_access
-from tpus.tests.test_jobs_host import JAX_ENV, POD_PY
+from tpus.tests.test_jobs_host import JAX_ENV, POD_PY, PS, live_processes
 from tpus.tests.test_provisioning import pod  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.fleet
@@ -336,17 +336,8 @@ def test_a_chip_held_outside_the_portal_blocks_the_job_and_names_the_holder(
 
 def processes(pod, host) -> list[str]:  # noqa: F811
     """Every live process on a worker as ``user args``, without the look itself and
-    without sshd's own."""
-    out = sh(pod, host, "ps -e -o stat=,user=,args=")
-    return sorted(
-        " ".join(line.split()[1:])
-        for line in out.splitlines()
-        if not line.split()[0].startswith("Z")
-        and "ps -e -o stat=" not in line
-        # sshd's own (the listener's title counts connections being made; a session
-        # goes a moment after its connection): what counts is what ran under them.
-        and line.split()[2:3] != ["sshd:"]
-    )
+    without sshd's own or the portal's kept shells (``live_processes``)."""
+    return live_processes(sh(pod, host, PS))
 
 
 def settled(pod, host, before: list[str], timeout: float = 15.0) -> list[str]:  # noqa: F811

@@ -33,9 +33,12 @@ def _settled(fleet, host, count) -> int:
 def test_runs_on_a_kept_connection_go_to_one_shell(fleet, fleet_settings, fleet_host):
     worker = worker_for(fleet, fleet_host)
     before = sessions_started(fleet, fleet_host), logins(fleet, fleet_host)
+    counts = kept.counts.shells, kept.counts.shell_runs
 
     results = [run_script(worker, "whoami.sh", HOSTILE) for _ in range(3)]
     outcomes = run_on_workers([worker], "whoami.sh", b"x" * 100_000)
+
+    assert (kept.counts.shells - counts[0], kept.counts.shell_runs - counts[1]) == (1, 4)
 
     assert [r.values["uid"] for r in results] == ["0"] * 3
     assert {r.values["stdin_sha256"] for r in results} == {hashlib.sha256(HOSTILE).hexdigest()}
