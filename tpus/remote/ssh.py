@@ -73,7 +73,9 @@ timeout, as a new channel on a kept connection must open within it.
 
 It is a root shell reading only what the portal sends on its authenticated channel,
 as trusted as the sudo of each exec was. What a worker's admin sees differs: sudo logs
-the shell's start once per connection, not one line per script. Two smaller
+the shell's start once per connection, not one line per script. (An account taken out
+of sudo's group keeps its root shell until the connection closes, as a kept login
+keeps its groups, and sudo with them, until then.) Two smaller
 differences: ``$0`` is ``tpu-portal-shell`` and ``$$`` the shell's pid, not the
 script's; a script killed by a signal answers 128 + the signal's number (a SCRIPT
 error) where an exec answered no status (DISCONNECTED).
@@ -302,9 +304,10 @@ def execute(
 
 
 class Connection:
-    """One SSH connection to a worker that runs scripts one after another (each in its
-    own channel), for work with steps on every worker of a VM (a job's pre-flight, then
-    its start) that should log in once. Connects on the first run, or takes a connection
+    """One SSH connection to a worker that runs scripts one after another (each sent to
+    the connection's kept shell, or in a channel of its own), for work with steps on
+    every worker of a VM (a job's pre-flight, then its start) that should log in once.
+    Connects on the first run, or takes a connection
     kept from an earlier run to the same worker (``kept``), and gives it back there when
     closed; every check of ``execute`` applies. ``keep=False``: a connection of its own,
     made and closed here (for a check that the worker accepts the login now)."""
@@ -910,12 +913,12 @@ class _Shell:
         request = " ".join(fields).encode() + b"\n" + b"".join(bodies) + data + more
         self.exec.restart_clock()
         self.exec.send(request, last=False)
-        found = self.exec.read_to(
+        # What came before the markers is no run's (late output of an earlier run's
+        # leftover process). A shell that ended instead: _read_end finds it ended too.
+        self.exec.read_to(
             self._mark(rb"run"), self._mark(rb"run"),
             within=cfg.connect_timeout if self.runs else 0,
         )  # fmt: skip
-        # None: the shell ended (its status and output: _read_end, from finish).
-        del found
 
     def _read_end(self) -> tuple[int, bytes, bytes]:
         found = self.exec.read_to(self._mark(rb"end", rb" ([0-9]{1,3})\n"), self._mark(rb"end"))

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tpus.remote import RemoteError, Script, Sessions, run_on_workers, run_script, ssh
+from tpus.remote import Login, RemoteError, Script, Sessions, run_on_workers, run_script, ssh
 from tpus.remote.kept import kept
 from tpus.remote.scripts import load
 from tpus.tests.test_remote_transport import HOSTILE, TEST_SCRIPTS, logins, worker_for
@@ -76,6 +76,22 @@ FAKER = Script(
     b"printf 'no newline at the end'\n"
     b"exit 5\n",
 )
+
+
+def test_an_account_without_sudo_is_told_so_as_by_an_exec(fleet, fleet_settings, fleet_host):
+    # The shell's start fails as an exec's sudo did: the run's answer is sudo's reason.
+    user = f"ns{time.monotonic_ns() % 10**8}"
+    key = fleet.admin_public_key
+    fleet.exec(fleet_host.name, ["sh", "-c", f"useradd -m -s /bin/bash {user} && "
+               f"mkdir -m 700 /home/{user}/.ssh && echo '{key}' > /home/{user}/.ssh/authorized_keys"
+               f" && chown -R {user}: /home/{user}/.ssh"])  # fmt: skip
+    worker = worker_for(fleet, fleet_host)
+    worker = worker_for(fleet, fleet_host, login=Login(user, worker.login.key))
+    for _ in range(2):
+        with pytest.raises(RemoteError) as caught:
+            run_script(worker, "whoami.sh", b"x")
+        assert caught.value.kind == RemoteError.SCRIPT and caught.value.exit_status == 1
+        assert "a password is required" in str(caught.value)
 
 
 def test_a_script_cannot_end_its_run_early_or_fake_its_status(fleet, fleet_settings, fleet_host):
