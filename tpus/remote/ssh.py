@@ -911,6 +911,7 @@ class _Shell:
         if kind != "r":
             fields.append(str(len(more)))
         request = " ".join(fields).encode() + b"\n" + b"".join(bodies) + data + more
+        self.exec.timeout = cfg.script_timeout  # today's, not the one it started under
         self.exec.restart_clock()
         self.exec.send(request, last=False)
         # What came before the markers is no run's (late output of an earlier run's

@@ -216,6 +216,17 @@ def test_a_timeout_closes_the_shell_and_the_next_run_starts_another(
     assert _settled(fleet, fleet_host, sessions_started) - before == 1
 
 
+def test_a_shell_started_under_a_longer_timeout_keeps_to_todays(fleet, fleet_settings, fleet_host):
+    worker = worker_for(fleet, fleet_host)
+    run_script(worker, "whoami.sh")  # started under 60 s
+    fleet_settings.PORTAL_REMOTE_SCRIPT_TIMEOUT = 1
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as caught:
+        run_script(worker, Script.from_path(TEST_SCRIPTS / "slow.sh"))
+    assert caught.value.kind == RemoteError.TIMEOUT
+    assert time.monotonic() - started < 5
+
+
 def test_an_interrupted_run_closes_the_shell_and_the_next_run_works(
     fleet, fleet_settings, fleet_host
 ):
