@@ -440,6 +440,11 @@ PORTAL_REMOTE_MAX_PARALLEL = env.integer("PORTAL_REMOTE_MAX_PARALLEL", 32, minim
 # run to the same worker (address, port, login and pinned host keys alike) to use
 # instead of logging in again; 0 closes each when its runs are over.
 PORTAL_REMOTE_KEEP_SECONDS = env.integer("PORTAL_REMOTE_KEEP_SECONDS", 60, minimum=0)
+# On a kept connection, one root shell (started with sudo once) runs the connection's
+# later scripts, each sent to it on stdin, instead of a new exec with its own sudo each
+# (tpus/remote/ssh.py); the worker's sudo log then has one line per connection, not
+# one per script. Off: every script in an exec of its own.
+PORTAL_REMOTE_KEEP_SHELL = env.boolean("PORTAL_REMOTE_KEEP_SHELL", True)
 # Log what would run instead of connecting.
 PORTAL_REMOTE_DRY_RUN = env.boolean("PORTAL_REMOTE_DRY_RUN", False)
 

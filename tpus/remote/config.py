@@ -35,6 +35,7 @@ class RemoteConfig:
     max_parallel: int
     dry_run: bool
     keep_seconds: float = 0.0
+    keep_shell: bool = False
 
 
 def current() -> RemoteConfig:
@@ -45,6 +46,7 @@ def current() -> RemoteConfig:
         max_parallel=int(settings.PORTAL_REMOTE_MAX_PARALLEL),
         dry_run=bool(settings.PORTAL_REMOTE_DRY_RUN),
         keep_seconds=float(settings.PORTAL_REMOTE_KEEP_SECONDS),
+        keep_shell=bool(settings.PORTAL_REMOTE_KEEP_SHELL),
     )
 
 

@@ -122,8 +122,9 @@ class Sessions:
         dry_run: bool | None = None,
         give_up: Callable[[], bool] | None = None,
     ) -> Held:
-        """Run ``first`` on every worker in parallel, each in one exec that then waits
-        for the word to run ``then`` (``ssh.Connection.begin``). The Held answer has
+        """Run ``first`` on every worker in parallel, each in one exec (or one request
+        to the connection's kept shell) that then waits for the word to run ``then``
+        (``ssh.Connection.begin``). The Held answer has
         every worker's first outcome; its ``go`` runs ``then`` everywhere, and leaving
         its ``with`` block without ``go`` stops every worker with nothing more done.
 

@@ -67,6 +67,8 @@ class Counts:
     made: int = 0
     lent: int = 0
     closed_idle: int = 0
+    shells: int = 0  # root shells started on connections (tpus.remote.ssh)
+    shell_runs: int = 0  # runs those shells answered, or began to
 
 
 class KeptConnections:
@@ -104,6 +106,11 @@ class KeptConnections:
     def made(self) -> None:
         with self._lock:
             self.counts.made += 1
+
+    def counted(self, *, shells: int = 0, shell_runs: int = 0) -> None:
+        with self._lock:
+            self.counts.shells += shells
+            self.counts.shell_runs += shell_runs
 
     def give_back(
         self, key: Key, client: paramiko.SSHClient, *, keep_seconds: float, dead_after: float

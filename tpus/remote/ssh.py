@@ -38,15 +38,58 @@ while the other workers still check, and reads the word itself)::
 
 stdin is the same, then the second script's data; the word (``go`` and what the
 second script wants with it) comes after that, and the second script reads it.
+
+The kept shell. Each exec above costs the worker sshd's session, the account's login
+shell, sudo (PAM, sudoers) and a shell: about 11-13 ms of its CPU per run, most of a
+job start's. So a kept connection (``kept``) keeps one root shell open on one channel,
+started by the connection's first run the same way::
+
+    sudo -n -- /bin/sh -c '<_SHELL>' tpu-portal-shell
+
+and each later run of the connection sends it one request on that channel's stdin
+instead of opening an exec: a line (a kind, a random 128-bit nonce, the lengths, each
+script's SHA-256), the scripts the shell does not have yet (it keeps each by digest,
+so a script travels and is read once per shell), then the data. The shell runs each
+script in a subshell (``set -eu``, no arguments) with exactly its data as stdin, read
+by ``head -c`` through a pipe (what the script leaves unread is read away), so one
+run's variables, functions, traps, directory, umask, descriptors and ``exit`` never
+reach the next. On both streams it prints ``tpu-portal-run-<nonce>`` before the script
+and ``tpu-portal-end-<nonce>`` (on stdout with the status) after it; the portal reads
+each stream up to its markers. No script sees the nonce (the subshell unsets it), so
+no output can end a run early or give it another status; script and data bytes are
+never part of a command line. Two steps go the same way (kind ``t`` or ``p``, a
+``tpu-portal-step-<nonce>`` marker between them, then ``go <length>`` and the word).
+
+Only where that is safe: data of a known length (bytes; a stream of chunks, whose end
+is the end of stdin, takes an exec of its own beside the shell), one run at a time
+(a shell held by a Step sends another run to an exec). A shell whose run broke, timed
+out or was interrupted goes with its connection (``drop``); one that ended between
+runs is replaced on the same connection; one left between two steps without the word
+is closed (the end of its stdin, as for an exec). It ends when its connection closes,
+and a changed address, host key or generation never meets it (``kept.Key``). On a
+shell that answered before, the run's first marker must come within the connect
+timeout, as a new channel on a kept connection must open within it.
+``PORTAL_REMOTE_KEEP_SHELL`` off: every run in an exec of its own.
+
+It is a root shell reading only what the portal sends on its authenticated channel,
+as trusted as the sudo of each exec was. What a worker's admin sees differs: sudo logs
+the shell's start once per connection, not one line per script. (An account taken out
+of sudo's group keeps its root shell until the connection closes, as a kept login
+keeps its groups, and sudo with them, until then.) Two smaller
+differences: ``$0`` is ``tpu-portal-shell`` and ``$$`` the shell's pid, not the
+script's; a script killed by a signal answers 128 + the signal's number (a SCRIPT
+error) where an exec answered no status (DISCONNECTED).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import ipaddress
 import logging
 import re
+import secrets
 import select
 import shlex
 import socket
@@ -83,6 +126,89 @@ _PREPARED = (
     'echo tpu-portal-step=done; eval "$tpu_b"'
 )
 _STEP_DONE = b"tpu-portal-step=done\n"
+# The kept shell (module docstring). Each request is one line,
+#   <kind> <nonce> <data length> <script digest> <script length> [<digest> <length> <length>]
+# kind r: one script; t: two steps, the second after the word; p: two steps, the second
+# at once (prepared), with its own data. A script's length is 0 when the shell has it
+# already (it keeps each script it was sent, by digest: no program reads it again).
+# Every script runs in a subshell (set -eu, no arguments) with exactly its data as
+# stdin (head -c through a pipe; what it leaves unread is read away), and the shell
+# prints its markers with the request's nonce on both streams: run before the script,
+# step between two steps, end with the status after. Anything malformed ends the shell.
+_SHELL = r"""
+tpu_num() { case $1 in "" | *[!0-9]*) exit 2 ;; esac; }
+tpu_script() {
+    case $1 in "" | *[!0-9a-f]*) exit 2 ;; esac
+    tpu_num "$2"
+    if [ "$2" -gt 0 ]; then
+        tpu_s=$(head -c "$2")
+        eval "tpu_c_$1=\$tpu_s"
+    else
+        eval "tpu_s=\${tpu_c_$1?}"
+    fi
+}
+tpu_one() {
+    (
+        unset tpu_id
+        set -eu --
+        eval "$tpu_s"
+    )
+    tpu_rc=$?
+    if IFS= read -r tpu_x || [ -n "$tpu_x" ]; then cat >/dev/null; fi
+    return "$tpu_rc"
+}
+tpu_feed() {
+    if [ "$1" -gt 0 ]; then head -c "$1" | tpu_one; else tpu_one </dev/null; fi
+}
+tpu_mark() {
+    printf 'tpu-portal-%s-%s%s\n' "$1" "$tpu_id" "$2"
+    printf 'tpu-portal-%s-%s\n' "$1" "$tpu_id" >&2
+}
+while read -r tpu_kind tpu_id tpu_k tpu_ha tpu_na tpu_hb tpu_nb tpu_j; do
+    case $tpu_id in "" | *[!0-9a-f]*) exit 2 ;; esac
+    tpu_num "$tpu_k"
+    tpu_script "$tpu_ha" "$tpu_na"
+    tpu_a=$tpu_s
+    case $tpu_kind in
+        r) ;;
+        t | p)
+            tpu_script "$tpu_hb" "$tpu_nb"
+            tpu_b=$tpu_s
+            tpu_num "$tpu_j"
+            ;;
+        *) exit 2 ;;
+    esac
+    tpu_mark run ""
+    tpu_s=$tpu_a
+    tpu_feed "$tpu_k"
+    tpu_rc=$?
+    if [ "$tpu_kind" != r ] && [ "$tpu_rc" = 0 ]; then
+        tpu_mark step ""
+        tpu_s=$tpu_b
+        if [ "$tpu_kind" = t ]; then
+            read -r tpu_w tpu_l || exit 0
+            [ "$tpu_w" = go ] || exit 0
+            tpu_num "$tpu_l"
+            tpu_feed "$tpu_l"
+        else
+            {
+                [ "$tpu_j" = 0 ] || head -c "$tpu_j"
+                read -r tpu_w tpu_l && [ "$tpu_w" = go ] && tpu_num "$tpu_l" &&
+                    { [ "$tpu_l" = 0 ] || head -c "$tpu_l"; }
+            } | tpu_one
+        fi
+        tpu_rc=$?
+    elif [ "$tpu_kind" = p ] && [ "$tpu_j" != 0 ]; then
+        head -c "$tpu_j" >/dev/null
+    fi
+    tpu_mark end " $tpu_rc"
+done
+"""
+_SHELL_COMMAND = f"sudo -n -- /bin/sh -c {shlex.quote(_SHELL)} tpu-portal-shell"
+# The longest marker line (with its status), and how much of a stream's end is kept
+# past MAX_OUTPUT_BYTES to find one.
+_MARK_BYTES = 128
+_SPILL_BYTES = 256
 _RESULT_LINE = re.compile(r"^([a-z][a-z0-9_.-]*)=(.*)$")
 MAX_OUTPUT_BYTES = 4 * 1024 * 1024
 # Never offered: CBC and 3DES ciphers, SHA-1 and MD5 MACs, SHA-1 key exchanges.
@@ -178,9 +304,10 @@ def execute(
 
 
 class Connection:
-    """One SSH connection to a worker that runs scripts one after another (each in its
-    own channel), for work with steps on every worker of a VM (a job's pre-flight, then
-    its start) that should log in once. Connects on the first run, or takes a connection
+    """One SSH connection to a worker that runs scripts one after another (each sent to
+    the connection's kept shell, or in a channel of its own), for work with steps on
+    every worker of a VM (a job's pre-flight, then its start) that should log in once.
+    Connects on the first run, or takes a connection
     kept from an earlier run to the same worker (``kept``), and gives it back there when
     closed; every check of ``execute`` applies. ``keep=False``: a connection of its own,
     made and closed here (for a check that the worker accepts the login now)."""
@@ -208,6 +335,9 @@ class Connection:
         if not self.keep:
             client.close()
             return
+        shell = getattr(client, "shell", None)
+        if shell is not None and not shell.idle():
+            shell.close()  # held between two steps, or ended: never lent again
         cfg = remote_config.current()
         kept.kept.give_back(
             self.key(), client, keep_seconds=cfg.keep_seconds, dead_after=cfg.connect_timeout
@@ -253,18 +383,16 @@ class Connection:
             return ScriptResult(self.worker, script.name, 0, dry_run=True)
         started = time.monotonic()
         try:
-            run = self._exec(command_for(script), cfg)
-            if isinstance(data, bytes | bytearray):
-                run.send(framed(script.body) + data, last=True)
+            # Data of a known length goes to the connection's kept shell; a stream to an
+            # exec of its own, whose end is the end of the data.
+            shell = self._shell(cfg) if isinstance(data, bytes | bytearray) else None
+            if shell is not None:
+                status, out, err = shell.run(script, bytes(data), cfg)
+                self._let_go_of(shell)
             else:
-                sending = run.send(framed(script.body), last=False)
-                for chunk in data if sending else ():
-                    if not run.send(chunk, last=False):
-                        break
-                run.send(b"", last=True)
-            status, out, err = run.finish()
+                status, out, err = self._run_exec(script, data, cfg)
         except RemoteError:
-            self.drop()  # a broken connection is not used again
+            self.drop()  # a broken connection (and its shell) is not used again
             raise
         if status != 0:
             # A login keeps the groups it was given (sudo's among them): after a script
@@ -272,6 +400,21 @@ class Connection:
             # the next run logs in anew.
             self.drop()
         return _result(self.worker, script, status, out, err, time.monotonic() - started)
+
+    def _run_exec(
+        self, script: Script, data: bytes | Iterable[bytes], cfg: remote_config.RemoteConfig
+    ) -> tuple[int, bytes, bytes]:
+        """``script`` in an exec of its own: (status, stdout, stderr)."""
+        run = self._exec(command_for(script), cfg)
+        if isinstance(data, bytes | bytearray):
+            run.send(framed(script.body) + data, last=True)
+        else:
+            sending = run.send(framed(script.body), last=False)
+            for chunk in data if sending else ():
+                if not run.send(chunk, last=False):
+                    break
+            run.send(b"", last=True)
+        return run.finish()
 
     def begin(
         self,
@@ -293,26 +436,35 @@ class Connection:
             log.info("dry run: would run %s then %s on %s", first.name, then.name, self.worker)
             return Step(self, None, ScriptResult(self.worker, first.name, 0, dry_run=True), then)
         started = time.monotonic()
-        run = None
+        run = shell = None
         try:
             prepared = then_data is not None
-            run = self._exec(command_for_two(first, then, prepared=prepared), cfg)
-            lengths = " ".join(f"{len(x):010d}" for x in (first.body, then.body, data))
-            lengths = (lengths + "\n").encode()
-            early = then_data if prepared else b""
-            run.send(lengths + first.body + then.body + data + early, last=False)
-            if run.wait_for(_STEP_DONE):
-                out, err = run.take()
-                status = 0
+            shell = self._shell(cfg)
+            if shell is not None:
+                status, out, err = shell.begin(first, data, then, then_data, cfg)
+                if status is None:  # held in the shell, waiting for the word
+                    run, status = shell.exec, 0
+                else:  # the first script failed (or the shell ended)
+                    self._let_go_of(shell)
+                    shell = None
             else:
-                status, out, err = run.finish()
+                run = self._exec(command_for_two(first, then, prepared=prepared), cfg)
+                lengths = " ".join(f"{len(x):010d}" for x in (first.body, then.body, data))
+                lengths = (lengths + "\n").encode()
+                early = then_data if prepared else b""
+                run.send(lengths + first.body + then.body + data + early, last=False)
+                if run.wait_for(_STEP_DONE):
+                    out, err = run.take()
+                    status = 0
+                else:
+                    status, out, err = run.finish()
         except RemoteError:
             if run is not None:
                 run.close()
             self.drop()
             raise
         result = _result(self.worker, first, status, out, err, time.monotonic() - started)
-        return Step(self, run, result, then)
+        return Step(self, run, result, then, shell=shell)
 
     def _ready(self, dry_run: bool | None) -> remote_config.RemoteConfig | None:
         """The door's checks before a run, then a connection; None for a dry run."""
@@ -358,6 +510,32 @@ class Connection:
                 retryable=True, worker=str(self.worker),
             )  # fmt: skip
 
+    def _shell(self, cfg: remote_config.RemoteConfig) -> _Shell | None:
+        """The root shell kept on this connection (started now when it has none, or
+        the one it had ended); None where a run takes an exec of its own: the setting
+        is off, the connection is not kept, or its shell is held by a Step."""
+        if not (cfg.keep_shell and self.keep):
+            return None
+        shell = getattr(self.client, "shell", None)
+        if shell is not None:
+            if shell.busy:
+                return None
+            if shell.idle():
+                return shell
+            shell.close()
+        run = self._exec(_SHELL_COMMAND, cfg)  # may connect anew: self.client is that one
+        shell = _Shell(run, self.worker)
+        self.client.shell = shell
+        kept.kept.counted(shells=1)
+        return shell
+
+    def _let_go_of(self, shell: _Shell) -> None:
+        """After a run on ``shell``: one that ended is forgotten with its connection's
+        next run (a new one starts then)."""
+        if not shell.idle() and getattr(self.client, "shell", None) is shell:
+            self.client.shell = None
+            shell.close()
+
     def _exec(self, command: str, cfg: remote_config.RemoteConfig) -> _Exec:
         """A channel running ``command``. On a kept connection the channel must open
         within the connect timeout (an idle connection to a host that hangs can look
@@ -387,11 +565,21 @@ class Step:
     first script's answer; ``go`` runs the second, ``stop`` (or nothing, once the
     connection closes) ends the run on the host with nothing more done."""
 
-    def __init__(self, connection: Connection, run: _Exec | None, result: ScriptResult, then):
+    def __init__(
+        self,
+        connection: Connection,
+        run: _Exec | None,
+        result: ScriptResult,
+        then,
+        *,
+        shell: _Shell | None = None,
+    ):
         self.connection = connection
         self.run = run
         self.result = result
         self.then = then
+        # The kept shell the host waits in (``run`` is its channel), or None: an exec.
+        self.shell = shell
 
     def go(self, data: bytes = b"") -> ScriptResult:
         worker, run = self.connection.worker, self.run
@@ -405,18 +593,27 @@ class Step:
         self.run = None
         started = time.monotonic()
         try:
-            run.restart_clock()
-            run.send(b"go\n" + data, last=True)
-            status, out, err = run.finish()
+            if self.shell is not None:
+                shell, self.shell = self.shell, None
+                status, out, err = shell.go(data)
+                self.connection._let_go_of(shell)
+            else:
+                run.restart_clock()
+                run.send(b"go\n" + data, last=True)
+                status, out, err = run.finish()
         except RemoteError:
             self.connection.drop()
             raise
         return _result(worker, self.then, status, out, err, time.monotonic() - started)
 
     def stop(self) -> None:
-        """End of stdin without the word: the host exits without running ``then``."""
+        """End of stdin without the word: the host exits without running ``then`` (a
+        kept shell held here ends with it; the connection's next run starts another)."""
         run, self.run = self.run, None
-        if run is not None:
+        shell, self.shell = self.shell, None
+        if shell is not None:
+            shell.close()
+        elif run is not None:
             run.close()
 
 
@@ -537,7 +734,7 @@ def _host_key_types(keys: list[paramiko.PKey]) -> tuple[str, ...]:
 
 
 def _connect(worker: Worker, cfg: remote_config.RemoteConfig) -> paramiko.SSHClient:
-    client = paramiko.SSHClient()
+    client = _Client()
     policy = _PinnedHostKeys(worker)
     client.set_missing_host_key_policy(policy)
     where = str(worker)
@@ -622,6 +819,122 @@ def _connect(worker: Worker, cfg: remote_config.RemoteConfig) -> paramiko.SSHCli
     return client
 
 
+class _Client(paramiko.SSHClient):
+    """An SSH connection, and the root shell kept open on it (None until a run starts
+    one): the shell goes wherever the connection goes, and ends with it."""
+
+    shell: _Shell | None = None
+
+
+class _Shell:
+    """A root shell kept open on one channel of a connection, to which each run sends
+    its request (module docstring). Lent with its connection, to one run at a time;
+    ``busy`` while a run or a Step holds it. A run that fails in any way other than its
+    script's own status closes it (and its connection: ``Connection.drop``)."""
+
+    def __init__(self, run: _Exec, worker: Worker):
+        self.exec = run
+        self.worker = worker
+        self.busy = False
+        self.runs = 0  # requests answered
+        self.known: set[str] = set()  # digests of the scripts it keeps
+        self.nonce = ""
+        self.prepared = False
+
+    def idle(self) -> bool:
+        """Not held, and alive as far as can be seen from here."""
+        channel = self.exec.channel
+        return not (
+            self.busy
+            or channel is None
+            or channel.closed
+            or channel.eof_received
+            or channel.exit_status_ready()
+        )
+
+    def close(self) -> None:
+        self.busy = False
+        self.exec.close()
+
+    def run(self, script: Script, data: bytes, cfg: remote_config.RemoteConfig):
+        """Run ``script`` with ``data``: (status, stdout, stderr)."""
+        self._send("r", data, [script], b"", cfg)
+        return self._read_end()
+
+    def begin(
+        self,
+        first: Script,
+        data: bytes,
+        then: Script,
+        then_data: bytes | None,
+        cfg: remote_config.RemoteConfig,
+    ):
+        """Run ``first`` and hold ``then`` (``Connection.begin``): (None, stdout, stderr)
+        once the host waits for the word, or the status the run ended with."""
+        self.prepared = then_data is not None
+        kind = "p" if self.prepared else "t"
+        self._send(kind, data, [first, then], then_data or b"", cfg)
+        found = self.exec.read_to(
+            self._mark(rb"(step|end)", rb"(?: ([0-9]{1,3}))?\n"), self._mark(rb"(?:step|end)")
+        )
+        if found is None:
+            self.busy = False
+            return self.exec.finish()
+        (out, out_mark), (err, _) = found
+        if out_mark[0] == b"step":
+            return None, out, err
+        self.busy = False
+        self.runs += 1
+        return int(out_mark[1]), out, err
+
+    def go(self, data: bytes):
+        """The word to a host held by ``begin``: (status, stdout, stderr) of ``then``."""
+        payload = b"go\n" + data if self.prepared else data
+        self.exec.restart_clock()
+        self.exec.send(f"go {len(payload)}\n".encode() + payload, last=False)
+        return self._read_end()
+
+    def _send(self, kind: str, data: bytes, scripts: list[Script], more: bytes, cfg) -> None:
+        """One request; then the shell's run markers (from a shell that answered before,
+        within the connect timeout: a host that stopped answering is found out as soon
+        as a new channel would have been)."""
+        self.busy = True
+        self.nonce = secrets.token_hex(16)
+        kept.kept.counted(shell_runs=1)
+        fields, bodies = [kind, self.nonce, str(len(data))], []
+        for script in scripts:
+            digest = hashlib.sha256(script.body).hexdigest()
+            body = b"" if digest in self.known else script.body
+            fields += [digest, str(len(body))]
+            bodies.append(body)
+            self.known.add(digest)
+        if kind != "r":
+            fields.append(str(len(more)))
+        request = " ".join(fields).encode() + b"\n" + b"".join(bodies) + data + more
+        self.exec.timeout = cfg.script_timeout  # today's, not the one it started under
+        self.exec.restart_clock()
+        self.exec.send(request, last=False)
+        # What came before the markers is no run's (late output of an earlier run's
+        # leftover process). A shell that ended instead: _read_end finds it ended too.
+        self.exec.read_to(
+            self._mark(rb"run"), self._mark(rb"run"),
+            within=cfg.connect_timeout if self.runs else 0,
+        )  # fmt: skip
+
+    def _read_end(self) -> tuple[int, bytes, bytes]:
+        found = self.exec.read_to(self._mark(rb"end", rb" ([0-9]{1,3})\n"), self._mark(rb"end"))
+        self.busy = False
+        if found is None:
+            return self.exec.finish()
+        self.runs += 1
+        (out, out_mark), (err, _) = found
+        return int(out_mark[0]), out, err
+
+    def _mark(self, what: bytes, tail: bytes = rb"\n") -> re.Pattern[bytes]:
+        """A marker line of this request (its nonce: no script can print it)."""
+        return re.compile(rb"tpu-portal-" + what + rb"-" + self.nonce.encode() + tail)
+
+
 class _Exec:
     """One channel running one command: send its stdin, read both streams (interleaved,
     so a chatty stderr cannot stall the window), wait for a marker line or the exit
@@ -639,6 +952,10 @@ class _Exec:
         self.worker = worker
         self.timeout = timeout
         self.out, self.err = bytearray(), bytearray()
+        # Past MAX_OUTPUT_BYTES, the last bytes read of each stream (where a marker of
+        # ``read_to`` may be), and how far each stream was looked through for one.
+        self.spill = [b"", b""]
+        self.scanned = [0, 0]
         # None until the channel is open: a connection that broke before (the host
         # went away between the login and the exec) has nothing to close.
         self.channel: paramiko.Channel | None = None
@@ -661,6 +978,8 @@ class _Exec:
 
     def restart_clock(self) -> None:
         self.deadline = time.monotonic() + self.timeout
+        if self.channel is not None:
+            self.channel.settimeout(self._left(0.1))
 
     def _left(self, least: float) -> float:
         return max(least, self.deadline - time.monotonic())
@@ -696,10 +1015,7 @@ class _Exec:
                 pass
             channel = self.channel
             # Output that arrived together with the exit status.
-            while channel.recv_ready():
-                _keep(self.out, channel.recv(65536))
-            while channel.recv_stderr_ready():
-                _keep(self.err, channel.recv_stderr(65536))
+            self._drain()
             status = channel.exit_status if channel.exit_status_ready() else -1
         if status == -1:
             raise RemoteError(
@@ -710,6 +1026,67 @@ class _Exec:
                 stderr=self.err.decode(errors="replace")[-4000:],
             )
         return status, bytes(self.out), bytes(self.err)
+
+    def read_to(
+        self, out_mark: re.Pattern[bytes], err_mark: re.Pattern[bytes], *, within: float = 0
+    ) -> tuple[tuple[bytes, tuple], tuple[bytes, tuple]] | None:
+        """Read until stdout has ``out_mark`` and stderr ``err_mark``: for each stream,
+        what came before the marker and its groups (what came after it stays for the
+        next read). None once the command ended without both (``finish`` tells how).
+        ``within``: the markers must come within that many seconds (else TIMEOUT)."""
+        found: list[tuple[bytes, tuple] | None] = [None, None]
+        marks = (out_mark, err_mark)
+        deadline = self.deadline
+        if within:
+            self.deadline = min(deadline, time.monotonic() + within)
+        try:
+            with self._errors():
+                try:
+                    while True:
+                        for stream, mark in enumerate(marks):
+                            found[stream] = found[stream] or self._cut(stream, mark)
+                        if found[0] and found[1]:
+                            return found[0], found[1]
+                        if not self._pump():
+                            self._drain()
+                            for stream, mark in enumerate(marks):
+                                found[stream] = found[stream] or self._cut(stream, mark)
+                            return (found[0], found[1]) if found[0] and found[1] else None
+                except TimeoutError:
+                    if not within or time.monotonic() >= deadline:
+                        raise
+                    self.close()
+                    raise RemoteError(
+                        f"the host did not answer within {within:.0f} s",
+                        kind=RemoteError.TIMEOUT, retryable=True, worker=str(self.worker),
+                    ) from None  # fmt: skip
+        finally:
+            self.deadline = deadline
+
+    def _cut(self, stream: int, mark: re.Pattern[bytes]) -> tuple[bytes, tuple] | None:
+        """The first ``mark`` in a stream: what came before it, and the marker's groups;
+        the stream keeps what came after it."""
+        buffer, spill = (self.out, self.err)[stream], self.spill[stream]
+        if not spill:
+            found = mark.search(buffer, max(0, self.scanned[stream] - _MARK_BYTES))
+            self.scanned[stream] = len(buffer)
+            if found is None:
+                return None
+            before, after = bytes(buffer[: found.start()]), bytes(buffer[found.end() :])
+        else:
+            # Past the cap: the marker is at the end of what was read (the last of the
+            # buffer and the spill together, when it came just at the cap).
+            edge = bytes(buffer[-_MARK_BYTES:])
+            found = mark.search(edge + spill)
+            if found is None:
+                return None
+            before = bytes(buffer[: len(buffer) - len(edge) + min(found.start(), len(edge))])
+            after = (edge + spill)[found.end() :]
+        groups = found.groups()  # (the match would read the buffer as it is changed)
+        buffer[:] = after
+        self.spill[stream] = b""
+        self.scanned[stream] = 0
+        return before, groups
 
     def take(self) -> tuple[bytes, bytes]:
         """Both streams so far, emptied (for the next step's answer)."""
@@ -728,10 +1105,10 @@ class _Exec:
         """Read what is there or wait for more; False once the command has ended."""
         channel = self.channel
         if channel.recv_ready():
-            _keep(self.out, channel.recv(65536))
+            self._got(0, channel.recv(65536))
             return True
         if channel.recv_stderr_ready():
-            _keep(self.err, channel.recv_stderr(65536))
+            self._got(1, channel.recv_stderr(65536))
             return True
         # The exit status can overtake the last of the output (it waits for window
         # space we free by reading): stop only once the host also sent EOF.
@@ -769,9 +1146,20 @@ class _Exec:
                 worker=where,
             ) from None
 
+    def _drain(self) -> None:
+        """Output that arrived together with the exit status."""
+        channel = self.channel
+        while channel.recv_ready():
+            self._got(0, channel.recv(65536))
+        while channel.recv_stderr_ready():
+            self._got(1, channel.recv_stderr(65536))
 
-def _keep(buffer: bytearray, chunk: bytes) -> None:
-    """Append up to MAX_OUTPUT_BYTES; the rest is read and dropped."""
-    room = MAX_OUTPUT_BYTES - len(buffer)
-    if room > 0:
-        buffer += chunk[:room]
+    def _got(self, stream: int, chunk: bytes) -> None:
+        """Kept up to MAX_OUTPUT_BYTES; of the rest, read and dropped, only the last
+        bytes (where a marker may be)."""
+        buffer = (self.out, self.err)[stream]
+        room = max(0, MAX_OUTPUT_BYTES - len(buffer))
+        if room:
+            buffer += chunk[:room]
+        if len(chunk) > room:
+            self.spill[stream] = (self.spill[stream] + chunk[room:])[-_SPILL_BYTES:]

@@ -30,6 +30,7 @@ from tpus.remote.jobs import (
     parse_start,
     parse_status,
 )
+from tpus.remote.kept import kept
 
 pytestmark = pytest.mark.fleet
 
@@ -303,15 +304,31 @@ exec sleep 300
 def processes(workers: Workers, index: int) -> list[str]:
     """Every live process on a worker as ``user args``, without the look itself and
     without sshd's own."""
-    out = workers.sh(index, "ps -e -o stat=,user=,args=")
+    return live_processes(workers.sh(index, PS))
+
+
+PS = "ps -e -o stat=,pid=,ppid=,user=,args="
+
+
+def live_processes(out: str) -> list[str]:
+    """``PS``'s answer as sorted ``user args``: no zombie, not the look itself, not
+    sshd's own (the listener's title counts connections being made; a session goes a
+    moment after its connection) and not the kept shells of the portal's connections
+    (a sudo and its shell, ``tpus/remote/ssh.py``): what counts is what ran under them."""
+    rows = [r for r in (line.split(None, 4) for line in out.splitlines()) if len(r) == 5]
+    kept_sudo = {
+        r[1] for r in rows if r[4].startswith("sudo ") and r[4].endswith(" tpu-portal-shell")
+    }
+    kept = kept_sudo | {
+        r[1] for r in rows if r[2] in kept_sudo and r[4].endswith(" tpu-portal-shell")
+    }
     return sorted(
-        " ".join(line.split()[1:])
-        for line in out.splitlines()
-        if not line.split()[0].startswith("Z")
-        and "ps -e -o stat=" not in line
-        # sshd's own (the listener's title counts connections being made; a session
-        # goes a moment after its connection): what counts is what ran under them.
-        and line.split()[2:3] != ["sshd:"]
+        f"{r[3]} {r[4]}"
+        for r in rows
+        if not r[0].startswith("Z")
+        and PS not in r[4]
+        and r[4].split()[:1] != ["sshd:"]
+        and r[1] not in kept
     )
 
 
@@ -460,6 +477,13 @@ def test_a_reboot_mid_run_changes_the_boot_id_and_the_job_is_lost(pod):
     assert after.lock_holder is None
 
 
+def runs(pod) -> int:
+    """Scripts run on the pod's first worker: execs, and requests to kept shells."""
+    return pod.fleet.log(pod.hosts[0].name).count("Starting session: command") + (
+        kept.counts.shell_runs - kept.counts.shells
+    )
+
+
 @pytest.mark.slow
 def test_one_status_exec_per_worker_returns_every_job_and_log_bytes_by_offset(pod):
     done_id, running_id = new_job_id(), new_job_id()
@@ -468,9 +492,10 @@ def test_one_status_exec_per_worker_returns_every_job_and_log_bytes_by_offset(po
     pod.start(running_id, ["sh", "-c", "echo alpha; exec sleep 300"], count=1)
     try:
         pod.wait_for(running_id, lambda s: s[0].log_size > 0, count=1)
-        before = pod.fleet.log(pod.hosts[0].name).count("Starting session: command")
+        # One run: an exec of its own, or a request to the connection's kept shell.
+        before = runs(pod)
         report = pod.status({done_id: 4}, count=1)[0]  # the running job comes unasked
-        assert pod.fleet.log(pod.hosts[0].name).count("Starting session: command") == before + 1
+        assert runs(pod) == before + 1
         assert report.jobs[done_id].log == b"two\n" and report.jobs[done_id].log_offset == 4
         assert report.jobs[done_id].succeeded
         assert (

@@ -15,9 +15,10 @@ from django.core.exceptions import PermissionDenied, ValidationError
 
 from tpus.models import Job, JobWorker, TpuVm
 from tpus.models.jobs import JobState
+from tpus.remote.kept import kept
 from tpus.services import job_engine, jobs
 from tpus.services.grants import grant_access, revoke_access
-from tpus.tests.test_jobs_host import JAX_ENV, POD_PY
+from tpus.tests.test_jobs_host import JAX_ENV, POD_PY, PS, live_processes
 from tpus.tests.test_provisioning import pod  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.fleet
@@ -93,6 +94,13 @@ def logins(pod, host) -> int:  # noqa: F811
 
 def commands(pod, host) -> int:  # noqa: F811
     return pod.fleet.log(host.name).count("Starting session: command")
+
+
+def runs(pod) -> int:  # noqa: F811
+    """Scripts run on the pod's workers: execs, and requests to connections' kept
+    shells (whose starts are execs too)."""
+    execs = sum(commands(pod, host) for host in pod.hosts)
+    return execs + kept.counts.shell_runs - kept.counts.shells
 
 
 def logs(job: Job) -> list[str]:
@@ -266,7 +274,7 @@ def test_a_check_failing_on_one_worker_starts_the_job_on_no_worker(
     jobs_pod, django_capture_on_commit_callbacks
 ):
     job = submit(jobs_pod, django_capture_on_commit_callbacks, script="", args=["sleep", "30"])
-    before = [commands(jobs_pod, host) for host in jobs_pod.hosts]
+    before = runs(jobs_pod)
     port = settings.PORTAL_JOB_COORDINATOR_PORT
     listen = f"import socket, time; s = socket.socket(); s.bind(('', {port})); s.listen(); "
     # The coordinator's port is taken on worker 0: its pre-flight fails, the others pass.
@@ -280,15 +288,19 @@ def test_a_check_failing_on_one_worker_starts_the_job_on_no_worker(
     job.refresh_from_db()
     assert job.state == JobState.REJECTED and report.started == []
     assert "worker 0 (tpu5-w0): port:" in job.reason, job.reason
-    # Every worker ran the pre-flight (one exec each, waiting for the word), none started.
-    assert [commands(jobs_pod, h) - b for h, b in zip(jobs_pod.hosts, before, strict=True)] == [
-        1, 1, 1, 1,
-    ]  # fmt: skip
+    # Every worker ran the pre-flight (one run each, an exec or a request to the kept
+    # shell, waiting for the word), none started.
+    assert runs(jobs_pod) - before == len(jobs_pod.hosts)
     time.sleep(0.3)
     for host in jobs_pod.hosts:
         assert job.host_id not in sh(jobs_pod, host, "ls /var/lib/tpu-portal/jobs/ || true")
-        # Nothing waits for a word that will never come.
+        # Nothing waits for a word that will never come: no exec, nothing under a kept
+        # shell (an idle one runs nothing).
         assert sh(jobs_pod, host, "pgrep -f 'tpu-portal-[s]tep' || true").strip() == ""
+        rows = [line.split(None, 4) for line in sh(jobs_pod, host, PS).splitlines()]
+        shells = {r[1] for r in rows if len(r) == 5 and r[4].startswith("/bin/sh -c ")
+                  and r[4].endswith(" tpu-portal-shell")}  # fmt: skip
+        assert [r[4] for r in rows if len(r) == 5 and r[2] in shells] == []
     assert not JobWorker.objects.filter(job=job, pid__isnull=False).exists()
 
 
@@ -336,17 +348,8 @@ def test_a_chip_held_outside_the_portal_blocks_the_job_and_names_the_holder(
 
 def processes(pod, host) -> list[str]:  # noqa: F811
     """Every live process on a worker as ``user args``, without the look itself and
-    without sshd's own."""
-    out = sh(pod, host, "ps -e -o stat=,user=,args=")
-    return sorted(
-        " ".join(line.split()[1:])
-        for line in out.splitlines()
-        if not line.split()[0].startswith("Z")
-        and "ps -e -o stat=" not in line
-        # sshd's own (the listener's title counts connections being made; a session
-        # goes a moment after its connection): what counts is what ran under them.
-        and line.split()[2:3] != ["sshd:"]
-    )
+    without sshd's own or the portal's kept shells (``live_processes``)."""
+    return live_processes(sh(pod, host, PS))
 
 
 def settled(pod, host, before: list[str], timeout: float = 15.0) -> list[str]:  # noqa: F811

@@ -163,9 +163,11 @@ def test_a_kept_connection_that_died_unseen_is_replaced_before_the_script_gets_i
     fleet, fleet_settings, fleet_host
 ):
     # The connection looks alive but its channel cannot open (the host's side was
-    # torn down under it): the script runs once, on a new connection.
+    # torn down under it): the script runs once, on a new connection. (Each run in an
+    # exec of its own here; a kept shell's: test_remote_kept_shell.)
     from tpus.remote import ssh
 
+    fleet_settings.PORTAL_REMOTE_KEEP_SHELL = False
     worker = worker_for(fleet, fleet_host)
     run_script(worker, "whoami.sh")
     [key] = kept.idle()
