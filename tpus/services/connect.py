@@ -215,9 +215,11 @@ def disconnect_vm(admin, vm: TpuVm, *, request=None) -> VmConnection:
 # A check is presumed lost (its task gone with a broker or a worker) this long after
 # it was due; the sweep queues it again. Queued twice, it still runs once.
 LOST_AFTER_SECONDS = 60
-# The first look again after Connect: a new node's guest agent puts the key in place
-# within a second or two of boot, so look soon at first, then less often.
-FIRST_PAUSE_SECONDS = 0.25
+# The first looks again after Connect: a new node's guest agent puts the key in place
+# within a second or two of boot, so look soon at first (twice after this pause, the
+# key is often there a few tenths of a second in: a VM an elastic pool made waits for
+# it before its first job), then less often (the pause doubling each look).
+FIRST_PAUSE_SECONDS = 0.1
 
 
 def stalled_connections() -> list[tuple[int, int, int]]:
@@ -368,7 +370,8 @@ def _look_again(connection: VmConnection, workers: dict) -> None:
     """Queue the next look, or end the wait when the next would come too late."""
     looks = connection.checks  # this one included
     pause = min(
-        float(settings.PORTAL_CONNECT_POLL_SECONDS), FIRST_PAUSE_SECONDS * 2 ** min(looks - 1, 16)
+        float(settings.PORTAL_CONNECT_POLL_SECONDS),
+        FIRST_PAUSE_SECONDS * 2 ** min(max(looks - 2, 0), 16),
     )
     now = timezone.now()
     deadline = connection.started_at + dt.timedelta(
