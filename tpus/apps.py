@@ -17,8 +17,10 @@ class TpusConfig(AppConfig):
             checks,  # noqa: F401  (registers the system checks)
             tasks,  # noqa: F401
         )
-        from tpus.services import snapshots
+        from tpus.services import elastic_pass, jobs, snapshots
 
+        # A pool job no free VM took grows its kind's elastic pool in its submit.
+        jobs.no_vm_took.connect(elastic_pass.no_vm_took, dispatch_uid="tpus.elastic.no_vm_took")
         pre_delete.connect(
             snapshots.person_deleted,
             sender=get_user_model(),

@@ -62,6 +62,12 @@ def grow_kind(lab_id: int, accelerator_type: str) -> list[int]:
     return [] if pool_id is None else grow(pool_id)
 
 
+def no_vm_took(sender, *, lab_id: int, accelerator_type: str, **kwargs) -> None:
+    """``jobs.no_vm_took``: a pool job's submit that no free VM took grows its kind's
+    pool in the submit's transaction."""
+    grow_kind(lab_id, accelerator_type)
+
+
 def grow(pool_id: int) -> list[int]:
     """Ask for the VMs the pool's waiting jobs need, with the lab's row locked while
     it counts and asks: a pass at the same moment waits, then counts what this one

@@ -18,6 +18,7 @@ from pathlib import PurePosixPath
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import DatabaseError, transaction
+from django.dispatch import Signal
 from django.utils import timezone
 
 from portal import audit
@@ -438,16 +439,21 @@ def submit_pool_job(
     return job
 
 
+# Sent in a pool job's submit that no free VM of its kind took, inside the submit's
+# transaction (the lab's row locked), with ``lab_id`` and ``accelerator_type``: the
+# kind's elastic pool answers it (``elastic_pass.no_vm_took``, connected at start by
+# tpus.apps; the pool's module reaches this one through the VMs' lifecycle and
+# requests, so this one does not import it).
+no_vm_took = Signal()
+
+
 def _grow_pool(lab_id: int, accelerator_type: str) -> None:
     """The kind's elastic pool looks at the jobs no VM takes, in the submit's
     transaction. A look that fails does not fail the submit: it is undone alone and
     left to the pool's own task, queued with the commit."""
-    # Imported here: the pool's pass reaches the VMs' deletion, which imports this module.
-    from tpus.services import elastic_pass
-
     try:
         with transaction.atomic():
-            elastic_pass.grow_kind(lab_id, accelerator_type)
+            no_vm_took.send(sender=Job, lab_id=lab_id, accelerator_type=accelerator_type)
     except DatabaseError:
         log.exception("the %s elastic pool's look at a submit failed", accelerator_type)
         queue.check_elastic_pool(lab_id, accelerator_type)

@@ -289,6 +289,14 @@ def reconcile_vm(vm_id: int) -> ReconcileReport:
     return report
 
 
+def worth_running(vm_id: int, *, retried: bool) -> bool:
+    """The VM is there and, for a run tried again, has something left to apply (a new
+    VM's key came meanwhile and its connection check reconciled it: nothing is)."""
+    if not TpuVm.objects.filter(pk=vm_id).exists():
+        return False
+    return not (retried and up_to_date(vm_id))
+
+
 def up_to_date(vm_id: int) -> bool:
     """Every worker of the VM has applied its desired version, and none has an error
     standing (a run now would apply nothing)."""

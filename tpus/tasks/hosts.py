@@ -3,7 +3,6 @@ operation, scan a worker's host keys."""
 
 from __future__ import annotations
 
-from tpus.models import TpuVm
 from tpus.services import connect, disk_operations, hostkey_scans, reconcile
 from tpus.tasks.naming import task
 
@@ -15,11 +14,7 @@ RECONCILE_RETRIES = 6
 @task(bind=True, ignore_result=True, max_retries=RECONCILE_RETRIES)
 def reconcile_vm(self, vm_id: int) -> None:
     """Make every worker of a VM match the database (see tpus.services.reconcile)."""
-    if not TpuVm.objects.filter(pk=vm_id).exists():
-        return
-    if self.request.retries and reconcile.up_to_date(vm_id):
-        # Tried again for workers that another run has reached meanwhile (a new VM's
-        # key came, its connection check reconciled it): nothing is left to apply.
+    if not reconcile.worth_running(vm_id, retried=bool(self.request.retries)):
         return
     report = reconcile.reconcile_vm(vm_id)
     if report.busy or not report.retryable:
