@@ -50,8 +50,9 @@ and each later run of the connection sends it one request on that channel's stdi
 instead of opening an exec: a line (a kind, a random 128-bit nonce, the lengths, each
 script's SHA-256), the scripts the shell does not have yet (it keeps each by digest,
 so a script travels and is read once per shell), then the data. The shell runs each
-script in a subshell (``set -eu``, no arguments) with exactly its data as stdin, read
-by ``head -c`` through a pipe (what the script leaves unread is read away), so one
+script in a subshell (``set -eu``, no arguments) with exactly its data as stdin,
+through a pipe (what the script leaves unread is read away): short text the shell
+relays a line at a time itself, anything else ``head -c`` (a program), so one
 run's variables, functions, traps, directory, umask, descriptors and ``exit`` never
 reach the next. On both streams it prints ``tpu-portal-run-<nonce>`` before the script
 and ``tpu-portal-end-<nonce>`` (on stdout with the status) after it; the portal reads
@@ -132,11 +133,14 @@ _STEP_DONE = b"tpu-portal-step=done\n"
 # at once (prepared), with its own data. A script's length is 0 when the shell has it
 # already (it keeps each script it was sent, by digest: no program reads it again).
 # Every script runs in a subshell (set -eu, no arguments) with exactly its data as
-# stdin (head -c through a pipe; what it leaves unread is read away), and the shell
-# prints its markers with the request's nonce on both streams: run before the script,
-# step between two steps, end with the status after. Anything malformed ends the shell.
+# stdin, through a pipe (what it leaves unread is read away). A data length l<count> is
+# that many lines, which the shell relays itself (no program: short text, ``_size``);
+# any other is bytes, relayed by head -c. The shell prints its markers with the
+# request's nonce on both streams: run before the script, step between two steps, end
+# with the status after. Anything malformed ends the shell.
 _SHELL = r"""
 tpu_num() { case $1 in "" | *[!0-9]*) exit 2 ;; esac; }
+tpu_size() { case $1 in l0?*) exit 2 ;; l*) tpu_num "${1#l}" ;; *) tpu_num "$1" ;; esac; }
 tpu_script() {
     case $1 in "" | *[!0-9a-f]*) exit 2 ;; esac
     tpu_num "$2"
@@ -146,6 +150,20 @@ tpu_script() {
     else
         eval "tpu_s=\${tpu_c_$1?}"
     fi
+}
+tpu_relay() {
+    case $1 in
+        0 | l0) ;;
+        l*)
+            tpu_i=${1#l}
+            while [ "$tpu_i" -gt 0 ]; do
+                IFS= read -r tpu_x || exit 2
+                printf '%s\n' "$tpu_x"
+                tpu_i=$((tpu_i - 1))
+            done
+            ;;
+        *) head -c "$1" ;;
+    esac
 }
 tpu_one() {
     (
@@ -158,7 +176,7 @@ tpu_one() {
     return "$tpu_rc"
 }
 tpu_feed() {
-    if [ "$1" -gt 0 ]; then head -c "$1" | tpu_one; else tpu_one </dev/null; fi
+    case $1 in 0 | l0) tpu_one </dev/null ;; *) tpu_relay "$1" | tpu_one ;; esac
 }
 tpu_mark() {
     printf 'tpu-portal-%s-%s%s\n' "$1" "$tpu_id" "$2"
@@ -166,7 +184,7 @@ tpu_mark() {
 }
 while read -r tpu_kind tpu_id tpu_k tpu_ha tpu_na tpu_hb tpu_nb tpu_j; do
     case $tpu_id in "" | *[!0-9a-f]*) exit 2 ;; esac
-    tpu_num "$tpu_k"
+    tpu_size "$tpu_k"
     tpu_script "$tpu_ha" "$tpu_na"
     tpu_a=$tpu_s
     case $tpu_kind in
@@ -174,7 +192,7 @@ while read -r tpu_kind tpu_id tpu_k tpu_ha tpu_na tpu_hb tpu_nb tpu_j; do
         t | p)
             tpu_script "$tpu_hb" "$tpu_nb"
             tpu_b=$tpu_s
-            tpu_num "$tpu_j"
+            tpu_size "$tpu_j"
             ;;
         *) exit 2 ;;
     esac
@@ -188,22 +206,24 @@ while read -r tpu_kind tpu_id tpu_k tpu_ha tpu_na tpu_hb tpu_nb tpu_j; do
         if [ "$tpu_kind" = t ]; then
             read -r tpu_w tpu_l || exit 0
             [ "$tpu_w" = go ] || exit 0
-            tpu_num "$tpu_l"
+            tpu_size "$tpu_l"
             tpu_feed "$tpu_l"
         else
             {
-                [ "$tpu_j" = 0 ] || head -c "$tpu_j"
-                read -r tpu_w tpu_l && [ "$tpu_w" = go ] && tpu_num "$tpu_l" &&
-                    { [ "$tpu_l" = 0 ] || head -c "$tpu_l"; }
+                tpu_relay "$tpu_j"
+                read -r tpu_w tpu_l && [ "$tpu_w" = go ] && tpu_size "$tpu_l" &&
+                    tpu_relay "$tpu_l"
             } | tpu_one
         fi
         tpu_rc=$?
-    elif [ "$tpu_kind" = p ] && [ "$tpu_j" != 0 ]; then
-        head -c "$tpu_j" >/dev/null
+    elif [ "$tpu_kind" = p ]; then
+        tpu_relay "$tpu_j" >/dev/null
     fi
     tpu_mark end " $tpu_rc"
 done
 """
+# Data up to this size that is lines is read by the kept shell itself (``_size``).
+_SHELL_READS_BYTES = 2048
 _SHELL_COMMAND = f"sudo -n -- /bin/sh -c {shlex.quote(_SHELL)} tpu-portal-shell"
 # The longest marker line (with its status), and how much of a stream's end is kept
 # past MAX_OUTPUT_BYTES to find one.
@@ -826,6 +846,15 @@ class _Client(paramiko.SSHClient):
     shell: _Shell | None = None
 
 
+def _size(data: bytes) -> str:
+    """How the kept shell is to read ``data``: ``l<count>``, that many lines it reads
+    itself (no program; its ``read`` takes a byte a system call, so only short text
+    ending in a newline, without NUL bytes), or the number of bytes, for ``head -c``."""
+    if 0 < len(data) <= _SHELL_READS_BYTES and data.endswith(b"\n") and b"\0" not in data:
+        return f"l{data.count(bytes([10]))}"
+    return str(len(data))
+
+
 class _Shell:
     """A root shell kept open on one channel of a connection, to which each run sends
     its request (module docstring). Lent with its connection, to one run at a time;
@@ -891,7 +920,7 @@ class _Shell:
         """The word to a host held by ``begin``: (status, stdout, stderr) of ``then``."""
         payload = b"go\n" + data if self.prepared else data
         self.exec.restart_clock()
-        self.exec.send(f"go {len(payload)}\n".encode() + payload, last=False)
+        self.exec.send(f"go {_size(payload)}\n".encode() + payload, last=False)
         return self._read_end()
 
     def _send(self, kind: str, data: bytes, scripts: list[Script], more: bytes, cfg) -> None:
@@ -901,7 +930,7 @@ class _Shell:
         self.busy = True
         self.nonce = secrets.token_hex(16)
         kept.kept.counted(shell_runs=1)
-        fields, bodies = [kind, self.nonce, str(len(data))], []
+        fields, bodies = [kind, self.nonce, _size(data)], []
         for script in scripts:
             digest = hashlib.sha256(script.body).hexdigest()
             body = b"" if digest in self.known else script.body
@@ -909,7 +938,7 @@ class _Shell:
             bodies.append(body)
             self.known.add(digest)
         if kind != "r":
-            fields.append(str(len(more)))
+            fields.append(_size(more))
         request = " ".join(fields).encode() + b"\n" + b"".join(bodies) + data + more
         self.exec.timeout = cfg.script_timeout  # today's, not the one it started under
         self.exec.restart_clock()

@@ -298,6 +298,49 @@ def test_streamed_data_takes_an_exec_of_its_own_beside_the_shell(fleet, fleet_se
     assert _settled(fleet, fleet_host, sessions_started) - before == 1
 
 
+# --- short text: lines the shell relays itself (no program) -----------------------------
+
+LINES = (
+    b"plain\n\n  leading and trailing  \n\ttab\\back\\\\slash\\\n-n\n%s %d\n"
+    b"$(touch /tmp/pwned-lines) `touch /tmp/pwned-lines2`\n\xff\xfe\x1b[31m\r\n"
+    b"tpu-portal-end-0123456789abcdef0123456789abcdef 0\ngo 3\nend\n"
+)
+
+
+def test_how_the_shell_is_told_to_read_data():
+    assert ssh._size(LINES) == "l11"
+    assert ssh._size(b"\n") == "l1"
+    assert ssh._size(b"") == "0"
+    assert ssh._size(b"x" * 2047 + b"\n") == "l1"
+    assert ssh._size(b"x" * 2048 + b"\n") == "2049"  # longer: head reads it faster
+    assert ssh._size(b"no newline at the end") == "21"
+    assert ssh._size(b"a\0b\n") == "4"
+
+
+def test_short_text_reaches_the_script_byte_for_byte(fleet, fleet_settings, fleet_host):
+    worker = worker_for(fleet, fleet_host)
+    run_script(worker, "whoami.sh")
+    cases = [LINES, b"\n", b"x" * 2047 + b"\n", b"y" * 2048 + b"\n", LINES[:-1], b"a\0b\n"]
+    for data in cases:
+        result = run_script(worker, "whoami.sh", data)
+        assert result.values["stdin_bytes"] == str(len(data))
+        assert result.values["stdin_sha256"] == hashlib.sha256(data).hexdigest()
+    found = fleet.exec(fleet_host.name, ["sh", "-c", "ls /tmp /root /; true"]).stdout
+    assert b"pwned" not in found
+
+
+def test_lines_a_script_leaves_unread_never_reach_the_next_run(fleet, fleet_settings, fleet_host):
+    worker = worker_for(fleet, fleet_host)
+    reads_one = Script("reads-one.sh", b'set -eu\nIFS= read -r first\necho "first=$first"\n')
+    reads_none = Script("reads-none.sh", b"echo ok=1\n")
+
+    assert run_script(worker, reads_one, b"one\ntwo\nthree\n").values == {"first": "one"}
+    assert run_script(worker, reads_none, LINES).values == {"ok": "1"}
+    after = run_script(worker, "whoami.sh", b"abc\n")
+    assert after.values["stdin_sha256"] == hashlib.sha256(b"abc\n").hexdigest()
+    assert run_script(worker, reads_one, b"four\n").values == {"first": "four"}
+
+
 # --- two steps through the shell ---------------------------------------------------------
 
 
