@@ -266,6 +266,34 @@ def test_preflight_removes_a_stale_libtpu_lockfile_and_refuses_a_held_one(
         workers.sh(0, f"pkill -KILL -u {workers.user} || true")
 
 
+def _portal_lock(workers: Workers):
+    report = workers.preflight()[workers.hosts[0].name]
+    return next(c for c in report.checks if c.name == "portal_lock")
+
+
+def test_preflight_sees_a_running_jobs_lock_and_not_a_holder_file_left_behind(
+    fleet, fleet_settings, fleet_host, fleet_username, jax_env
+):
+    workers = Workers(fleet, [fleet_host], fleet_username)
+    assert _portal_lock(workers).status == "ok"
+    job_id = new_job_id()
+    [answer] = workers.start(job_id, ["sleep", "300"])
+    assert answer.outcome == "started"
+    try:
+        check = _portal_lock(workers)
+        assert check.status == "fail" and f"job {job_id} holds this TPU" in check.detail
+    finally:
+        workers.cancel(0, job_id, grace=1)
+    workers.wait_for(job_id, lambda states: states[0].state == "ended")
+    assert _portal_lock(workers).status == "ok"
+    # A holder file a killed supervisor left: the lock is free, and the check says so.
+    workers.sh(0, "echo t0000000000 >/run/tpu-portal/holder")
+    try:
+        assert _portal_lock(workers).status == "ok"
+    finally:
+        workers.sh(0, "rm -f /run/tpu-portal/holder")
+
+
 def test_preflight_names_the_worker_whose_script_differs(
     fleet, fleet_settings, fleet_hosts, fleet_username, jax_env
 ):

@@ -342,7 +342,10 @@ if [ -e "$LIBTPU_LOCK" ] || [ -L "$LIBTPU_LOCK" ]; then
 else
     check libtpu_lockfile ok "no $LIBTPU_LOCK"
 fi
-if [ -f "$PORTAL_LOCK" ] && ! { flock -n 8; } 8<"$PORTAL_LOCK"; then
+# A job's start writes the holder file once it holds the lock, and its supervisor
+# removes it before letting go: no holder file, no holder (no program started to ask).
+# A holder file left by a supervisor that was killed is judged by the lock itself.
+if [ -f "$HOLDER" ] && [ -f "$PORTAL_LOCK" ] && ! { flock -n 8; } 8<"$PORTAL_LOCK"; then
     check portal_lock fail "job $(cat "$HOLDER" 2>/dev/null || echo unknown) holds this TPU"
 else
     check portal_lock ok "free"

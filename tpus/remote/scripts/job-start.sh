@@ -674,14 +674,11 @@ else
     read -r _ cgroup <"$dir/cgroup"
 fi
 exec 5>&-
-# Both ends of the pipe are open (opening it to write waited for the writer): its name
-# goes now, while the command starts on its way (setsid, setpriv and env take a few
-# milliseconds of a busy worker), so the look below often finds it run already.
-rm -f log.pipe
 # The answer waits until the command runs as the user (it has joined its cgroup and
 # left root's side), or is gone already. Looked at at once, then after waits that
-# grow (each is a program started: a busy worker is not asked often), 2 s at most.
-for pause in 0.004 0.008 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
+# grow (each is a program started: a busy worker is not asked often; setsid, setpriv
+# and env take it a few milliseconds), 2 s at most.
+for pause in 0.01 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
     now_uid=""
     while read -r key real _; do
         if [ "$key" = Uid: ]; then
@@ -735,8 +732,9 @@ else
     echo "status $status" >exit.new
 fi
 # The TPU is free now, and then the end is written: a part reads as ended only once
-# nothing of it runs and the lock is free.
-rm -f /run/tpu-portal/holder
+# nothing of it runs and the lock is free. The log's pipe goes too (both its ends are
+# closed; only root may open it): one program at the end, none while the job starts.
+rm -f /run/tpu-portal/holder log.pipe
 exec 9>&-
 date +%s.%N >ended_at
 mv -f exit.new exit
