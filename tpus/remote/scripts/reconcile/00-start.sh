@@ -51,6 +51,8 @@ MAX_LINE=4400
 changed=0 users_created=0 keys_written=0 keys_removed=0 sudo_files=0 revoked=0
 processes_killed=0 mounted=0 unmounted=0 formatted=0 fstab_written=0 sshd_reloaded=0
 inflight="" members_checked=1 first_member=""
+nl='
+'
 
 die() {
     echo "reconcile: $*" >&2
