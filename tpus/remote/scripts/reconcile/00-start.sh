@@ -129,3 +129,14 @@ replace_text() {
     mv -f -- "$inflight" "$1"
     inflight=""
 }
+
+# replace_file for a file of ours that the shell wrote as lines (each with its
+# newline, none with a NUL byte: a keys file): the shell reads it and writes the
+# temporary file itself (replace_text), one program fewer than install.
+replace_lines() {
+    local text line
+    if same_file "$1" "$2" "$3"; then return 1; fi
+    text=""
+    while IFS= read -r line; do text="$text$line$nl"; done <"$2"
+    replace_text "$1" "${text%"$nl"}" "$3"
+}

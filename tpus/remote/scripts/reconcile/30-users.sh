@@ -292,7 +292,7 @@ converge_active() {
     if [ -s "$work/keys.$name" ]; then
         if [ "$keys_same" = 1 ]; then
             :
-        elif replace_file "$KEYS_DIR/$name" "$work/keys.$name" 644; then
+        elif replace_lines "$KEYS_DIR/$name" "$work/keys.$name" 644; then
             keys_written=$((keys_written + 1))
             changed=$((changed + 1))
         fi
