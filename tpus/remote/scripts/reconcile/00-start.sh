@@ -51,6 +51,8 @@ MAX_LINE=4400
 changed=0 users_created=0 keys_written=0 keys_removed=0 sudo_files=0 revoked=0
 processes_killed=0 mounted=0 unmounted=0 formatted=0 fstab_written=0 sshd_reloaded=0
 inflight="" members_checked=1 first_member=""
+nl='
+'
 
 die() {
     echo "reconcile: $*" >&2
@@ -126,4 +128,15 @@ replace_text() {
     umask 022
     mv -f -- "$inflight" "$1"
     inflight=""
+}
+
+# replace_file for a file of ours that the shell wrote as lines (each with its
+# newline, none with a NUL byte: a keys file): the shell reads it and writes the
+# temporary file itself (replace_text), one program fewer than install.
+replace_lines() {
+    local text line
+    if same_file "$1" "$2" "$3"; then return 1; fi
+    text=""
+    while IFS= read -r line; do text="$text$line$nl"; done <"$2"
+    replace_text "$1" "${text%"$nl"}" "$3"
 }

@@ -15,9 +15,41 @@ if [ -n "$series" ]; then
         die "$VERSION_DIR exists and is not a folder"
     fi
     [ -d "$VERSION_DIR" ] || mkdir -m 0711 "$VERSION_DIR"
-    owner_mode=$(stat -c '%u %a' "$VERSION_DIR")
-    [ "${owner_mode% *}" = 0 ] || die "$VERSION_DIR does not belong to root"
-    [ "${owner_mode#* }" = 711 ] || chmod 0711 "$VERSION_DIR"
+fi
+
+# One `stat`, here after the lock, for what this part needs to know of the files: the
+# version folder, the stamp of the sshd check and what sshd reads (section 2), each
+# line "path type inode size mtime ctime mode owner group", in the order given. -L
+# follows symlinks: the version folder is not one (just checked), and the stamp is
+# used only if it is not one. A path that does not exist has no line.
+SSHD_STAMP=/run/tpu-portal-sshd.checked
+facts=$(stat -L -c '%n %F %i %s %.9Y %.9Z %a %u %g' -- "$VERSION_DIR" "$SSHD_STAMP" \
+    /usr/sbin/sshd /etc/ssh/sshd_config /etc/ssh/sshd_config.d /etc/ssh/sshd_config.d/* \
+    2>/dev/null) || true
+version_dir_facts="" stamp_facts=""
+case $facts in "$VERSION_DIR "*)
+    version_dir_facts=${facts%%"$nl"*}
+    facts=${facts#"$version_dir_facts"}
+    facts=${facts#"$nl"}
+    ;;
+esac
+case $facts in "$SSHD_STAMP "*)
+    stamp_facts=${facts%%"$nl"*}
+    facts=${facts#"$stamp_facts"}
+    facts=${facts#"$nl"}
+    ;;
+esac
+
+if [ -n "$series" ]; then
+    case $version_dir_facts in
+    "$VERSION_DIR directory "*) ;;
+    *) die "$VERSION_DIR exists and is not a folder" ;;
+    esac
+    # Its mode and owner are the last fields but one and two.
+    owner_mode=${version_dir_facts% *}
+    [ "${owner_mode##* }" = 0 ] || die "$VERSION_DIR does not belong to root"
+    owner_mode=${owner_mode% *}
+    [ "${owner_mode##* }" = 711 ] || chmod 0711 "$VERSION_DIR"
     seen_series="" seen_version=""
     if [ -f "$VERSION_DIR/version" ] && [ ! -L "$VERSION_DIR/version" ]; then
         read -r seen_series seen_version _ <"$VERSION_DIR/version" || true
@@ -129,15 +161,28 @@ portal_member() {
 # the sshd binary, sshd_config, the sshd_config.d folder and every file in it, the
 # inode, size, modification and change times (in ns), mode and owner. Any edit,
 # rename, chmod or new file changes one of these. The facts are taken *before* the
-# check, so a change made while it runs is seen by the next run. The stamp lives in
-# /run (root-only, emptied at boot: the first run after a boot checks in full).
-SSHD_STAMP=/run/tpu-portal-sshd.checked
-{
-    printf '%s\n' "$DROPIN_TEXT"
-    stat -L -c '%n %F %i %s %.9Y %.9Z %a %u %g' -- /usr/sbin/sshd /etc/ssh/sshd_config \
-        /etc/ssh/sshd_config.d /etc/ssh/sshd_config.d/* 2>/dev/null || true
-} >"$work/sshd-facts"
-if [ -f "$SSHD_STAMP" ] && [ ! -L "$SSHD_STAMP" ] && cmp -s -- "$work/sshd-facts" "$SSHD_STAMP"; then
+# check (by the `stat` above), so a change made while it runs is seen by the next
+# run. The stamp lives in /run (root-only, emptied at boot: the first run after a
+# boot checks in full).
+sshd_facts="$DROPIN_TEXT$nl"
+if [ -n "$facts" ]; then sshd_facts="$sshd_facts$facts$nl"; fi
+printf '%s' "$sshd_facts" >"$work/sshd-facts"
+
+# Does the stamp hold exactly $sshd_facts? Its size (from the `stat` above) must be
+# theirs, then its bytes: read by the shell, which costs less than starting `cmp` for
+# a file this small. (`read` skips a NUL byte; the text read is then shorter than the
+# size, so it differs.)
+stamp_matches() {
+    local size text line
+    if [ ! -f "$SSHD_STAMP" ] || [ -L "$SSHD_STAMP" ]; then return 1; fi
+    size=${stamp_facts% * * * * *}
+    [ "${size##* }" = "${#sshd_facts}" ] || return 1
+    text="" line=""
+    while IFS= read -r line; do text="$text$line$nl"; done <"$SSHD_STAMP"
+    [ "$text$line" = "$sshd_facts" ]
+}
+
+if stamp_matches; then
     : # checked before, nothing sshd reads has changed since
 else
     reload=0

@@ -40,7 +40,10 @@ remove_portal_files() {
 # input, so what was read stays true for every user still to come. A name the listing
 # does not have (an NSS source that does not enumerate, or an account still to be
 # made) is asked of getent directly, with its uid, as before any account is created.
-# The same awk notes whether the portal's group exists.
+# The same awk notes whether the portal's group exists, finds the accounts in
+# /etc/passwd the portal did not list (drift, reported once the users are done: this
+# run makes no account it does not list and changes no uid) and notes whether fstab
+# has a line of the portal's (for section 4; nothing before it changes fstab).
 getent passwd >"$work/passwd" || true
 getent group >"$work/group" || true
 getent shadow >"$work/shadow" || true
@@ -60,10 +63,13 @@ case $keys_dir_meta in
 esac
 # A file's content is compared as its lines, each with a newline: with equal sizes,
 # equal lines mean equal bytes (a missing last newline or a cut at a NUL byte would
-# make the lines shorter than the size).
+# make the lines shorter than the size). fstab is read only if it is a regular file
+# (or a symlink to one, which the disks' part then refuses anyway).
+fstab_input=/dev/null
+if [ -f "$FSTAB" ]; then fstab_input=$FSTAB; fi
 awk -v keys="$KEYS_DIR/" -v sudoers="$SUDOERS_DIR/tpu-portal-" -v work="$work/" \
-    -v rule="$SUDO_RULE" \
-    -v group="$PORTAL_GROUP" '
+    -v rule="$SUDO_RULE" -v group="$PORTAL_GROUP" -v lo="$uid_min" -v hi="$uid_max" \
+    -v mark=" $FSTAB_MARK" '
     function fits(path, mode, size, m) {
         if (!(path in meta)) return 0
         split(meta[path], m, " ")
@@ -100,8 +106,30 @@ awk -v keys="$KEYS_DIR/" -v sudoers="$SUDOERS_DIR/tpu-portal-" -v work="$work/" 
             keys_same ":" sudo_same ":" (n in member ? 1 : 0)
         next
     }
-    END { if (!(group in gr)) printf "" > (work "no-group") }
-    ' "$work/passwd" "$work/group" "$work/shadow" "$work/files" "$work/users" >"$work/facts"
+    FILENAME == ARGV[6] {
+        # /etc/passwd: accounts inside the UID range that are not listed (drift),
+        # reported, never removed. Names are made safe as oneline() does.
+        split($0, f, ":")
+        if (f[3] ~ /^[0-9]+$/ && f[3] + 0 >= lo && f[3] + 0 <= hi && !(f[1] in listed) &&
+            !seen[f[1]]++) {
+            n = f[1]
+            gsub("[^-A-Za-z0-9 ._:,/()=@+]", " ", n)
+            print "drift_user=" substr(n, 1, 300) > (work "drift")
+        }
+        next
+    }
+    FILENAME == ARGV[7] {
+        # fstab: does a line end with the mark of ours?
+        if (length($0) >= length(mark) && substr($0, length($0) - length(mark) + 1) == mark)
+            ours = 1
+        next
+    }
+    END {
+        if (!(group in gr)) printf "" > (work "no-group")
+        if (ours) printf "" > (work "fstab-ours")
+    }
+    ' "$work/passwd" "$work/group" "$work/shadow" "$work/files" "$work/users" /etc/passwd \
+    "$fstab_input" >"$work/facts"
 
 # The group the portal puts its accounts in (see the sshd drop-in above): a system
 # group, made once.
@@ -264,7 +292,7 @@ converge_active() {
     if [ -s "$work/keys.$name" ]; then
         if [ "$keys_same" = 1 ]; then
             :
-        elif replace_file "$KEYS_DIR/$name" "$work/keys.$name" 644; then
+        elif replace_lines "$KEYS_DIR/$name" "$work/keys.$name" 644; then
             keys_written=$((keys_written + 1))
             changed=$((changed + 1))
         fi

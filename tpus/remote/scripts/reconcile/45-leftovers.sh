@@ -22,19 +22,11 @@ for path in "$SUDOERS_DIR"/tpu-portal-* "$SUDOERS_DIR"/.tpu-portal.*; do
     changed=$((changed + 1))
 done
 
-# Accounts in /etc/passwd inside the portal's UID range that it did not list:
-# reported, never removed. Names are made safe as oneline() does.
-awk -v lo="$uid_min" -v hi="$uid_max" '
-    FILENAME == ARGV[1] { listed[$1] = 1; next }
-    {
-        split($0, f, ":")
-        if (f[3] ~ /^[0-9]+$/ && f[3] + 0 >= lo && f[3] + 0 <= hi && !(f[1] in listed) &&
-            !seen[f[1]]++) {
-            n = f[1]
-            gsub("[^-A-Za-z0-9 ._:,/()=@+]", " ", n)
-            print "drift_user=" substr(n, 1, 300)
-        }
-    }' "$work/users" /etc/passwd
+# Accounts in /etc/passwd inside the portal's UID range that it did not list, as
+# section 3's awk found them: reported, never removed.
+if [ -e "$work/drift" ]; then
+    while IFS= read -r line; do printf '%s\n' "$line"; done <"$work/drift"
+fi
 
 # The run that made the portal's first account on this host checks what sshd uses
 # for it now, rather than at the next run (see section 2).

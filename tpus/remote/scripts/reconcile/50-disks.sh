@@ -214,7 +214,7 @@ END
 # hands its counters back through a file.
 if [ -L "$FSTAB" ]; then
     disk_error "$FSTAB is a symlink; not replacing it"
-elif [ -s "$work/mounts" ] || grep -q -s -e " $FSTAB_MARK\$" "$FSTAB"; then
+elif [ -s "$work/mounts" ] || [ -e "$work/fstab-ours" ]; then
     (
         converge_disks
         echo "$mounted $unmounted $formatted $fstab_written $changed" >"$work/disk-counters"
