@@ -24,29 +24,33 @@ remove_portal_files() {
 }
 
 # What the host knows about the listed users is read once, not asked per user: the
-# account databases as getent lists them and the type, mode, owner, size and content
+# account files (passwd, group, shadow) and the type, mode, owner, size and content
 # of the portal's own files, joined with the list by one awk. The loop at the end of
 # this section reads one line per user into these variables, which the functions
 # below use:
 #   name uid active sudo          the input
-#   pw_found pw_uid pw_gid pw_shell          `getent passwd NAME` (first entry wins)
-#   gr_found gr_gid                          `getent group NAME`
-#   sh_found sh_password sh_expire           `getent shadow NAME` (fields 2 and 8)
+#   pw_found pw_uid pw_gid pw_shell          NAME in /etc/passwd (first entry wins)
+#   gr_found gr_gid                          NAME in /etc/group
+#   sh_found sh_password sh_expire           NAME in /etc/shadow (fields 2 and 8)
 #   keys_same sudo_same           1: the keys / sudoers file is a plain file of root's
 #                                 with the right mode, size and content already
 #   member                        1: a member of the portal's group (the portal made
 #                                 or took over the account)
 # Only a user's own steps change their entries, and names and uids are unique in the
-# input, so what was read stays true for every user still to come. A name the listing
-# does not have (an NSS source that does not enumerate, or an account still to be
-# made) is asked of getent directly, with its uid, as before any account is created.
+# input, so what was read stays true for every user still to come. The files are read
+# by the awk itself (three getent listings were three programs, each loading the name
+# service's modules, on every run of every worker): the accounts the portal makes are
+# local ones. A name the files do not have (one another name service knows, or an
+# account still to be made) is asked of getent directly, with its uid, as before any
+# account is created: every source counts there.
 # The same awk notes whether the portal's group exists, finds the accounts in
 # /etc/passwd the portal did not list (drift, reported once the users are done: this
 # run makes no account it does not list and changes no uid) and notes whether fstab
 # has a line of the portal's (for section 4; nothing before it changes fstab).
-getent passwd >"$work/passwd" || true
-getent group >"$work/group" || true
-getent shadow >"$work/shadow" || true
+passwd_file=/etc/passwd group_file=/etc/group shadow_file=/etc/shadow
+[ -f "$passwd_file" ] || passwd_file=/dev/null
+[ -f "$group_file" ] || group_file=/dev/null
+[ -f "$shadow_file" ] || shadow_file=/dev/null
 SUDO_RULE=' ALL=(ALL:ALL) NOPASSWD:ALL'
 stat -c '%a %u %g %s %F|%n' -- "$KEYS_DIR" "$KEYS_DIR"/* "$SUDOERS_DIR"/tpu-portal-* \
     "$work"/keys.* >"$work/files" 2>/dev/null || true
@@ -82,7 +86,17 @@ awk -v keys="$KEYS_DIR/" -v sudoers="$SUDOERS_DIR/tpu-portal-" -v work="$work/" 
         close(path)
         return text
     }
-    FILENAME == ARGV[1] { split($0, f, ":"); if (!(f[1] in pw)) pw[f[1]] = f[3] ":" f[4] ":" f[7]; next }
+    FILENAME == ARGV[1] {
+        split($0, f, ":")
+        if (!(f[1] in pw)) pw[f[1]] = f[3] ":" f[4] ":" f[7]
+        # Drift: an account inside the UID range, in the order of the file; reported
+        # (at the end) if the input does not list it, never removed.
+        if (f[3] ~ /^[0-9]+$/ && f[3] + 0 >= lo && f[3] + 0 <= hi && !(f[1] in inrange)) {
+            inrange[f[1]] = 1
+            drift[++drifts] = f[1]
+        }
+        next
+    }
     FILENAME == ARGV[2] {
         split($0, f, ":")
         if (f[1] == group && !(f[1] in gr)) {
@@ -107,18 +121,6 @@ awk -v keys="$KEYS_DIR/" -v sudoers="$SUDOERS_DIR/tpu-portal-" -v work="$work/" 
         next
     }
     FILENAME == ARGV[6] {
-        # /etc/passwd: accounts inside the UID range that are not listed (drift),
-        # reported, never removed. Names are made safe as oneline() does.
-        split($0, f, ":")
-        if (f[3] ~ /^[0-9]+$/ && f[3] + 0 >= lo && f[3] + 0 <= hi && !(f[1] in listed) &&
-            !seen[f[1]]++) {
-            n = f[1]
-            gsub("[^-A-Za-z0-9 ._:,/()=@+]", " ", n)
-            print "drift_user=" substr(n, 1, 300) > (work "drift")
-        }
-        next
-    }
-    FILENAME == ARGV[7] {
         # fstab: does a line end with the mark of ours?
         if (length($0) >= length(mark) && substr($0, length($0) - length(mark) + 1) == mark)
             ours = 1
@@ -127,8 +129,15 @@ awk -v keys="$KEYS_DIR/" -v sudoers="$SUDOERS_DIR/tpu-portal-" -v work="$work/" 
     END {
         if (!(group in gr)) printf "" > (work "no-group")
         if (ours) printf "" > (work "fstab-ours")
+        # Names made safe as oneline() does.
+        for (i = 1; i <= drifts; i++) {
+            n = drift[i]
+            if (n in listed) continue
+            gsub("[^-A-Za-z0-9 ._:,/()=@+]", " ", n)
+            print "drift_user=" substr(n, 1, 300) > (work "drift")
+        }
     }
-    ' "$work/passwd" "$work/group" "$work/shadow" "$work/files" "$work/users" /etc/passwd \
+    ' "$passwd_file" "$group_file" "$shadow_file" "$work/files" "$work/users" \
     "$fstab_input" >"$work/facts"
 
 # The group the portal puts its accounts in (see the sshd drop-in above): a system
