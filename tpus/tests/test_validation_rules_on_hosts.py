@@ -160,3 +160,46 @@ def _accepts(check, value) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _verdict(fleet, host, lines: list[str]) -> str:
+    """'accepted', or the reason the script's input checks gave."""
+    done = fleet.exec(
+        host.name,
+        ["sh", "-c", the_scripts_input_checks(), "reconcile-input"],
+        input=("\n".join(lines) + "\n").encode(),
+        check=False,
+    )
+    if done.returncode == 0:
+        return "accepted"
+    return done.stderr.decode().strip().splitlines()[-1].removeprefix("reconcile: ")
+
+
+@pytest.mark.fleet
+def test_each_fields_longest_length_and_the_first_bad_line_is_named(fleet, fleet_host):
+    blob = base64.b64encode(b"\0\0\0\x0bssh-ed25519" + b"\1" * 36).decode()
+    user = f"user milo {UID} 1 0"
+
+    def key(comment: str) -> str:
+        return f"key milo ssh-ed25519 {blob} {comment}"
+
+    refused = "line {} of the input is not a valid record; nothing was changed"
+    cases = [
+        ([*HEADER, f"user {'a' * 31} {UID} 1 0", "end"], "accepted"),
+        ([*HEADER, f"user {'a' * 32} {UID} 1 0", "end"], refused.format(3)),
+        ([desired.HEADER, "range 1000 2000000000", "end"], "accepted"),
+        ([desired.HEADER, "range 1000 10000000000", "end"], refused.format(2)),
+        ([*HEADER, f"version {'s' * 64} {'9' * 18}", "end"], "accepted"),
+        ([*HEADER, f"version {'s' * 65} 1", "end"], refused.format(3)),
+        ([*HEADER, f"version s {'9' * 19}", "end"], refused.format(3)),
+        ([*HEADER, user, key("c" * 100), "end"], "accepted"),
+        ([*HEADER, user, key("c" * 101), "end"], refused.format(4)),
+        ([*HEADER, f"mount {'d' * 63} /data ro", "end"], "accepted"),
+        ([*HEADER, f"mount {'d' * 64} /data ro", "end"], refused.format(3)),
+        # The first line found wanting is named, whichever check found it.
+        ([*HEADER, f"user {'a' * 32} {UID} 1 0", "bogus", "end"], refused.format(3)),
+        ([*HEADER, "bogus", f"user {'a' * 32} {UID} 1 0", "end"], refused.format(3)),
+        ([*HEADER, user, "key milo ssh-ed25519 !!", key("c" * 101), "end"], refused.format(4)),
+    ]
+    verdicts = [_verdict(fleet, fleet_host, lines) for lines, _ in cases]
+    assert verdicts == [want for _, want in cases]

@@ -6,16 +6,28 @@ head -c $((MAX_INPUT + 1)) >"$input"
 # One awk for its shape: its size (each line's length plus its newline, summed), the
 # length of each line, and whether the last line is "end". A last line without its
 # newline counts one byte too many; the loop below refuses such an input (and grep one
-# with a NUL byte, which not every awk counts).
+# with a NUL byte, which not every awk counts). The same awk notes the first line
+# whose fields are longer than the records below allow (see there).
 shape=$(awk -v max="$MAX_LINE" -v most="$MAX_INPUT" '
     length($0) > max { print "line " NR; long = 1; exit }
     { bytes += length($0) + 1 }
-    END { if (long) exit; if (bytes > most) print "size"; else if ($0 != "end") print "cut" }
+    !over && (($1 == "range" && (length($2) > 10 || length($3) > 10)) ||
+        ($1 == "version" && (length($2) > 64 || length($3) > 18)) ||
+        ($1 == "user" && (length($2) > 31 || length($3) > 10)) ||
+        ($1 == "key" && (length($2) > 31 || length($5) > 100)) ||
+        ($1 == "mount" && length($2) > 63)) { over = NR }
+    END {
+        if (long) exit
+        if (bytes > most) print "size " over + 0
+        else if ($0 != "end") print "cut " over + 0
+        else print "whole " over + 0
+    }
     ' "$input")
 case $shape in
-size) die "the desired state is larger than $MAX_INPUT bytes" ;;
+size*) die "the desired state is larger than $MAX_INPUT bytes" ;;
 line*) die "$shape of the input is too long; nothing was changed" ;;
 esac
+over=${shape#* } shape=${shape%% *}
 first=""
 IFS= read -r first <"$input" || true
 [ "$first" = "tpu-portal-desired 1" ] || die "the input does not start with 'tpu-portal-desired 1'"
@@ -25,20 +37,28 @@ IFS= read -r first <"$input" || true
 # stated again here; tpus/tests/test_validation_rules_on_hosts.py runs this part on a
 # host with cases generated from that module, so the two agree. Each line must be one
 # of these records, whole (-x), nothing else: no options before a key, no second key,
-# no control characters, no quotes, no '$', no tabs.
+# no control characters, no quotes, no '$', no tabs. Their fields' longest lengths
+# (a name 31, a number 10, a series 64, a version 18, a key's comment 100, a device
+# 63) are the awk's above, on the fields as awk splits them, which for a line of one
+# of these records are exactly its fields: a bounded repeat like {0,30} made grep
+# build an automaton several times larger, more than a millisecond of the worker's
+# CPU on every run. A line is refused if either finds it wanting; the first such
+# line is named.
 KEY_TYPES='(ssh-ed25519|sk-ssh-ed25519@openssh\.com|ecdsa-sha2-nistp(256|384|521)|sk-ecdsa-sha2-nistp256@openssh\.com|ssh-rsa)'
-NAME='[a-z][a-z0-9-]{0,30}'
-NUMBER='[1-9][0-9]{0,9}'
+NAME='[a-z][a-z0-9-]*'
+NUMBER='[1-9][0-9]*'
 bad=$(grep -a -n -v -x -E -m 1 \
     -e 'tpu-portal-desired 1' \
     -e "range $NUMBER $NUMBER" \
-    -e 'version [a-z0-9][a-z0-9-]{0,63} (0|[1-9][0-9]{0,17})' \
+    -e 'version [a-z0-9][a-z0-9-]* (0|[1-9][0-9]*)' \
     -e "user $NAME $NUMBER [01] [01]" \
-    -e "key $NAME $KEY_TYPES [A-Za-z0-9+/]+={0,2}( [A-Za-z0-9._@:+=/-]{1,100})?" \
-    -e 'mount [a-z]([a-z0-9-]{0,61}[a-z0-9])? (/[A-Za-z0-9._-]+)+ (ro|rw)' \
+    -e "key $NAME $KEY_TYPES [A-Za-z0-9+/]+={0,2}( [A-Za-z0-9._@:+=/-]+)?" \
+    -e 'mount [a-z]([a-z0-9-]*[a-z0-9])? (/[A-Za-z0-9._-]+)+ (ro|rw)' \
     -e 'end' \
     "$input") || true
-[ -z "$bad" ] || die "line ${bad%%:*} of the input is not a valid record; nothing was changed"
+bad=${bad%%:*}
+if [ "$over" != 0 ] && { [ -z "$bad" ] || [ "$over" -lt "$bad" ]; }; then bad=$over; fi
+[ -z "$bad" ] || die "line $bad of the input is not a valid record; nothing was changed"
 
 # Split the records into files of our own private folder, checking each field again
 # and where each record may stand. Duplicates are found with lists kept in variables
