@@ -294,6 +294,28 @@ def test_preflight_sees_a_running_jobs_lock_and_not_a_holder_file_left_behind(
         workers.sh(0, "rm -f /run/tpu-portal/holder")
 
 
+def test_the_supervisors_script_is_written_once_a_boot_and_again_when_missing(
+    fleet, fleet_settings, fleet_host, fleet_username, jax_env
+):
+    workers = Workers(fleet, [fleet_host], fleet_username)
+    look = "stat -c '%i %Y' /run/tpu-portal/supervise-*.sh"
+
+    def start_and_end() -> None:
+        job_id = new_job_id()
+        [answer] = workers.start(job_id, ["true"])
+        assert answer.outcome == "started"
+        workers.wait_for(job_id, lambda states: states[0].state == "ended")
+
+    start_and_end()
+    first = workers.sh(0, look)
+    start_and_end()
+    assert workers.sh(0, look) == first  # the same file, not written again
+    workers.sh(0, "rm -f /run/tpu-portal/supervise-*.sh")
+    start_and_end()
+    assert workers.sh(0, look).count("\n") == 1
+    assert workers.sh(0, "ls -a /run/tpu-portal | grep -c supervise || true").strip() == "1"
+
+
 def test_preflight_names_the_worker_whose_script_differs(
     fleet, fleet_settings, fleet_hosts, fleet_username, jax_env
 ):

@@ -3,7 +3,9 @@ as root on workers (as they travel, parts joined) and the test fleet's own."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -44,3 +46,15 @@ def test_the_reconcile_script_travels_as_its_parts_joined_in_name_order():
     assert body == b"".join(p.read_bytes() for p in parts)
     assert body.startswith(b"#!/bin/sh\n")
     assert len(body) <= scripts.MAX_SCRIPT_BYTES
+
+
+def test_the_job_supervisors_kept_file_is_named_by_the_sha256_of_its_text():
+    # A start writes the supervisor only when the file of that name is missing: a
+    # changed text under the old name would leave workers running the old one.
+    text = scripts.load("job-start.sh").body.decode()
+    body = re.search(r"<<'SUPERVISOR'\n(.*?\n)SUPERVISOR\n", text, re.S)
+    named = re.search(r"^SUPERVISE=\$RUN/supervise-([0-9a-f]{64})\.sh$", text, re.M)
+    assert body and named
+    assert named.group(1) == hashlib.sha256(body.group(1).encode()).hexdigest(), (
+        "the supervisor's text changed: name its file by the new text's SHA-256"
+    )

@@ -37,6 +37,7 @@ JOBS=/var/lib/tpu-portal/jobs
 RUN=/run/tpu-portal
 LOCK=$RUN/tpu.lock
 HOLDER=$RUN/holder
+SUPERVISE=$RUN/supervise-dbcd5d7ee895661f2c8fcbae8dc92618783bc3d7de5325dd9280748149c5b876.sh
 MAX_INPUT=1048576
 UNIT_PREFIX=tpu-portal-job-
 
@@ -350,7 +351,7 @@ cleanup_cgroups() {
         [ -z "$path" ] || rmdir "$path" 2>/dev/null || true
     done
 }
-trap 'cleanup_cgroups "$cgroup" "$pids_dir" "$memory_dir"; [ -z "$holding" ] || rm -f "$HOLDER"; rm -rf -- "$dir.new"' EXIT
+trap 'cleanup_cgroups "$cgroup" "$pids_dir" "$memory_dir"; [ -z "$holding" ] || rm -f "$HOLDER"; rm -rf -- "$dir.new" "$SUPERVISE.$job"' EXIT
 
 # 3c. The job's cgroup, with the lab's limits on tasks and memory. Where systemd runs
 #     (a TPU VM), a transient scope in the person's user-<uid>.slice, made by the
@@ -472,7 +473,11 @@ if [ -n "$cgroup" ]; then
 else
     printf '%s\n' "$plan" >"$dir.new/cgroup.plan"
 fi
-cat >"$dir.new/supervise.sh" <<'SUPERVISOR'
+# The supervisor's script is the same for every job: kept in $RUN (root's, emptied at
+# boot) under a name that is the SHA-256 of its text (a test pins the two together),
+# and written only when it is not there yet, so most starts start no program for it.
+if [ ! -f "$SUPERVISE" ] || [ -L "$SUPERVISE" ]; then
+    cat >"$SUPERVISE.$job" <<'SUPERVISOR'
 # The supervisor of one job (root, its own session, fd 9 = the TPU's lock, fd 3 = the
 # pipe job-start.sh waits on). Arguments: the folder, uid, gid, user, home, cwd, python,
 # the log's cap in bytes. The cgroup file says where the job's cgroup is; where systemd
@@ -739,6 +744,8 @@ exec 9>&-
 date +%s.%N >ended_at
 mv -f exit.new exit
 SUPERVISOR
+    mv -f -- "$SUPERVISE.$job" "$SUPERVISE"
+fi
 
 # 5. With hold, everything up to here was made while the other workers still checked;
 #    now the word. Then the lock, the holder, and the folder under its name.
@@ -789,7 +796,7 @@ trap - EXIT
 # 6. Detach: a new session, nothing of the SSH channel, the lock's descriptor kept.
 #    The supervisor's fd 3 is a pipe to here: it writes the command's pid, the boot id
 #    the start time and its cgroup once the command runs, then closes it (no polling).
-answer=$(setsid -f /bin/sh "$dir/supervise.sh" "$dir" "$uid" "$gid" "$user" "$home" \
+answer=$(setsid -f /bin/sh "$SUPERVISE" "$dir" "$uid" "$gid" "$user" "$home" \
     "$cwd" "$python" "$log_max_bytes" 3>&1 </dev/null >>"$dir/supervisor.log" 2>&1)
 exec 9>&-
 pid="" boot="" started="" cgroup=""
