@@ -37,7 +37,7 @@ JOBS=/var/lib/tpu-portal/jobs
 RUN=/run/tpu-portal
 LOCK=$RUN/tpu.lock
 HOLDER=$RUN/holder
-SUPERVISE=$RUN/supervise-dbcd5d7ee895661f2c8fcbae8dc92618783bc3d7de5325dd9280748149c5b876.sh
+SUPERVISE=$RUN/supervise-c1263a5d629cea26fcf1cb6664adf3dca2dae1ad6d2258f79f299c85b7cd4b73.sh
 MAX_INPUT=1048576
 UNIT_PREFIX=tpu-portal-job-
 
@@ -600,8 +600,6 @@ set -- setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- "$@
 echo "$$ $(starttime $$)" >supervisor
 read -r boot </proc/sys/kernel/random/boot_id
 echo "$boot" >boot_id
-started=$(date +%s.%N)
-echo "$started" >started_at
 
 # The log: the command's output through a pipe to a writer that keeps log_max bytes,
 # then ends the log with a line saying where and why it was cut and reads on (the job
@@ -679,10 +677,13 @@ else
     read -r _ cgroup <"$dir/cgroup"
 fi
 exec 5>&-
+# The start's time, taken while the command is on its way (setsid, setpriv and env
+# take it a few milliseconds of a busy worker), and written before anything answers.
+started=$(date +%s.%N)
+echo "$started" >started_at
 # The answer waits until the command runs as the user (it has joined its cgroup and
 # left root's side), or is gone already. Looked at at once, then after waits that
-# grow (each is a program started: a busy worker is not asked often; setsid, setpriv
-# and env take it a few milliseconds), 2 s at most.
+# grow (each is a program started: a busy worker is not asked often), 2 s at most.
 for pause in 0.01 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
     now_uid=""
     while read -r key real _; do
