@@ -82,7 +82,7 @@ def send_grant_email(grant_id: int, kind: str) -> None:
         # The same lines as the downloaded config and known_hosts, for this VM.
         context["snippet"] = sshconfig.snippet_for(grant.user, [grant.vm], among=among)
         context["known_hosts"] = sshconfig.render_known_hosts([grant.vm], among=among)
-        context["host"] = sshconfig.host_name_for(grant.user, grant.vm)
+        context["host"] = sshconfig.host_name_for(grant.user, grant.vm, among=among)
         context["config_path"] = sshconfig.CONFIG_PATH
         context["known_hosts_path"] = sshconfig.KNOWN_HOSTS_PATH
         mail.send("access_active", [grant.user.email], context)
