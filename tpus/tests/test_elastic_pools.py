@@ -140,7 +140,7 @@ def test_a_submit_asks_in_its_own_transaction_and_a_failed_look_falls_back(
     assert AuditEvent.objects.filter(action="elastic_pool.grew", data__request=made.pk).exists()
     # A look that fails is undone alone: the job stands, and the pool's task asks.
 
-    def broken(lab_id, accelerator_type):
+    def broken(lab_id, accelerator_type, **kwargs):
         VmRequest.objects.update(name="x")  # undone with the look
         raise DatabaseError("the look failed")
 
@@ -204,8 +204,8 @@ def test_passes_at_the_same_moment_never_ask_past_the_allowance_or_the_need(
     meet = threading.Barrier(4)
     original = elastic_pools.read
 
-    def read_then_meet(pool):
-        scene = original(pool)
+    def read_then_meet(pool, **kwargs):
+        scene = original(pool, **kwargs)
         try:
             meet.wait(timeout=2)
         except threading.BrokenBarrierError:
