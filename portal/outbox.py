@@ -26,7 +26,9 @@ import datetime as dt
 import logging
 import random
 import smtplib
+import threading
 import time
+from contextlib import contextmanager
 
 from django.conf import settings
 from django.core.mail import EmailMultiAlternatives
@@ -84,8 +86,38 @@ def enqueue(
         next_attempt_at=now + FIRST_ATTEMPT_LEASE,
     )
     pk, lease = message.pk, message.next_attempt_at
-    transaction.on_commit(lambda: _first_attempt(pk, lease))
+    transaction.on_commit(lambda: _first_attempt_or_hold(pk, lease))
     return message
+
+
+_holding = threading.local()
+
+
+@contextmanager
+def first_attempts_held():
+    """Within it, the first attempt of each message whose transaction commits there
+    waits for the way out: what the caller does next after that commit (a job placed
+    on a VM whose grant just went active, its pass queued) does not wait on the SMTP
+    server. The message is stored with its change as always; a process that dies
+    before the way out leaves it to the sweep, as after any commit."""
+    if getattr(_holding, "attempts", None) is not None:
+        yield  # an outer one makes them
+        return
+    _holding.attempts = held = []
+    try:
+        yield
+    finally:
+        _holding.attempts = None
+        for pk, lease in held:
+            _first_attempt(pk, lease)
+
+
+def _first_attempt_or_hold(pk: int, lease: dt.datetime) -> None:
+    held = getattr(_holding, "attempts", None)
+    if held is not None:
+        held.append((pk, lease))
+        return
+    _first_attempt(pk, lease)
 
 
 # After an attempt timed out, this process leaves new messages to the sweep for one

@@ -77,34 +77,69 @@ def check_allowance(lab: Lab, accelerator_type: str, provisioning: str) -> None:
     """ValidationError with the numbers when one more VM of this type and kind would
     take the lab past its allowance (or past its grant's end)."""
     check_grant_open(lab)
-    generation, chips = chips_of(accelerator_type)
-    kind = Provisioning(provisioning).label.lower()
+    generation, _ = chips_of(accelerator_type)
     allowance = LabAllowance.objects.filter(
         lab=lab, generation=generation, provisioning=provisioning
     ).first()
+    if allowance is None:
+        _check_room(accelerator_type, provisioning, None, 0)  # refused: no allowance
+    else:
+        used = holding(lab, generation, provisioning)
+        _check_room(accelerator_type, provisioning, allowance.chips, used)
+
+
+def _check_room(accelerator_type: str, provisioning: str, allowance: int | None, used: int) -> None:
+    """``check_allowance``'s refusal, from the allowance's chips (None: none) and the
+    chips the lab holds of its generation and kind."""
+    generation, chips = chips_of(accelerator_type)
+    kind = Provisioning(provisioning).label.lower()
     if allowance is None:
         raise ValidationError(
             f"The lab has no allowance for {kind} {generation} chips; a site admin sets the "
             "lab's allowance from its TPU grant."
         )
-    used = holding(lab, generation, provisioning)
-    if used + chips > allowance.chips:
+    if used + chips > allowance:
         raise ValidationError(
             f"A {accelerator_type} is {chips} {generation} chips; the lab holds {used} {kind} "
-            f"{generation} chips of its {allowance.chips}, so {allowance.chips - used} are left."
+            f"{generation} chips of its {allowance}, so {allowance - used} are left."
         )
 
 
-def claim(lab: Lab, accelerator_type: str, provisioning: str, *, grant_only: bool = False) -> Lab:
+@dataclass(frozen=True)
+class Standing:
+    """What a claim counts, as its caller read it in the claim's transaction after
+    locking the lab's row there: the locked lab, the allowance's chips (None: none)
+    and the chips the lab holds of the generation and kind (``holding``), with what
+    the caller made since."""
+
+    lab: Lab
+    allowance: int | None
+    used: int
+
+
+def claim(
+    lab: Lab,
+    accelerator_type: str,
+    provisioning: str,
+    *,
+    grant_only: bool = False,
+    standing: Standing | None = None,
+) -> Lab:
     """``check_allowance`` inside the transaction that makes the lab hold the chips (a
     request stored, a VM's state moved to starting, a kept-alive VM asked for again),
     with the lab's row locked first: concurrent claims of one lab wait for each other,
     and each counts what the ones before it made. The grant's end date is read as it is
     now. ``grant_only`` checks the grant's end alone (a VM the lab made itself, of a
-    generation and kind it has no allowance for). Returns the locked lab. (SQLite takes
-    its write lock when the transaction begins, which serialises them the same way.)"""
+    generation and kind it has no allowance for). With ``standing``, the caller locked
+    the lab's row in this transaction and read the figures since: they are counted as
+    they are, neither read nor locked again. Returns the locked lab. (SQLite takes its
+    write lock when the transaction begins, which serialises them the same way.)"""
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("claim() must run inside the transaction that takes the chips")
+    if standing is not None:
+        check_grant_open(standing.lab)
+        _check_room(accelerator_type, provisioning, standing.allowance, standing.used)
+        return standing.lab
     locked = Lab.objects.select_for_update().get(pk=lab.pk)
     if grant_only:
         check_grant_open(locked)

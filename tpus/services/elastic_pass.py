@@ -20,7 +20,8 @@ from django.utils import timezone
 from portal import audit
 from tpus.models import AuditAction, Lab, TpuVm, VmRequest
 from tpus.models.elastic import ElasticPool
-from tpus.services import elastic_pools, vm_lifecycle, vm_requests
+from tpus.models.provisioning import chips_of
+from tpus.services import allowances, elastic_pools, vm_lifecycle, vm_requests
 from tpus.services.vm_requests import VmSpec
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,21 @@ def check_kind(lab_id: int, accelerator_type: str) -> None:
         check(pool.pk)
 
 
-def grow_kind(lab_id: int, accelerator_type: str) -> list[int]:
+def grow_kind(
+    lab_id: int, accelerator_type: str, *, lab: Lab | None = None, granted: set[int] | None = None
+) -> list[int]:
     """Grow the kind's pool, if the lab has one switched on (``grow``): what a submit
-    that no free VM took does before it commits. Returns the requests made."""
+    that no free VM took does before it commits. With ``lab``, the caller locked the
+    lab's row in this transaction (the submit): the pool's row is locked and read in
+    one query, and the lab is not read again; ``granted``, the people with a kind
+    grant in force on the type as the caller read them. Returns the requests made."""
+    if lab is not None:
+        pool = (
+            ElasticPool.objects.select_for_update()
+            .filter(lab_id=lab.pk, accelerator_type=accelerator_type, enabled=True)
+            .first()
+        )
+        return [] if pool is None else _grow(pool, lab, granted)
     pool_id = (
         ElasticPool.objects.filter(lab_id=lab_id, accelerator_type=accelerator_type, enabled=True)
         .values_list("pk", flat=True)
@@ -62,10 +75,18 @@ def grow_kind(lab_id: int, accelerator_type: str) -> list[int]:
     return [] if pool_id is None else grow(pool_id)
 
 
-def no_vm_took(sender, *, lab_id: int, accelerator_type: str, **kwargs) -> None:
+def no_vm_took(
+    sender,
+    *,
+    lab_id: int,
+    accelerator_type: str,
+    lab: Lab | None = None,
+    granted: set[int] | None = None,
+    **kwargs,
+) -> None:
     """``jobs.no_vm_took``: a pool job's submit that no free VM took grows its kind's
-    pool in the submit's transaction."""
-    grow_kind(lab_id, accelerator_type)
+    pool in the submit's transaction (the lab's row locked by the submit)."""
+    grow_kind(lab_id, accelerator_type, lab=lab, granted=granted)
 
 
 def grow(pool_id: int) -> list[int]:
@@ -73,48 +94,61 @@ def grow(pool_id: int) -> list[int]:
     it counts and asks: a pass at the same moment waits, then counts what this one
     asked for. Each request claims its chips (``allowances.claim``); one refused stops
     it, and why is kept on the pool. Returns the requests made."""
-    made = []
     with transaction.atomic():
         lab = Lab.objects.select_for_update().get(
             pk=ElasticPool.objects.values_list("lab_id", flat=True).get(pk=pool_id)
         )
         pool = ElasticPool.objects.select_for_update().get(pk=pool_id)
-        pool.lab = lab
-        if not pool.enabled:
-            return []
-        scene = elastic_pools.read(pool)
-        needed = elastic_pools.need(scene)
-        refused = needed.refused
-        if not needed.zones and needed.uncovered == 0 and scene.waiting_at_google:
-            refused = "capacity at Google: queued, waiting for resources"
-        for zone in needed.zones:
-            name = _next_name(pool, zone)
-            spec = VmSpec(
-                name=name,
-                zone=zone,
-                accelerator_type=pool.accelerator_type,
-                runtime_version=pool.runtime_version,
-                provisioning=pool.provisioning,
-                queued=True,
-            )
-            try:
-                with transaction.atomic():
-                    request = vm_requests.store(
-                        lab,
-                        spec,
-                        elastic_pool=pool,
-                        elastic_reason=elastic_pools.reason(scene, asked=len(made)),
-                    )
-            except ValidationError as exc:
-                refused = exc.messages[0]
-                break
-            except IntegrityError:  # a VM or request of that name: take the next number
-                log.warning("%s: %s is taken", pool, name)
-                continue
-            made.append(request.pk)
-        ElasticPool.objects.filter(pk=pool.pk).update(
-            next_number=pool.next_number, refused=refused, checked_at=timezone.now()
+        return _grow(pool, lab)
+
+
+def _grow(pool: ElasticPool, lab: Lab, granted: set[int] | None = None) -> list[int]:
+    """``grow`` with the lab's row and then the pool's locked in this transaction. The
+    chips each request claims are counted from the scene read under that lock, with
+    the requests made since (``allowances.Standing``): nothing else may claim chips of
+    the lab until this transaction ends."""
+    pool.lab = lab
+    if not pool.enabled:
+        return []
+    made = []
+    scene = elastic_pools.read(pool, granted=granted)
+    needed = elastic_pools.need(scene)
+    refused = needed.refused
+    if not needed.zones and needed.uncovered == 0 and scene.waiting_at_google:
+        refused = "capacity at Google: queued, waiting for resources"
+    _, chips = chips_of(pool.accelerator_type)
+    for zone in needed.zones:
+        name = _next_name(pool, zone)
+        spec = VmSpec(
+            name=name,
+            zone=zone,
+            accelerator_type=pool.accelerator_type,
+            runtime_version=pool.runtime_version,
+            provisioning=pool.provisioning,
+            queued=True,
         )
+        standing = allowances.Standing(
+            lab, scene.allowance_chips, scene.used_chips + len(made) * chips
+        )
+        try:
+            # The request's own transaction (a savepoint) is undone alone when refused.
+            request = vm_requests.store(
+                lab,
+                spec,
+                elastic_pool=pool,
+                elastic_reason=elastic_pools.reason(scene, asked=len(made)),
+                standing=standing,
+            )
+        except ValidationError as exc:
+            refused = exc.messages[0]
+            break
+        except IntegrityError:  # a VM or request of that name: take the next number
+            log.warning("%s: %s is taken", pool, name)
+            continue
+        made.append(request.pk)
+    ElasticPool.objects.filter(pk=pool.pk).update(
+        next_number=pool.next_number, refused=refused, checked_at=timezone.now()
+    )
     return made
 
 

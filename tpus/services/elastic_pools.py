@@ -129,16 +129,29 @@ def pool_may_take(pool: ElasticPool, job: Waiting) -> bool:
     return not job.zones or bool(set(job.zones) & set(pool.zones))
 
 
-def grows_for(user, lab: Lab, accelerator_type: str, zones, provisioning: str) -> bool:
-    """The lab's elastic pool of the type is on and would make a VM the person's job
-    may run on (they have a kind grant on the type; its zones and kind suit): a job
-    of theirs may wait for it though no VM of the type is there yet."""
+@dataclass(frozen=True)
+class SwitchedOn:
+    """A lab's elastic pool of a type that is on, and the people it grows for (user
+    ids with a kind grant in force on the type), read together (``switched_on``)."""
+
+    pool: ElasticPool
+    granted: set[int]
+
+    def grows_for(self, user, zones, provisioning: str) -> bool:
+        """The pool would make a VM the person's job may run on (they have a kind grant
+        on the type; its zones and kind suit): a job of theirs may wait for it though
+        no VM of the type is there yet."""
+        if user.pk not in self.granted:
+            return False
+        return pool_may_take(self.pool, Waiting(0, user.pk, tuple(zones), provisioning))
+
+
+def switched_on(lab: Lab, accelerator_type: str) -> SwitchedOn | None:
+    """The lab's pool of the type with the people it grows for, if it is on."""
     pool = ElasticPool.objects.filter(
         lab=lab, accelerator_type=accelerator_type, enabled=True
     ).first()
-    if pool is None or user.pk not in kind_granted(lab.pk, accelerator_type):
-        return False
-    return pool_may_take(pool, Waiting(0, user.pk, tuple(zones), provisioning))
+    return None if pool is None else SwitchedOn(pool, kind_granted(lab.pk, accelerator_type))
 
 
 @dataclass
@@ -162,9 +175,11 @@ class Scene:
     waiting_at_google: int = 0
 
 
-def read(pool: ElasticPool) -> Scene:
-    """The pool's scene, in a constant number of queries."""
-    granted = kind_granted(pool.lab_id, pool.accelerator_type)
+def read(pool: ElasticPool, *, granted: set[int] | None = None) -> Scene:
+    """The pool's scene, in a constant number of queries (``granted``: the people with
+    a kind grant in force on the type, when the caller has just read them)."""
+    if granted is None:
+        granted = kind_granted(pool.lab_id, pool.accelerator_type)
     rows = list(
         Job.objects.filter(
             lab_id=pool.lab_id,

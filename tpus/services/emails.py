@@ -69,20 +69,22 @@ def send_invite_email(invite_id: int, raw_token: str) -> None:
 def send_grant_email(grant_id: int, kind: str) -> None:
     """``active`` and ``revoked`` and ``expiring`` go to the person; ``failed`` to the
     lab's admins."""
-    grant = (
-        Grant.objects.select_related("user__unix_account", "vm__lab").filter(pk=grant_id).first()
-    )
+    grants = Grant.objects.select_related("user__unix_account", "vm__lab").filter(pk=grant_id)
+    if kind == "active":
+        # The list, the config lines and known_hosts all read the VM's workers: once.
+        grants = grants.prefetch_related("vm__workers")
+    grant = grants.first()
     if grant is None:
         return
     lab = grant.vm.lab
     context = {"grant": grant, "vm": grant.vm, "lab": lab}
     if kind == "active" and grant.state == "active":
-        context["workers"] = grant.vm.workers.order_by("index")
+        context["workers"] = sorted(grant.vm.workers.all(), key=lambda w: w.index)
         among = sshconfig.naming_peers(grant.user)
         # The same lines as the downloaded config and known_hosts, for this VM.
         context["snippet"] = sshconfig.snippet_for(grant.user, [grant.vm], among=among)
         context["known_hosts"] = sshconfig.render_known_hosts([grant.vm], among=among)
-        context["host"] = sshconfig.host_name_for(grant.user, grant.vm)
+        context["host"] = sshconfig.host_name_for(grant.user, grant.vm, among=among)
         context["config_path"] = sshconfig.CONFIG_PATH
         context["known_hosts_path"] = sshconfig.KNOWN_HOSTS_PATH
         mail.send("access_active", [grant.user.email], context)

@@ -380,13 +380,15 @@ def submit_pool_job(
     what = _kind_words(kind)
     with transaction.atomic():
         lab = Lab.objects.select_for_update().get(pk=lab.pk)
-        if not vms_of_kind(user, lab, kind).exists() and not elastic_pools.grows_for(
-            user, lab, kind.accelerator_type, kind.zones, kind.provisioning
-        ):
-            raise PermissionDenied(
-                f"You have active access to no {what} of {lab.name}, so no job of yours "
-                "can run on one; ask a lab admin."
-            )
+        # Read only when the person has no VM of the kind; the pool's look reuses it.
+        elastic = None
+        if not vms_of_kind(user, lab, kind).exists():
+            elastic = elastic_pools.switched_on(lab, kind.accelerator_type)
+            if elastic is None or not elastic.grows_for(user, kind.zones, kind.provisioning):
+                raise PermissionDenied(
+                    f"You have active access to no {what} of {lab.name}, so no job of yours "
+                    "can run on one; ask a lab admin."
+                )
         check_waiting_limit(user, lab, locked=True)
         limit = lab.max_queued_jobs
         waiting = Job.objects.filter(
@@ -435,28 +437,36 @@ def submit_pool_job(
         if not any(p.job_id == job.pk for p in placed):
             # None free: the kind's elastic pool, if on, asks for one now (the lab's row
             # is locked already), and its request is sent with this commit.
-            _grow_pool(lab.pk, kind.accelerator_type)
+            _grow_pool(lab, kind.accelerator_type, None if elastic is None else elastic.granted)
     return job
 
 
 # Sent in a pool job's submit that no free VM of its kind took, inside the submit's
-# transaction (the lab's row locked), with ``lab_id`` and ``accelerator_type``: the
-# kind's elastic pool answers it (``elastic_pass.no_vm_took``, connected at start by
-# tpus.apps; the pool's module reaches this one through the VMs' lifecycle and
-# requests, so this one does not import it).
+# transaction (the lab's row locked), with ``lab_id`` and ``accelerator_type``, the
+# ``lab`` as locked, and ``granted``, the people with a kind grant in force on the
+# type when the submit read them (None: it did not): the kind's elastic pool answers
+# it (``elastic_pass.no_vm_took``, connected at start by tpus.apps; the pool's module
+# reaches this one through the VMs' lifecycle and requests, so this one does not
+# import it).
 no_vm_took = Signal()
 
 
-def _grow_pool(lab_id: int, accelerator_type: str) -> None:
+def _grow_pool(lab: Lab, accelerator_type: str, granted: set[int] | None) -> None:
     """The kind's elastic pool looks at the jobs no VM takes, in the submit's
     transaction. A look that fails does not fail the submit: it is undone alone and
     left to the pool's own task, queued with the commit."""
     try:
         with transaction.atomic():
-            no_vm_took.send(sender=Job, lab_id=lab_id, accelerator_type=accelerator_type)
+            no_vm_took.send(
+                sender=Job,
+                lab_id=lab.pk,
+                accelerator_type=accelerator_type,
+                lab=lab,
+                granted=granted,
+            )
     except DatabaseError:
         log.exception("the %s elastic pool's look at a submit failed", accelerator_type)
-        queue.check_elastic_pool(lab_id, accelerator_type)
+        queue.check_elastic_pool(lab.pk, accelerator_type)
 
 
 def _move_fields(lost: Job, why: str, what: str) -> dict:

@@ -23,7 +23,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from accounts.unix import mark_names_provisioned
-from portal import audit
+from portal import audit, outbox
 from portal.metrics import histograms
 from portal.metrics.histograms import RECONCILE_DURATION, REVOKE_DURATION
 from tpus.models import (
@@ -586,21 +586,26 @@ def settle_grants(vm_id: int) -> None:
     waiting = Grant.objects.filter(
         vm_id=vm_id, state__in=(GrantState.PENDING, GrantState.FAILED)
     ).select_related("user__unix_account", "vm__lab")
-    activated = False
-    for grant in waiting:
-        username = getattr(getattr(grant.user, "unix_account", None), "username", "")
-        if username in user_errors:
-            alias, reason = user_errors[username]
-            _fail(grant, clash_message(username, alias, reason), retry=True)
-        elif hard_errors:
-            _fail(grant, "; ".join(f"{alias}: {err}" for alias, err in sorted(hard_errors.items())))
-        elif grant.version <= applied and _activate(grant, now):
-            activated = True
-    kind = _pool_jobs_wait_for(vm_id) if activated else None
-    if kind is not None:
-        # A job for any VM of this kind may run here now (a VM just made for it by the
-        # elastic pool): it is placed now, and the pass that starts it queued at once.
-        scheduler.place(*kind)
+    activated = None
+    # Each email is stored with its grant's change; their first sends wait until the
+    # waiting pool job is placed and its VM's pass queued.
+    with outbox.first_attempts_held():
+        for grant in waiting:
+            username = getattr(getattr(grant.user, "unix_account", None), "username", "")
+            if username in user_errors:
+                alias, reason = user_errors[username]
+                _fail(grant, clash_message(username, alias, reason), retry=True)
+            elif hard_errors:
+                why = "; ".join(f"{alias}: {err}" for alias, err in sorted(hard_errors.items()))
+                _fail(grant, why)
+            elif grant.version <= applied and _activate(grant, now):
+                activated = grant.vm
+        kind = _pool_jobs_wait_for(activated) if activated is not None else None
+        if kind is not None:
+            # A job for any VM of this kind may run here now (a VM just made for it by
+            # the elastic pool): it is placed now, and the pass that starts it queued
+            # at once.
+            scheduler.place(*kind)
     revoking = Grant.objects.filter(vm_id=vm_id, state=GrantState.REVOKING, version__lte=applied)
     for grant in revoking.select_related("user", "vm__lab"):
         # The email is in the outbox in the same transaction as the change it tells of.
@@ -624,18 +629,18 @@ def _tell_back(vm_id: int, applied: int) -> None:
             emails.send_vm_back(vm_id)
 
 
-def _pool_jobs_wait_for(vm_id: int) -> tuple[int, str] | None:
-    """The VM's (lab, type) when jobs of its lab wait for any VM of its type."""
-    vm = TpuVm.objects.filter(pk=vm_id).values("lab_id", "accelerator_type").first()
-    if not (vm and vm["accelerator_type"]):
+def _pool_jobs_wait_for(vm: TpuVm) -> tuple[int, str] | None:
+    """The VM's (lab, type) when jobs of its lab wait for any VM of its type (``vm``:
+    as the settle read it with its grants)."""
+    if not vm.accelerator_type:
         return None
     waiting = Job.objects.filter(
-        lab_id=vm["lab_id"],
+        lab_id=vm.lab_id,
         vm__isnull=True,
         state=JobState.QUEUED,
-        accelerator_type=vm["accelerator_type"],
+        accelerator_type=vm.accelerator_type,
     ).exists()
-    return (vm["lab_id"], vm["accelerator_type"]) if waiting else None
+    return (vm.lab_id, vm.accelerator_type) if waiting else None
 
 
 def _activate(grant: Grant, now) -> bool:

@@ -442,19 +442,24 @@ def place(
             *(When(pk=p.job_id, then=Value(p.vm_id)) for p in decided),
             output_field=IntegerField(),
         )
-        Job.objects.filter(
+        updated = Job.objects.filter(
             pk__in=[p.job_id for p in decided], vm__isnull=True, state=JobState.QUEUED
         ).update(vm_id=vm_of, placed_at=now, changed_at=now, reason="")
-        taken = set(
-            Job.objects.filter(pk__in=[p.job_id for p in decided], placed_at=now).values_list(
-                "pk", "vm_id"
+        placed = decided
+        if updated != len(decided):
+            # Some were cancelled (or placed) meanwhile: which ones took their VM.
+            taken = set(
+                Job.objects.filter(pk__in=[p.job_id for p in decided], placed_at=now).values_list(
+                    "pk", "vm_id"
+                )
             )
-        )
-        placed = [p for p in decided if (p.job_id, p.vm_id) in taken]
+            placed = [p for p in decided if (p.job_id, p.vm_id) in taken]
         for placement in placed:
             if placement.vm_id != in_pass_of:
                 queue.advance_jobs(placement.vm_id)
-        _tell_moved([p.job_id for p in placed])
+        # A job's ``returned_at`` is set when it is made: the snapshot's is the row's.
+        returned = {job.id for job in snapshot.jobs if job.returned_at is not None}
+        _tell_moved([p.job_id for p in placed if p.job_id in returned])
     return placed
 
 
@@ -462,6 +467,8 @@ def _tell_moved(job_ids: list[int]) -> None:
     """Jobs back from a lost VM that were just placed: each move in the audit, and one
     email to its owner saying where it went ("tpu7 was preempted; your job moved to
     tpu3"). A job is placed once, so each hears once."""
+    if not job_ids:
+        return
     moved = Job.objects.filter(pk__in=job_ids, returned_at__isnull=False).select_related(
         "vm__lab", "user"
     )

@@ -109,9 +109,11 @@ def merged(vms: list[TpuVm], among: list[TpuVm] | None) -> list[TpuVm]:
     return [*among, *(vm for vm in vms if vm.pk not in seen)]
 
 
-def host_name_for(user, vm: TpuVm) -> str:
-    """What the person types for the VM's worker 0 (``tpu5``, or ``vision-tpu5`` …)."""
-    return names_for(merged([vm], naming_peers(user)))[vm.pk].host
+def host_name_for(user, vm: TpuVm, *, among: list[TpuVm] | None = None) -> str:
+    """What the person types for the VM's worker 0 (``tpu5``, or ``vision-tpu5`` …);
+    ``among``: the person's ``naming_peers`` when already read."""
+    peers = naming_peers(user) if among is None else among
+    return names_for(merged([vm], peers))[vm.pk].host
 
 
 def naming_peers(user) -> list[TpuVm]:

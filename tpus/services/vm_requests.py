@@ -169,14 +169,16 @@ def store(
     elastic_pool=None,
     elastic_reason: str = "",
     request=None,
+    standing: allowances.Standing | None = None,
 ) -> VmRequest:
     """Store a checked request and queue the call it stands for, in the transaction
     that claims its chips (``allowances.claim``, the lab's row locked): the one way a
     request is made, an admin's or the lab's elastic pool's (``elastic_pool``, with
-    why it asked). Raises ValidationError (the allowance, the grant's end) or
-    IntegrityError (the name asked for meanwhile) with nothing stored."""
+    why it asked; ``standing``, what it counted with the lab's row locked already).
+    Raises ValidationError (the allowance, the grant's end) or IntegrityError (the
+    name asked for meanwhile) with nothing stored."""
     with transaction.atomic():
-        allowances.claim(lab, spec.accelerator_type, spec.provisioning)
+        allowances.claim(lab, spec.accelerator_type, spec.provisioning, standing=standing)
         made = VmRequest.objects.create(
             lab=lab,
             requested_by=requested_by,

@@ -11,8 +11,9 @@ import threading
 
 import pytest
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connection, connections
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from tpus.models import AuditEvent, ElasticPool, Grant, Job, LabAllowance, TpuVm, VmRequest
@@ -140,7 +141,7 @@ def test_a_submit_asks_in_its_own_transaction_and_a_failed_look_falls_back(
     assert AuditEvent.objects.filter(action="elastic_pool.grew", data__request=made.pk).exists()
     # A look that fails is undone alone: the job stands, and the pool's task asks.
 
-    def broken(lab_id, accelerator_type):
+    def broken(lab_id, accelerator_type, **kwargs):
         VmRequest.objects.update(name="x")  # undone with the look
         raise DatabaseError("the look failed")
 
@@ -149,6 +150,23 @@ def test_a_submit_asks_in_its_own_transaction_and_a_failed_look_falls_back(
         second = submit_pool_job(cast.member, lab, Kind("v4-8"), JobSpec(args=["true"]))
     assert Job.objects.get(pk=second.pk).state == "queued"
     assert [r.name for r in pool_requests(lab)] == ["v4-8-pool-1", "v4-8-pool-2"]
+
+
+def test_a_submit_that_grows_the_pool_reads_each_row_once(
+    cast, lab, django_capture_on_commit_callbacks
+):
+    """The pool's look in a submit reuses what the submit read with the lab's row
+    locked (the lab, the people with a kind grant), and the request's claim what the
+    look read: a pinned number of queries, whatever the VMs and jobs."""
+    switch_on(cast, lab)
+    submit_pool_job(cast.member, lab, Kind("v4-8"), JobSpec(args=["true"]))
+    with (
+        CaptureQueriesContext(connection) as captured,
+        django_capture_on_commit_callbacks(execute=False),
+    ):
+        submit_pool_job(cast.member, lab, Kind("v4-8"), JobSpec(args=["true"]))
+    assert pool_requests(lab).count() == 2
+    assert len(captured) <= 31, "\n".join(q["sql"][:120] for q in captured)
 
 
 def test_it_grows_only_within_each_persons_chip_limit(cast, lab):
@@ -204,8 +222,8 @@ def test_passes_at_the_same_moment_never_ask_past_the_allowance_or_the_need(
     meet = threading.Barrier(4)
     original = elastic_pools.read
 
-    def read_then_meet(pool):
-        scene = original(pool)
+    def read_then_meet(pool, **kwargs):
+        scene = original(pool, **kwargs)
         try:
             meet.wait(timeout=2)
         except threading.BrokenBarrierError:

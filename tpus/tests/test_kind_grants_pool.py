@@ -8,6 +8,9 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from portal import outbox
+from portal.models import OutboxMessage
+from tpus import queue
 from tpus.models import Grant, Job, LabAllowance, TpuVm, Worker, WorkerSync
 from tpus.services import grants as grant_services
 from tpus.services import reconcile, scheduler
@@ -86,6 +89,22 @@ def test_placement_with_kind_grants_costs_the_same_queries_for_any_size(scene, p
     assert queries_of_a_placement(scene, 2) == queries_of_a_placement(scene, 20)
 
 
+def test_placing_one_job_on_one_free_vm_reads_no_row_twice(scene, passes):
+    """Every decision taken by the UPDATE and no job back from a lost VM: nothing is
+    read back after it."""
+    scene.vm.delete()
+    vm = pool_vm(scene.lab, "a-free")
+    Grant.objects.create(user=scene.milo, vm=vm, state="active")
+    job = Job.objects.create(
+        lab=scene.lab, user=scene.milo, accelerator_type="v4-8", host_id="k-1q", args=["true"]
+    )
+    with CaptureQueriesContext(connection) as captured:
+        placed = scheduler.place(scene.lab.pk, "v4-8")
+    assert [(p.job_id, p.vm_id) for p in placed] == [(job.pk, vm.pk)]
+    assert passes == [vm.pk]
+    assert len(captured) <= 9, "\n".join(q["sql"][:120] for q in captured)
+
+
 def test_the_settle_that_puts_the_grant_in_force_places_the_waiting_job(scene, passes):
     """A VM the elastic pool made: once every worker has applied the account the kind
     grant gave, the settle that puts the grant in force gives the waiting job the VM
@@ -106,6 +125,30 @@ def test_the_settle_that_puts_the_grant_in_force_places_the_waiting_job(scene, p
     job.refresh_from_db()
     assert grant.state == "active" and job.vm_id == vm.pk and job.placed_at is not None
     assert passes == [vm.pk]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_vms_pass_is_queued_before_the_activation_email_is_first_sent(scene, monkeypatch):
+    """The email is stored with the grant's change; its first send (a call to the SMTP
+    server) comes after the waiting job is placed and the VM's pass queued."""
+    events = []
+    monkeypatch.setattr(queue, "_send", lambda name, *args, **kwargs: events.append(name))
+    sent = outbox.attempt
+    monkeypatch.setattr(outbox, "attempt", lambda m: events.append(m.kind) or sent(m))
+    scene.vm.delete()
+    vm = pool_vm(scene.lab, "v4-8-pool-1")
+    grant_kind(scene.admin, scene.lab, scene.milo, "v4-8", sudo=False)
+    grant = Grant.objects.get(vm=vm, user=scene.milo)
+    job = Job.objects.create(
+        lab=scene.lab, user=scene.milo, accelerator_type="v4-8", host_id="k-e", args=["true"]
+    )
+    for worker in vm.workers.all():
+        WorkerSync.objects.create(worker=worker, applied_version=grant.version)
+    events.clear()
+    reconcile.settle_grants(vm.pk)
+    assert Job.objects.get(pk=job.pk).vm_id == vm.pk
+    assert events == ["tpus.tasks.advance_jobs", "access_active"]
+    assert OutboxMessage.objects.get(kind="access_active").state == "sent"
 
 
 def test_a_pass_that_places_on_its_own_vm_queues_no_second_pass(scene, passes):
