@@ -366,6 +366,23 @@ def test_begin_and_go_run_in_the_kept_shell(fleet, fleet_settings, fleet_hosts):
     }
 
 
+def test_two_steps_take_short_text_in_the_shell_and_bytes_after_it(
+    fleet, fleet_settings, fleet_host
+):
+    worker = worker_for(fleet, fleet_host)
+    run_script(worker, "whoami.sh")
+    before = sessions_started(fleet, fleet_host)
+    with Sessions([worker]) as sessions:
+        for first_data, then_data in ((LINES, b"ab\\c\n"), (b"no newline", LINES)):
+            with sessions.begin("whoami.sh", first_data, "whoami.sh") as held:
+                [first] = held.first
+                [second] = held.go(then_data)
+            digests = [o.result.values["stdin_sha256"] for o in (first, second)]
+            assert digests == [hashlib.sha256(d).hexdigest() for d in (first_data, then_data)]
+        assert sessions.run("whoami.sh", b"x\n")[0].result.values["stdin_bytes"] == "2"
+    assert _settled(fleet, fleet_host, sessions_started) - before == 0
+
+
 WORD = Script(
     "word.sh",
     b"set -eu\n"
