@@ -105,17 +105,24 @@ def test_placing_one_job_on_one_free_vm_reads_no_row_twice(scene, passes):
     assert len(captured) <= 9, "\n".join(q["sql"][:120] for q in captured)
 
 
-def test_the_settle_that_puts_the_grant_in_force_places_the_waiting_job(scene, passes):
-    """A VM the elastic pool made: once every worker has applied the account the kind
-    grant gave, the settle that puts the grant in force gives the waiting job the VM
-    and queues that VM's pass, which starts it (no later look places it)."""
+def _pool_vm_grant_and_waiting_job(scene, host_id: str):
+    """The elastic pool's VM (the scene's own gone), milo's grant on it from his kind
+    grant (not yet applied by any worker), and his job waiting for any v4-8."""
     scene.vm.delete()
     vm = pool_vm(scene.lab, "v4-8-pool-1")
     grant_kind(scene.admin, scene.lab, scene.milo, "v4-8", sudo=False)
     grant = Grant.objects.get(vm=vm, user=scene.milo)
     job = Job.objects.create(
-        lab=scene.lab, user=scene.milo, accelerator_type="v4-8", host_id="k-s", args=["true"]
+        lab=scene.lab, user=scene.milo, accelerator_type="v4-8", host_id=host_id, args=["true"]
     )
+    return vm, grant, job
+
+
+def test_the_settle_that_puts_the_grant_in_force_places_the_waiting_job(scene, passes):
+    """A VM the elastic pool made: once every worker has applied the account the kind
+    grant gave, the settle that puts the grant in force gives the waiting job the VM
+    and queues that VM's pass, which starts it (no later look places it)."""
+    vm, grant, job = _pool_vm_grant_and_waiting_job(scene, "k-s")
     reconcile.settle_grants(vm.pk)  # no worker has applied it yet
     assert (Job.objects.get(pk=job.pk).vm_id, passes) == (None, [])
     for worker in vm.workers.all():
@@ -135,13 +142,7 @@ def test_the_vms_pass_is_queued_before_the_activation_email_is_first_sent(scene,
     monkeypatch.setattr(queue, "_send", lambda name, *args, **kwargs: events.append(name))
     sent = outbox.attempt
     monkeypatch.setattr(outbox, "attempt", lambda m: events.append(m.kind) or sent(m))
-    scene.vm.delete()
-    vm = pool_vm(scene.lab, "v4-8-pool-1")
-    grant_kind(scene.admin, scene.lab, scene.milo, "v4-8", sudo=False)
-    grant = Grant.objects.get(vm=vm, user=scene.milo)
-    job = Job.objects.create(
-        lab=scene.lab, user=scene.milo, accelerator_type="v4-8", host_id="k-e", args=["true"]
-    )
+    vm, grant, job = _pool_vm_grant_and_waiting_job(scene, "k-e")
     for worker in vm.workers.all():
         WorkerSync.objects.create(worker=worker, applied_version=grant.version)
     events.clear()
