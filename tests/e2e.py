@@ -158,10 +158,46 @@ def _test_database_name() -> str:
     return connection.settings_dict["NAME"]
 
 
+def ends_with_this_process() -> None:
+    """For ``preexec_fn``: the child is killed when the process that started it ends,
+    however it ends. A worker or beat started in a session of its own would otherwise
+    outlive a test run that was killed, and go on taking the next run's tasks from
+    the same queue with its old settings and code."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def purge_queue(queue: str) -> int:
+    """Drop what an earlier test or run left for ``queue`` on the broker: its waiting
+    messages, and on Redis the ones a killed worker held unacknowledged, which the
+    transport would hand out again an hour later to whichever test then runs. Returns
+    how many went."""
+    import json
+
+    from portal.celery import app
+
+    with app.connection_for_write() as conn:
+        dropped = 0
+        with contextlib.suppress(conn.channel_errors):
+            dropped = conn.default_channel.queue_purge(queue) or 0
+        if not conn.transport_cls.startswith("redis"):
+            return dropped
+        client = conn.default_channel.client
+        held = client.hgetall("unacked")
+        mine = [tag for tag, payload in held.items() if json.loads(payload)[-1] == queue]
+        if mine:
+            client.hdel("unacked", *mine)
+            client.zrem("unacked_index", *mine)
+        return dropped + len(mine)
+
+
 @pytest.fixture
 def celery_worker_process(transactional_db, smtp_settings, settings):
     """A real `celery worker` subprocess on the test's broker and database; tasks this
-    process enqueues go through the broker instead of running inline."""
+    process enqueues go through the broker instead of running inline. It starts on an
+    empty queue."""
     from portal.celery import app
 
     env = {
@@ -176,6 +212,7 @@ def celery_worker_process(transactional_db, smtp_settings, settings):
         # need not run them again (Celery's Django fixup does unless told not to).
         "CELERY_SKIP_CHECKS": "true",
     }
+    purge_queue(settings.CELERY_TASK_DEFAULT_QUEUE)
     log = open(Path(settings.VAR_DIR) / "celery-worker.log", "w")
     proc = subprocess.Popen(
         [
@@ -198,6 +235,7 @@ def celery_worker_process(transactional_db, smtp_settings, settings):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=ends_with_this_process,
     )
     # What a beat or another child process needs to share this worker's world.
     proc.env_for_children = {k: env[k] for k in env if k.startswith(("PORTAL_TEST_", "CELERY_"))}
@@ -247,6 +285,7 @@ def celery_beat(celery_worker_process, settings):
             [sys.executable, "-m", "celery", "-A", "portal", "beat", "--loglevel=INFO",
              "-s", str(schedule)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=ends_with_this_process,
         )  # fmt: skip
         started.append((process, log))
         return process

@@ -15,6 +15,7 @@ from django.urls import reverse
 
 from portal import heartbeat
 from portal.celery import app
+from tests.e2e import ends_with_this_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +73,7 @@ def test_a_real_beat_and_worker_record_the_heartbeat(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=ends_with_this_process,
     )
     try:
         deadline = time.monotonic() + 30

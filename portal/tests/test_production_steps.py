@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.e2e import free_port
+from tests.e2e import ends_with_this_process, free_port
 from tests.requirements import need
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,6 +227,7 @@ def test_the_readme_production_steps_work_word_for_word_in_a_fresh_clone(
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
+                        preexec_fn=ends_with_this_process,
                     )
                 )
         base = f"http://127.0.0.1:{port}"

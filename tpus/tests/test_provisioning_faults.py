@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import ends_with_this_process
 from tpus.models import Grant, TpuVm
 from tpus.services.grants import grant_access, revoke_access
 from tpus.services.maintenance import vms_to_reconcile
@@ -29,6 +30,7 @@ def _worker(env_for_children: dict, log: Path) -> subprocess.Popen:
          "-Q", env_for_children["PORTAL_TEST_QUEUE"], "--loglevel=INFO"],
         cwd=ROOT, env={**os.environ, **env_for_children},
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=ends_with_this_process,
     )  # fmt: skip
 
 
