@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 from django.conf import settings
 
-from tpus.remote import scripts, ssh
+from tpus.remote import scripts, ssh, threads
 from tpus.remote.errors import RemoteError
 from tpus.remote.ssh import ScriptResult, Worker
 
@@ -71,18 +71,11 @@ class Sessions:
         self.limit = max(
             1, min(max_parallel or settings.PORTAL_REMOTE_MAX_PARALLEL, len(workers) or 1)
         )
-        self.pool = (
-            ThreadPoolExecutor(max_workers=self.limit, thread_name_prefix="remote")
-            if self.limit > 1
-            else None
-        )
 
     def __enter__(self) -> Sessions:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
         for connection in self.connections.values():
             connection.close()
 
@@ -152,26 +145,24 @@ class Sessions:
             answers = self._map(one, self.workers)
         else:
             # Even one worker runs beside this thread, which keeps asking give_up.
-            pool = self.pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote")
+            started = threads.start_all(one, self.workers, self.limit)
+            futures = dict(zip(started, self.workers, strict=True))
             try:
-                futures = {pool.submit(one, worker): worker for worker in self.workers}
                 while pending := wait(futures, timeout=GIVE_UP_LOOK_SECONDS).not_done:
                     if give_up():
                         for future in pending:
                             self.connections[id(futures[future])].interrupt()
                         break
-                answers = [future.result() for future in futures]
+                answers = [future.result() for future in started]
             finally:
-                if pool is not self.pool:
-                    pool.shutdown(wait=True)
                 for connection in self.connections.values():
                     connection.stopped = False  # every run of this begin is over
         return Held(self, [o for o, _ in answers], [s for _, s in answers], then)
 
     def _map(self, one, chosen):
-        if self.pool is None:
+        if self.limit == 1:
             return [one(worker) for worker in chosen]
-        return list(self.pool.map(one, chosen))
+        return [future.result() for future in threads.start_all(one, chosen, self.limit)]
 
 
 class Held:
