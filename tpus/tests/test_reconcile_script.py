@@ -135,6 +135,7 @@ def test_a_new_user_logs_in_with_plain_ssh_into_a_proper_account(target):
         f"{name}:x:{uid}:{uid}::/home/{name}:/bin/bash"
     )
     assert target.sh(f"getent group {name}").startswith(f"{name}:x:{uid}:")
+    assert target.sh(f"getent gshadow {name}").startswith(f"{name}:!:")
     fields = target.shadow(name)
     assert fields[1] == "*" and fields[7] == ""  # no password, never expires
     home = target.sh(f"stat -c '%u %g %F' /home/{name}").strip()
@@ -711,7 +712,9 @@ def test_a_disk_whose_device_is_not_there_yet_waits_without_an_fstab_line(target
     point = f"/mnt/disks/{new_name()}"
     data = DesiredMount("persistent-disk-7", point, read_only=True)
     scratch = DesiredMount("scratch-2", f"{point}-scratch", read_only=False)
-
+    # The host is shared with the session's other tests: none of their disks' lines
+    # stays in its fstab for this run to remove.
+    target.reconcile(state())
     before = target.sh("cat /etc/fstab")
 
     first = target.reconcile(state(mounts=(data, scratch)))

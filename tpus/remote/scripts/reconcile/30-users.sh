@@ -174,8 +174,8 @@ END
 # package's `docker` group, a lab admin's own account) stops here, rather than the
 # collaborator joining that group or logging in as that account.
 ensure_account() {
-    local out made_group
-    uid_owner="" gid_owner="" made_group=0
+    local out
+    uid_owner="" gid_owner=""
     if [ "$pw_found" = 0 ]; then
         lookup passwd
         pw_found=$found pw_uid=$number pw_gid=$gid pw_shell=$shell uid_owner=$owner
@@ -221,21 +221,29 @@ ensure_account() {
             user_error "$name" "gid $uid belongs to the group $gid_owner"
             return 1
         }
-        out=$(groupadd -g "$uid" -- "$name" 2>&1) || {
-            user_error "$name" "groupadd: $out"
-            return 1
-        }
-        made_group=1
-        changed=$((changed + 1))
+        # A new account's group is made by useradd below, with the account.
+        if [ "$pw_found" = 1 ]; then
+            out=$(groupadd -g "$uid" -- "$name" 2>&1) || {
+                user_error "$name" "groupadd: $out"
+                return 1
+            }
+            changed=$((changed + 1))
+        fi
     fi
     if [ "$pw_found" = 0 ]; then
         # -m makes the home only if it is missing (then from /etc/skel); an existing
-        # home, say of an earlier account, is left as it is.
-        out=$(useradd -m -d "/home/$name" -s /bin/bash -u "$uid" -g "$uid" \
-            -G "$PORTAL_GROUP" -p "$1" -e "$2" -c '' -- "$name" 2>&1) || {
-            # The group made just now goes again: left alone, the next run would take
-            # it for someone else's.
-            if [ "$made_group" = 1 ]; then groupdel -- "$name" 2>/dev/null || true; fi
+        # home, say of an earlier account, is left as it is. Without the group yet,
+        # useradd makes it too (-U), in the same write of the account files: its GID
+        # range narrowed to the one number $uid (-K), it takes that GID or fails and
+        # writes nothing, never another number.
+        if [ "$gr_found" = 1 ]; then
+            out=$(useradd -m -d "/home/$name" -s /bin/bash -u "$uid" -g "$uid" \
+                -G "$PORTAL_GROUP" -p "$1" -e "$2" -c '' -- "$name" 2>&1)
+        else
+            out=$(useradd -m -d "/home/$name" -s /bin/bash -u "$uid" -U \
+                -K "GID_MIN=$uid" -K "GID_MAX=$uid" \
+                -G "$PORTAL_GROUP" -p "$1" -e "$2" -c '' -- "$name" 2>&1)
+        fi || {
             user_error "$name" "useradd: $out"
             return 1
         }
