@@ -96,6 +96,36 @@ ESCAPE = "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo escaped"
 # --- the job's end, its cancel, the lock ------------------------------------------------
 
 
+def test_the_start_answers_once_the_command_runs_as_the_person_and_no_one_keeps_the_hand_over(
+    host,
+):
+    job = new_job_id()
+    answer = host.start(job, "exec sleep 300")
+    assert answer.outcome == "started"
+    uid = host.sh(f"id -u {host.user}").strip()
+    # Read at once after the answer: the ids are the person's already, the process is
+    # the command itself (the hand-over's sh execs it), and neither it nor the
+    # supervisor holds the hand-over's pipe.
+    status = host.sh(f"grep -E '^(Uid|Gid):' /proc/{answer.pid}/status")
+    assert [line.split()[1] for line in status.splitlines()] == [uid, uid]
+    assert host.sh(f"tr '\\0' ' ' </proc/{answer.pid}/cmdline").strip() == "sleep 300"
+    holders = host.sh("ls -l /proc/[0-9]*/fd 2>/dev/null | grep -c switch.pipe || true")
+    assert holders.strip() == "0"
+    host.cancel(job, 1)
+    ended = host.wait_for(job, lambda j: j.state == "ended")
+    assert ended.jobs[job].state == "ended"
+    assert host.sh(f"ls {JOBS}/{job}").split().count("switch.pipe") == 0
+
+
+def test_a_command_that_cannot_start_still_gets_its_answer_and_its_end(host):
+    job = new_job_id()
+    data = encode_start(StartJob(job_id=job, user=host.user, argv=("/nonexistent/program",)))
+    answer = parse_start(run_script(host.worker, "job-start.sh", data).values)
+    assert answer.outcome == "started"
+    ended = host.wait_for(job, lambda j: j.state == "ended")
+    assert ended.jobs[job].exit_status == 127
+
+
 def test_a_process_that_left_its_group_dies_with_the_jobs_end(host):
     job_id = new_job_id()
     answer = host.start(job_id, f"{ESCAPE}; sleep 0.5")

@@ -37,7 +37,7 @@ JOBS=/var/lib/tpu-portal/jobs
 RUN=/run/tpu-portal
 LOCK=$RUN/tpu.lock
 HOLDER=$RUN/holder
-SUPERVISE=$RUN/supervise-309c71d50ea9d8b070524be2308a45054d18c37ff9fb5af213b5c83c8d23df28.sh
+SUPERVISE=$RUN/supervise-51ae040978705c7f44bf4200ef724a15f18c3e1c59748e71a14909fc60f6b7b5.sh
 MAX_INPUT=1048576
 UNIT_PREFIX=tpu-portal-job-
 
@@ -463,9 +463,10 @@ umask 027
     printf '%s' "$spec"
 } >"$dir.new/spec"
 : >"$dir.new/log"
-# The pipe from the command to the log's writer (the supervisor's), made here: with
-# hold, while the other workers still check.
-mkfifo -m 600 "$dir.new/log.pipe"
+# The pipe from the command to the log's writer (the supervisor's), and the one the
+# supervisor learns on that the command runs as the person, made here: with hold,
+# while the other workers still check.
+mkfifo -m 600 "$dir.new/log.pipe" "$dir.new/switch.pipe"
 # Where the job's cgroup is (cgroup), or where systemd runs the scope to make
 # (cgroup.plan; the supervisor writes cgroup once systemd made it).
 if [ -n "$cgroup" ]; then
@@ -630,6 +631,7 @@ write_log() {
     fi
 }
 [ -p log.pipe ] || mkfifo -m 600 log.pipe
+[ -p switch.pipe ] || mkfifo -m 600 switch.pipe
 # (exec closes them for good: dash would keep a copy of a function's redirected fds.)
 (
     exec 3>&- 9>&-
@@ -667,15 +669,24 @@ if [ "$mode" = systemd ]; then
     { [ -z "$cgroup" ] || echo "v2 $cgroup"; } >cgroup.new
     mv -f cgroup.new cgroup
 else
+    # The hand-over: the child holds fd 7, the only end of switch.pipe open for
+    # writing, and the first program it runs as the person (the sh after setpriv and
+    # setsid) closes it as it starts the command. Reading the pipe to its end waits
+    # for exactly that, or for the child's end, with no pause and no program.
+    exec 6<>switch.pipe 7>switch.pipe
     (
+        exec 6<&-
         while read -r _ where; do
             echo 0 >"$where/cgroup.procs" || exit 125
         done <"$dir/cgroup"
         # The person's ids first (the first program started), then a session of its
-        # own: the switch the answer waits for comes one program sooner.
-        exec setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- setsid "$@"
+        # own, then the command without fd 7.
+        exec setpriv --reuid="$uid" --regid="$gid" --init-groups --no-new-privs -- \
+            setsid sh -c 'exec "$@" 7>&-' sh "$@"
     ) </dev/null >&5 2>&5 9>&- 3>&- 5>&- &
     child=$!
+    # A reader that is not a writer; then the supervisor's own ends go.
+    exec 8<switch.pipe 6<&- 7>&-
     read -r _ cgroup <"$dir/cgroup"
 fi
 exec 5>&-
@@ -684,19 +695,25 @@ exec 5>&-
 started=$(date +%s.%N)
 echo "$started" >started_at
 # The answer waits until the command runs as the user (it has joined its cgroup and
-# left root's side), or is gone already. Looked at at once, then after waits that
-# grow (each is a program started: a busy worker is not asked often), 2 s at most.
-for pause in 0.01 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
-    now_uid=""
-    while read -r key real _; do
-        if [ "$key" = Uid: ]; then
-            now_uid=$real
-            break
-        fi
-    done <"/proc/$child/status" 2>/dev/null || break
-    if [ "$now_uid" = "$uid" ] || [ "$pause" = - ]; then break; fi
-    sleep "$pause"
-done
+# left root's side), or is gone already. Where systemd runs it, that is looked at at
+# once, then after waits that grow (each is a program started: a busy worker is not
+# asked often), 2 s at most; elsewhere the hand-over above says it.
+if [ "$mode" = systemd ]; then
+    for pause in 0.01 0.02 0.05 0.1 0.1 0.1 0.1 0.1 0.2 0.2 0.2 0.2 0.5 -; do
+        now_uid=""
+        while read -r key real _; do
+            if [ "$key" = Uid: ]; then
+                now_uid=$real
+                break
+            fi
+        done <"/proc/$child/status" 2>/dev/null || break
+        if [ "$now_uid" = "$uid" ] || [ "$pause" = - ]; then break; fi
+        sleep "$pause"
+    done
+else
+    read -r _ <&8 || true
+    exec 8<&-
+fi
 # (Written in place, one short write: job-status.sh and job-cancel.sh read a pid file
 # still empty as no process.)
 echo "$child $(starttime "$child" 2>/dev/null || echo 0)" >pid
@@ -741,8 +758,9 @@ else
 fi
 # The TPU is free now, and then the end is written: a part reads as ended only once
 # nothing of it runs and the lock is free. The log's pipe goes too (both its ends are
-# closed; only root may open it): one program at the end, none while the job starts.
-rm -f /run/tpu-portal/holder log.pipe
+# closed; only root may open it) and so does the hand-over's: one program at the end,
+# none while the job starts.
+rm -f /run/tpu-portal/holder log.pipe switch.pipe
 exec 9>&-
 date +%s.%N >ended_at
 mv -f exit.new exit
