@@ -25,7 +25,7 @@ class _Hand:
 
     def __init__(self, crew: _Crew):
         self.crew = crew
-        self.work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.work: queue.SimpleQueue[Callable[[], Callable[[], None] | None]] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="remote", daemon=True)
 
     def _loop(self) -> None:

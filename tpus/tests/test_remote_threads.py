@@ -67,12 +67,13 @@ def test_a_fan_out_inside_a_fan_out_never_waits_for_a_thread():
 def test_an_idle_thread_ends_after_its_idle_time(monkeypatch):
     monkeypatch.setattr(threads, "IDLE_SECONDS", 0.05)
     crew = threads._Crew()
-    done = threading.Event()
-    crew.hand(done.set)
-    assert done.wait(5)
-    [hand] = crew.idle or [None]
+    ran_on = []
+    crew.hand(lambda: ran_on.append(threading.current_thread()))
     deadline = time.monotonic() + 5
-    while hand.thread.is_alive():
+    while not ran_on:
+        assert time.monotonic() < deadline, "the job never ran"
+        time.sleep(0.01)
+    while ran_on[0].is_alive():
         assert time.monotonic() < deadline, "the idle thread did not end"
         time.sleep(0.01)
     assert crew.idle == []
