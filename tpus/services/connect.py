@@ -27,7 +27,7 @@ from tpus.models import AuditAction, ConnectionState, Lab, TpuVm, VmConnection, 
 from tpus.models.inventory import VmSource
 from tpus.remote import HostKeyPins, RemoteError, run_on_workers
 from tpus.remote import Worker as RemoteWorker
-from tpus.services.hosts import forget_connections, hosts_must_change
+from tpus.services.hosts import forget_connections
 from tpus.services.labkeys import lab_key, login_for
 
 WAITING, ACCEPTED, REFUSED = "waiting", "accepted", "refused"
@@ -418,4 +418,7 @@ def _finish(
             data={"vm": vm.pk, "workers": workers},
         )
         if not reason and not reconciled:
-            hosts_must_change(vm, "every worker accepts the lab key")
+            # Nothing the workers must hold changed, so no new version: a reconcile
+            # under way whose login was refused runs again by itself when it ends
+            # (``reconcile.reconcile_vm``); this one runs when none is.
+            queue.reconcile_vm(vm.pk)

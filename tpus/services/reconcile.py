@@ -80,6 +80,9 @@ class ReconcileReport:
     changed: int = 0
     # Workers refused the lab's key while the VM is still taking it: looked at again soon.
     waiting_for_key: bool = False
+    # A worker refused the lab's key in the last run, which began at ``run_started``.
+    refused: bool = False
+    run_started: dt.datetime | None = None
 
     @property
     def complete(self) -> bool:
@@ -280,13 +283,28 @@ def reconcile_vm(vm_id: int) -> ReconcileReport:
                 break
             _release(vm_id, token)
             vm = TpuVm.objects.get(pk=vm_id)
-            if vm.desired_version <= report.version or not _claim(vm_id, token):
+            again = vm.desired_version > report.version or _key_taken_since(report)
+            if not again or not _claim(vm_id, token):
                 break
         outcome = _outcome(report)
     finally:
         _release(vm_id, token)
         histograms.observe(RECONCILE_DURATION, time.monotonic() - started, outcome=outcome)
     return report
+
+
+def _key_taken_since(report: ReconcileReport) -> bool:
+    """A worker refused the lab's key in the run just ended, and the VM's connection
+    check has seen every worker take it since that run began: run again at once (the
+    check asks for a run of its own only when none is under way)."""
+    return (
+        report.refused
+        and VmConnection.objects.filter(
+            vm_id=report.vm_id,
+            state=ConnectionState.CONNECTED,
+            finished_at__gte=report.run_started,
+        ).exists()
+    )
 
 
 def worth_running(vm_id: int, *, retried: bool) -> bool:
@@ -340,7 +358,8 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
         workers = list(vm.workers.select_related("sync").order_by("index"))
     report.version = version
     report.ok, report.retryable, report.failed = [], {}, {}
-    report.waiting_for_key = False
+    report.waiting_for_key = report.refused = False
+    report.run_started = timezone.now()
     try:
         data = encode(state)
     except ValueError as exc:
@@ -400,6 +419,7 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             continue
         if isinstance(error, HostKeyMismatch):
             raise_alarm(worker, str(getattr(error, "presented", "") or ""))
+        report.refused |= error.kind == RemoteError.AUTH
         if error.kind == RemoteError.AUTH and _still_connecting(vm_id):
             # The lab's key is on its way to the workers (a VM just made, or just
             # connected): not a failure yet. The connection check reconciles the VM

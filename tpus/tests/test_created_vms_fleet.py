@@ -356,3 +356,91 @@ def test_a_grant_on_a_vm_still_taking_the_lab_key_waits_for_it_with_no_alarm(
     assert [m.kind for m in OutboxMessage.objects.all()] == ["access_active"]
     assert VmConnection.objects.get(vm=vm).state == "connected"
     assert TpuVm.objects.get(pk=vm.pk).desired_version == version
+
+
+def _connecting_with_a_grant(cast, lab, tmp_path, fleet_username, captured):
+    """A VM just made, connecting, and a grant on it whose change no worker has yet."""
+    spec = VmSpec(
+        name="tpu5", zone=ZONE, accelerator_type="v4-32", runtime_version="tpu-ubuntu2204-base",
+        provisioning="spot",
+    )  # fmt: skip
+    with captured(execute=False):
+        made = vm_requests.request_vm(cast.admin, lab, spec)
+        vm_request_work.send(made.pk)
+    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    key = tmp_path / "id_milo"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    choose_username(cast.member, fleet_username)
+    add_key(cast.member, key.with_suffix(".pub").read_text().strip())
+    with captured(execute=False):
+        [grant] = grant_access(cast.admin, lab, cast.member, [vm], sudo=False)
+    return vm, grant
+
+
+RECONCILE = "tpus.tasks.reconcile_vm"
+
+
+def _check_sees_the_key_as_the_first_run_ends(monkeypatch, fleet, tpu_emulator, vm, captured):
+    """The VM's connection check sees every worker take the lab's key while the first
+    reconcile run settles (the guest agent applies the key just before); each run's
+    end is counted."""
+    settle, runs = reconcile.settle_grants, []
+
+    def settle_after_the_check(vm_id: int) -> None:
+        runs.append(vm_id)
+        if len(runs) == 1:
+            apply_once(fleet, tpu_emulator.controls.show())
+            connection = VmConnection.objects.get(vm=vm)
+            with captured(execute=True):
+                connect.check_connection(connection.pk, connection.attempt, connection.checks)
+            assert VmConnection.objects.get(vm=vm).state == "connected"
+        settle(vm_id)
+
+    monkeypatch.setattr(reconcile, "settle_grants", settle_after_the_check)
+    return runs
+
+
+def test_a_run_refused_the_key_runs_again_at_once_when_the_check_sees_it_taken(
+    agentless_scene, cast, tpu_emulator, fleet, fleet_username, fleet_uids, tmp_path,
+    monkeypatch, django_capture_on_commit_callbacks, queued_tasks,
+):  # fmt: skip
+    lab, hosts = agentless_scene
+    captured = django_capture_on_commit_callbacks
+    vm, grant = _connecting_with_a_grant(cast, lab, tmp_path, fleet_username, captured)
+    version = TpuVm.objects.get(pk=vm.pk).desired_version
+    queued_tasks.take(RECONCILE)
+    runs = _check_sees_the_key_as_the_first_run_ends(monkeypatch, fleet, tpu_emulator, vm, captured)
+
+    # The first run's logins are refused (no worker has the key yet); the check sees
+    # every worker take it before that run ends: the same reconcile runs again at once,
+    # not a second later, and the grant is in force when it returns.
+    report = reconcile.reconcile_vm(vm.pk)
+    assert len(runs) == 2
+    assert report.complete and not report.waiting_for_key
+    grant.refresh_from_db()
+    assert grant.state == "active", grant.error
+    # The check asked for a reconcile (which finds this one under way) and for no new
+    # version: nothing the workers hold changed.
+    assert queued_tasks.take(RECONCILE) == [((vm.pk,), None)]
+    assert TpuVm.objects.get(pk=vm.pk).desired_version == version
+
+
+def test_a_run_that_logged_in_does_not_run_again_when_the_check_ends_during_it(
+    agentless_scene, cast, tpu_emulator, fleet, fleet_username, fleet_uids, tmp_path,
+    monkeypatch, django_capture_on_commit_callbacks,
+):  # fmt: skip
+    lab, hosts = agentless_scene
+    captured = django_capture_on_commit_callbacks
+    vm, grant = _connecting_with_a_grant(cast, lab, tmp_path, fleet_username, captured)
+    apply_once(fleet, tpu_emulator.controls.show())  # the key is there before the run
+    version = TpuVm.objects.get(pk=vm.pk).desired_version
+    runs = _check_sees_the_key_as_the_first_run_ends(monkeypatch, fleet, tpu_emulator, vm, captured)
+
+    # The run logged in everywhere and made the account; the check, ending meanwhile,
+    # changes nothing the workers must hold: no second run beside a job's start.
+    report = reconcile.reconcile_vm(vm.pk)
+    assert runs == [vm.pk]
+    assert report.complete
+    grant.refresh_from_db()
+    assert grant.state == "active", grant.error
+    assert TpuVm.objects.get(pk=vm.pk).desired_version == version
