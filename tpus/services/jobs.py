@@ -433,7 +433,8 @@ def submit_pool_job(
             request=request,
         )
         # A free VM of the kind takes it at once: its pass is queued with the commit.
-        placed = scheduler.place(lab.pk, kind.accelerator_type)
+        # (With no VM of the kind the person may use, none can: the pool is asked.)
+        placed = [] if elastic is not None else scheduler.place(lab.pk, kind.accelerator_type)
         if not any(p.job_id == job.pk for p in placed):
             # None free: the kind's elastic pool, if on, asks for one now (the lab's row
             # is locked already), and its request is sent with this commit.

@@ -42,7 +42,15 @@ from tpus.models.jobs import JobState
 from tpus.models.labs import MembershipState
 from tpus.remote import HostKeyMismatch, RemoteError, run_on_workers
 from tpus.remote.desired import DesiredState, DesiredUser, encode
-from tpus.services import connect, disk_mounts, emails, leases, made_anew, scheduler
+from tpus.services import (
+    connect,
+    disk_mounts,
+    emails,
+    job_engine,
+    leases,
+    made_anew,
+    scheduler,
+)
 from tpus.services.hostkey_alarms import raise_alarm
 from tpus.services.hosts import remote_worker
 from tpus.services.labkeys import login_for
@@ -80,6 +88,9 @@ class ReconcileReport:
     changed: int = 0
     # Workers refused the lab's key while the VM is still taking it: looked at again soon.
     waiting_for_key: bool = False
+    # Pool jobs were placed on the VM as their owners' grants came in force: the caller
+    # starts them (``job_engine.advance``); no pass was queued for them.
+    jobs_placed: bool = False
     # A worker refused the lab's key in the last run, which began at ``run_started``.
     refused: bool = False
     run_started: dt.datetime | None = None
@@ -293,6 +304,17 @@ def reconcile_vm(vm_id: int) -> ReconcileReport:
     return report
 
 
+def reconcile_and_start(vm_id: int) -> ReconcileReport:
+    """``reconcile_vm``, then the start of the pool jobs its settle placed on the VM as
+    their owners' accounts came (``jobs_placed``), in this process: over the logins the
+    reconcile has just made, with no pass to queue. The emails of both go out after."""
+    with outbox.first_attempts_held():
+        report = reconcile_vm(vm_id)
+        if report.jobs_placed:
+            job_engine.advance(vm_id)
+    return report
+
+
 def _key_taken_since(report: ReconcileReport) -> bool:
     """A worker refused the lab's key in the run just ended, and the VM's connection
     check has seen every worker take it since that run began: run again at once (the
@@ -438,7 +460,7 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             retryable=error.retryable,
             mendable=error.kind not in NOT_MENDED_ON_THE_HOST,
         )
-    settle_grants(vm_id)
+    report.jobs_placed |= settle_grants(vm_id, starts_jobs=True)
     disk_mounts.after_run(vm_id, report.ok, looked_at=looked_at)
     if len(report.ok) == len(workers) and workers:
         # Every worker took the lab's key: a VM still connecting is connected now.
@@ -583,9 +605,11 @@ def _host_key_matches_again(worker: Worker) -> None:
         )
 
 
-def settle_grants(vm_id: int) -> None:
+def settle_grants(vm_id: int, *, starts_jobs: bool = False) -> bool:
     """Grants whose change every worker has applied are in force now; a grant that a
-    worker refused for good has failed, with the host's reason."""
+    worker refused for good has failed, with the host's reason. Pool jobs that waited
+    for the VM's kind are placed; with ``starts_jobs`` the caller starts the ones
+    placed here itself (no pass is queued for them). True when one was."""
     workers = list(Worker.objects.filter(vm_id=vm_id).select_related("sync"))
     syncs = [getattr(w, "sync", None) for w in workers]
     applied = min((s.applied_version if s else 0) for s in syncs) if syncs else 0
@@ -606,7 +630,7 @@ def settle_grants(vm_id: int) -> None:
     waiting = Grant.objects.filter(
         vm_id=vm_id, state__in=(GrantState.PENDING, GrantState.FAILED)
     ).select_related("user__unix_account", "vm__lab")
-    activated = None
+    activated, placed_here = None, False
     # Each email is stored with its grant's change; their first sends wait until the
     # waiting pool job is placed and its VM's pass queued.
     with outbox.first_attempts_held():
@@ -623,9 +647,11 @@ def settle_grants(vm_id: int) -> None:
         kind = _pool_jobs_wait_for(activated) if activated is not None else None
         if kind is not None:
             # A job for any VM of this kind may run here now (a VM just made for it by
-            # the elastic pool): it is placed now, and the pass that starts it queued
-            # at once.
-            scheduler.place(*kind)
+            # the elastic pool): it is placed now, and started at once, by the caller
+            # (``starts_jobs``: the reconcile, over the connections it just used) or by
+            # the pass queued for it.
+            placed = scheduler.place(*kind, in_pass_of=vm_id if starts_jobs else None)
+            placed_here = starts_jobs and any(p.vm_id == vm_id for p in placed)
     revoking = Grant.objects.filter(vm_id=vm_id, state=GrantState.REVOKING, version__lte=applied)
     for grant in revoking.select_related("user", "vm__lab"):
         # The email is in the outbox in the same transaction as the change it tells of.
@@ -636,6 +662,7 @@ def settle_grants(vm_id: int) -> None:
                 emails.send_grant_email(grant.pk, "revoked")
                 # From the revoke (its state change) to every worker having applied it.
                 histograms.observe(REVOKE_DURATION, (now - grant.changed_at).total_seconds())
+    return placed_here
 
 
 def _tell_back(vm_id: int, applied: int) -> None:

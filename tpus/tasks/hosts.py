@@ -16,7 +16,7 @@ def reconcile_vm(self, vm_id: int) -> None:
     """Make every worker of a VM match the database (see tpus.services.reconcile)."""
     if not reconcile.worth_running(vm_id, retried=bool(self.request.retries)):
         return
-    report = reconcile.reconcile_vm(vm_id)
+    report = reconcile.reconcile_and_start(vm_id)
     if report.busy or not report.retryable:
         return
     # Run in-process (no broker to come back through), or out of retries: the grants

@@ -386,7 +386,7 @@ def _check_sees_the_key_as_the_first_run_ends(monkeypatch, fleet, tpu_emulator, 
     end is counted."""
     settle, runs = reconcile.settle_grants, []
 
-    def settle_after_the_check(vm_id: int) -> None:
+    def settle_after_the_check(vm_id: int, **kwargs) -> bool:
         runs.append(vm_id)
         if len(runs) == 1:
             apply_once(fleet, tpu_emulator.controls.show())
@@ -394,7 +394,7 @@ def _check_sees_the_key_as_the_first_run_ends(monkeypatch, fleet, tpu_emulator, 
             with captured(execute=True):
                 connect.check_connection(connection.pk, connection.attempt, connection.checks)
             assert VmConnection.objects.get(vm=vm).state == "connected"
-        settle(vm_id)
+        return settle(vm_id, **kwargs)
 
     monkeypatch.setattr(reconcile, "settle_grants", settle_after_the_check)
     return runs

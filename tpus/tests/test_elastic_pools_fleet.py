@@ -12,23 +12,28 @@ import pytest
 from django.utils import timezone
 
 from accounts.unix import choose_username
+from portal import outbox
 from testfleet.guestagent import offer_hosts
 from tests.requirements import need
 from tpus.models import Grant, Job, LabAllowance, VmConnection, VmRequest
-from tpus.services import connect, elastic_admin, job_engine, reconcile, vm_request_work
+from tpus.services import connect, elastic_admin, job_engine, vm_request_work
 from tpus.services.jobs import JobSpec, Kind, submit_pool_job
 from tpus.services.kind_grants import grant_kind
+from tpus.tasks import reconcile_vm as reconcile_task
 from tpus.tests.test_jobs_host import JAX_ENV
+from tpus.tests.test_remote_kept_connections import _wait_for
+from tpus.tests.test_remote_transport import logins
 
 pytestmark = pytest.mark.fleet
 
 PROJECT = "vision-project"
 ZONE = "us-central2-b"
+ADVANCE = "tpus.tasks.advance_jobs"
 
 
 def test_a_job_waiting_on_an_empty_elastic_pool_runs_on_the_vm_the_pool_made(
     tpu_emulator, fleet, fleet_hosts, fleet_settings, guest_agent, cast, settings,
-    fleet_username, fleet_uids, django_capture_on_commit_callbacks,
+    fleet_username, fleet_uids, django_capture_on_commit_callbacks, queued_tasks, monkeypatch,
 ):  # fmt: skip
     need(Path(JAX_ENV, "bin", "python").exists(), f"JAX's CPU build is not in {JAX_ENV}")
     settings.PORTAL_CONNECT_WAIT_SECONDS = 30
@@ -70,19 +75,29 @@ def test_a_job_waiting_on_an_empty_elastic_pool_runs_on_the_vm_the_pool_made(
             time.sleep(max(0.0, (connection.next_check_at - timezone.now()).total_seconds()))
     assert connection.state == "connected"
     # The kind grant gave milo an account on the new VM; its reconcile puts it in force,
-    # places the waiting job there in the same settle and queues the VM's pass, which
-    # starts it.
-    with django_capture_on_commit_callbacks(execute=True):
-        reconcile.reconcile_vm(vm.pk)
-    grant = Grant.objects.get(vm=vm, user=milo)
-    assert grant.state == "active" and grant.from_kind_id is not None
-    job.refresh_from_db()
-    assert job.vm_id == vm.pk and job.placed_at >= grant.activated_at
+    # places the waiting job there in the same settle and starts it, over the login it
+    # has just used; the "You can now use" email goes out after the start.
+    sent, attempt = [], outbox.attempt
+    monkeypatch.setattr(
+        outbox,
+        "attempt",
+        lambda m: sent.append((m.kind, Job.objects.get(pk=job.pk).state)) or attempt(m),
+    )
+    before = logins(fleet, host)
+    queued_tasks.take(ADVANCE)
     try:
-        while job.state != "running" and time.monotonic() < deadline:
-            job_engine.advance(vm.pk)
-            job.refresh_from_db()
-        assert (job.vm_id, job.state) == (vm.pk, "running"), job.reason
+        with django_capture_on_commit_callbacks(execute=True):
+            reconcile_task.apply((vm.pk,))
+        grant = Grant.objects.get(vm=vm, user=milo)
+        assert grant.state == "active" and grant.from_kind_id is not None
+        job.refresh_from_db()
+        assert job.vm_id == vm.pk and job.placed_at >= grant.activated_at
+        assert job.state == "running", job.reason
+        assert queued_tasks.take(ADVANCE) == []  # no pass of its own was needed
+        assert sent == [("access_active", "running")]
+        _wait_for(lambda: logins(fleet, host) > before, 5, "sshd's log line")
+        time.sleep(0.3)  # a second login would be logged by now
+        assert logins(fleet, host) - before == 1
     finally:
         for running in Job.objects.filter(state__in=["running", "cancelling", "starting"]):
             job_engine.stop_on_workers(running, grace=0)

@@ -134,6 +134,20 @@ def test_the_settle_that_puts_the_grant_in_force_places_the_waiting_job(scene, p
     assert passes == [vm.pk]
 
 
+def test_a_reconcile_that_puts_the_grant_in_force_starts_the_placed_job_itself(scene, passes):
+    """The reconcile's own settle (``starts_jobs``) places the waiting job as the
+    other does, and queues no pass for it: the reconcile starts it, over the
+    connections it has just used (``tasks.reconcile_vm``)."""
+    vm, grant, job = _pool_vm_grant_and_waiting_job(scene, "k-r")
+    assert reconcile.settle_grants(vm.pk, starts_jobs=True) is False  # not applied yet
+    for worker in vm.workers.all():
+        WorkerSync.objects.create(worker=worker, applied_version=grant.version)
+    assert reconcile.settle_grants(vm.pk, starts_jobs=True) is True
+    job.refresh_from_db()
+    assert job.vm_id == vm.pk and job.placed_at is not None
+    assert passes == []
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_vms_pass_is_queued_before_the_activation_email_is_first_sent(scene, monkeypatch):
     """The email is stored with the grant's change; its first send (a call to the SMTP
