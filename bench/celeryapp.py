@@ -2,9 +2,11 @@
 
 ``celery -A bench.celeryapp worker`` runs the unchanged tasks; when ``BENCH_EVENTS``
 names a file, each task's start and end and, inside a reconcile, the SSH connect, the
-script run, the fan-out and the settling of grants are appended to it as JSON lines
-(wall-clock ``time.time()``, so the benchmark can line them up with its own clock).
-The probes wrap functions; they change no behaviour.
+script run, the fan-out and the settling of grants (and a job's start, each Cloud TPU
+API call, a created VM put in the lab) are appended to it as JSON lines (wall-clock
+``time.time()``, so the benchmark can line them up with its own clock; ``emit`` is
+for the benchmark's own threads too). The probes wrap functions; they change no
+behaviour.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ def _install_probes() -> None:
     with _patched:
         if _done:
             return
+        from tpus.cloud import client
         from tpus.remote import Held, ssh
-        from tpus.services import emails, job_engine, reconcile, scheduler
+        from tpus.services import emails, inventory, job_engine, reconcile, scheduler
 
         _timed(ssh, "_connect", "connect", lambda worker, *_: {"worker": str(worker)})
         _timed(ssh.Connection, "run", "run", lambda conn, *_: {"worker": str(conn.worker)})
@@ -77,6 +80,9 @@ def _install_probes() -> None:
         # word to start and the start answers (``bench/jobstart.py``).
         _timed(job_engine._Hosts, "begin", "job_preflight", lambda hosts, *_: {"vm": hosts.vm.pk})
         _timed(Held, "go", "job_go", lambda held, *_: {"n": len(held.first)})
+        # Each Cloud TPU API call by its method, and a VM made put in the lab.
+        _timed(client.CloudTPU, "_call", "api", lambda _, method, *__, **___: {"method": method})
+        _timed(inventory, "register_created", "register", lambda lab, node, **_: {"vm": node.name})
         _done = True
 
 

@@ -14,8 +14,8 @@ own), a real ``celery worker`` and ``celery beat`` (the pool's pass every ``--ev
 s, the requests' every ``--follow`` s, the job poll every ``--poll`` s). The lab gives
 one person every v4-8 (a kind grant) and has its v4-8 pool on, spot, idle limit 1 min
 (the shortest it takes). The job is ``sleep 600`` in ``~/jax``, a link to JAX's CPU
-build that each host's /etc/skel holds (a thread of this process puts it there, on a
-host made new too), so the home the portal makes on a new VM has it.
+build that each host's /etc/skel holds (put there at the start, and on a host made new
+before it is offered again), so the home the portal makes on a new VM has it.
 
 a. elastic: the person submits a job for any v4-8 while the lab has none; timed until
    it runs on the VM the pool asked for (its request, the VM in the lab, the grant
@@ -34,7 +34,6 @@ import argparse
 import os
 import shutil
 import sys
-import threading
 import time
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -94,11 +93,10 @@ class ElasticBench:
         import logging
 
         logging.getLogger("tpus").setLevel(logging.WARNING)
-        self.agent = Agent(self.fleet, self.emulator.state_file)
+        for host in sorted(self.fleet.hosts):
+            self._link_jax(host)
+        self.agent = Agent(self.fleet, self.emulator.state_file, prepare=self._link_jax)
         self._scene()
-        self.agent.threads.append(
-            threading.Thread(target=self.agent._loop, args=(self._link_jax,), daemon=True)
-        )
         self.agent.start()
         print("starting a celery worker and beat …", flush=True)
         self.stack.start_worker()
@@ -131,14 +129,12 @@ class ElasticBench:
             runtime_version=RUNTIME, idle_minutes=IDLE_MINUTES,
         )  # fmt: skip
 
-    def _link_jax(self) -> None:
-        """``jax`` → JAX's CPU build in each host's /etc/skel (a host made new has an
-        empty /etc), so the home the portal makes for the person has ``~/jax``."""
-        script = (
-            f"[ -L /etc/skel/jax ] || {{ mkdir -p /etc/skel && ln -sfn {JAX_ENV} /etc/skel/jax; }}"
-        )
-        for host in sorted(self.fleet.hosts):
-            self.fleet.exec(host, ["sh", "-c", script], check=False)
+    def _link_jax(self, host: str) -> None:
+        """``jax`` → JAX's CPU build in the host's /etc/skel, so the home the portal makes
+        for the person has ``~/jax``: on every host at the start, and on a host made new
+        (an empty /etc) before it is offered again, as an image would have it."""
+        script = f"mkdir -p /etc/skel && ln -sfn {JAX_ENV} /etc/skel/jax"
+        self.fleet.exec(host, ["sh", "-c", script])
 
     # --- steps ---------------------------------------------------------------------
 
@@ -213,7 +209,8 @@ class ElasticBench:
                 name = e["task"].rsplit(".", 1)[-1]
                 lines.append((e["t"] - start, f"{e['pid']} < {name}"))
             elif "start" in e:
-                lines.append((e["start"] - start, f"{e['pid']}   {e['kind']} "
+                label = e["kind"] + (f" {e['method']}" if "method" in e else "")
+                lines.append((e["start"] - start, f"{e['pid']}   {label} "
                               f"{e['end'] - e['start']:.3f} s"))  # fmt: skip
         print(f"  -- {what}")
         for at, text in sorted(lines):

@@ -126,10 +126,11 @@ def offer_hosts(fleet: Fleet, store: Store, names: list[str]) -> None:
     )
 
 
-def renew_released(fleet: Fleet, store: Store) -> list[str]:
+def renew_released(fleet: Fleet, store: Store, prepare=None) -> list[str]:
     """Hosts a deleted or preempted node gave back are made new machines (empty /etc
     and homes, new host keys) and offered again: what Google's fleet does between one
-    VM and the next. Returns the names renewed."""
+    VM and the next (``prepare(name)``, if given, runs on each before it is offered: an
+    image's own files). Returns the names renewed."""
     from tpus.emulator.controls import Controls
 
     controls = Controls(store.path)
@@ -138,6 +139,8 @@ def renew_released(fleet: Fleet, store: Store) -> list[str]:
         if name not in fleet.hosts or fleet.host(name).ip != ip:
             continue
         keys = fleet.renew(name)
+        if prepare is not None:
+            prepare(name)
         controls.add_hosts([{"ip": ip, "name": name, "host_keys": keys}])
         renewed.append(name)
     return renewed
