@@ -73,8 +73,9 @@ NOT_MENDED_ON_THE_HOST = {
 
 
 # How soon a run whose workers refused the lab's key while the VM is still taking it
-# (the guest agent applies it seconds after boot) is tried again.
-KEY_RETRY_SECONDS = 1.0
+# (the guest agent applies it within seconds of boot, often a tenth of a second after a
+# new VM shows up) is tried again the first time; the pause doubles with each retry.
+KEY_RETRY_SECONDS = 0.1
 
 
 @dataclass
@@ -265,6 +266,23 @@ def release_stalled_claims() -> list[int]:
             released.append(vm_id)
             log.warning("VM %s: a reconcile stopped renewing its claim; running it again", vm_id)
     return released
+
+
+def next_try_in(report: ReconcileReport, retries: int) -> float:
+    """Seconds before a run that left workers to try again is tried again, after
+    ``retries`` tries: soon for a VM still taking the lab's key (``key_retry_delay``),
+    backing off for workers that could not be reached (``unreachable_retry_delay``)."""
+    if report.waiting_for_key:
+        return key_retry_delay(retries)
+    return unreachable_retry_delay(retries)
+
+
+def key_retry_delay(retries: int) -> float:
+    """Seconds before trying again a VM whose workers are still taking the lab's key,
+    after ``retries`` tries: 0.1, 0.2, 0.4 … (6.3 s in all over six tries; the
+    connection check goes on looking after that, and reconciles the VM once they take
+    it)."""
+    return KEY_RETRY_SECONDS * 2 ** min(retries, 16)
 
 
 def unreachable_retry_delay(retries: int) -> float:

@@ -24,9 +24,7 @@ def reconcile_vm(self, vm_id: int) -> None:
     if self.request.is_eager or self.request.retries >= self.max_retries:
         reconcile.give_up(vm_id)
         return
-    delay = reconcile.unreachable_retry_delay(self.request.retries)
-    # A new VM's guest agent puts the lab's key in place within seconds: look soon.
-    raise self.retry(countdown=reconcile.KEY_RETRY_SECONDS if report.waiting_for_key else delay)
+    raise self.retry(countdown=reconcile.next_try_in(report, self.request.retries))
 
 
 @task(ignore_result=True)

@@ -81,3 +81,19 @@ def test_out_of_retries_a_grant_on_a_vm_still_taking_the_lab_key_is_not_failed(v
     reconcile.give_up(vm.pk)  # the key never came: now the grant fails with the reason
     grant.refresh_from_db()
     assert grant.state == "failed"
+
+
+def test_a_vm_still_taking_the_lab_key_is_tried_again_soon_then_less_often():
+    from tpus.tasks.hosts import RECONCILE_RETRIES
+
+    waiting = reconcile.ReconcileReport(vm_id=1, waiting_for_key=True)
+    unreachable = reconcile.ReconcileReport(vm_id=1, retryable={0: "timed out"})
+    soon = [reconcile.next_try_in(waiting, n) for n in range(RECONCILE_RETRIES)]
+    # A new VM's key is often there a tenth of a second after the refusal: the first
+    # retry comes then, not a second later; the pause doubles, so the retries still
+    # cover the seconds a guest agent may take (then the connection check goes on).
+    assert soon[0] == 0.1
+    assert soon == sorted(soon) and soon[-1] == 0.1 * 2 ** (RECONCILE_RETRIES - 1)
+    assert sum(soon) >= 6
+    # Workers that could not be reached back off from seconds, as before.
+    assert reconcile.next_try_in(unreachable, 0) >= 1
