@@ -650,7 +650,8 @@ def settle_grants(vm_id: int, *, starts_jobs: bool = False) -> bool:
     ).select_related("user__unix_account", "vm__lab")
     activated, placed_here = None, False
     # Each email is stored with its grant's change; their first sends wait until the
-    # waiting pool job is placed and its VM's pass queued.
+    # waiting pool job is placed and its VM's pass queued (in a reconcile, until the
+    # job has started: ``reconcile_and_start`` holds them).
     with outbox.first_attempts_held():
         for grant in waiting:
             username = getattr(getattr(grant.user, "unix_account", None), "username", "")

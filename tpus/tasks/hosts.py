@@ -13,7 +13,8 @@ RECONCILE_RETRIES = 6
 
 @task(bind=True, ignore_result=True, max_retries=RECONCILE_RETRIES)
 def reconcile_vm(self, vm_id: int) -> None:
-    """Make every worker of a VM match the database (see tpus.services.reconcile)."""
+    """Make every worker of a VM match the database, and start the pool jobs its
+    settle placed there (see tpus.services.reconcile)."""
     if not reconcile.worth_running(vm_id, retried=bool(self.request.retries)):
         return
     report = reconcile.reconcile_and_start(vm_id)
