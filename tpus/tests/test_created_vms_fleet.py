@@ -319,22 +319,12 @@ def test_a_grant_on_a_vm_still_taking_the_lab_key_waits_for_it_with_no_alarm(
     django_capture_on_commit_callbacks,
 ):  # fmt: skip
     lab, hosts = agentless_scene
-    spec = VmSpec(
-        name="tpu5", zone=ZONE, accelerator_type="v4-32", runtime_version="tpu-ubuntu2204-base",
-        provisioning="spot",
-    )  # fmt: skip
-    with django_capture_on_commit_callbacks(execute=False):
-        made = vm_requests.request_vm(cast.admin, lab, spec)
-        vm_request_work.send(made.pk)  # a direct create: the VM is in the lab, connecting
-    vm = TpuVm.objects.get(lab=lab, name="tpu5")
+    # A direct create: the VM is in the lab, connecting; seconds later, a grant; the
+    # workers do not take the lab's key yet.
+    vm, grant = _connecting_with_a_grant(
+        cast, lab, tmp_path, fleet_username, django_capture_on_commit_callbacks
+    )
     assert VmConnection.objects.get(vm=vm).state == "connecting"
-    # Seconds later, a grant; the workers do not take the lab's key yet.
-    key = tmp_path / "id_milo"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
-    choose_username(cast.member, fleet_username)
-    add_key(cast.member, key.with_suffix(".pub").read_text().strip())
-    with django_capture_on_commit_callbacks(execute=False):
-        [grant] = grant_access(cast.admin, lab, cast.member, [vm], sudo=False)
     report = reconcile.reconcile_vm(vm.pk)
     assert sorted(report.retryable) == [0, 1, 2, 3] and not report.failed
     grant.refresh_from_db()
@@ -366,7 +356,7 @@ def _connecting_with_a_grant(cast, lab, tmp_path, fleet_username, captured):
     )  # fmt: skip
     with captured(execute=False):
         made = vm_requests.request_vm(cast.admin, lab, spec)
-        vm_request_work.send(made.pk)
+        vm_request_work.send(made.pk)  # a direct create: the VM is in the lab, connecting
     vm = TpuVm.objects.get(lab=lab, name="tpu5")
     key = tmp_path / "id_milo"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
