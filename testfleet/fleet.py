@@ -94,6 +94,8 @@ class Fleet:
         self.hosts: dict[str, Host] = {}
         self.admin: hostfs.AdminAccount | None = None
         self._popen: dict[int, subprocess.Popen] = {}
+        # Hosts cut off since they were last healed (this process's own record).
+        self._cut_off: set[str] = set()
         self._load()
 
     # --- opening, state ---------------------------------------------------------------
@@ -408,6 +410,7 @@ class Fleet:
         host = self.host(name)
         self.net.cut(host.netns, host.veth, host.ip, hang=hang)
         host.down = True
+        self._cut_off.add(name)
         self._save()
 
     def start(self, name: str) -> None:
@@ -420,11 +423,27 @@ class Fleet:
             self._launch([host])
 
     def heal(self, name: str) -> Host:
-        """Whatever a test did to a host, make it run and be reachable again."""
+        """Whatever a test did to a host, make it run and be reachable again. A host
+        that was cut off since it was last healed has its SSH connections ended: what a
+        client sent while the host could not hear it (a script and its input, to a
+        shell the portal keeps open) is still in that client's kernel, which sends it
+        again once the host is back. Arriving later, in the next test, it would run
+        there, with the state of a test that is over."""
         host = self.host(name)
         if host.down or not host.running:
             self.start(name)
+        if name in self._cut_off:
+            self.end_connections(name)
+            self._cut_off.discard(name)
         return host
+
+    def end_connections(self, name: str) -> None:
+        """Close every SSH connection the host has open; its sshd, the host's first
+        process, goes on listening. (A connection is two sshd processes, a privileged
+        one and the session's; either keeps it open.)"""
+        self.exec(name, ["/bin/sh", "-c", (
+            'for pid in $(pgrep -x sshd); do [ "$pid" = 1 ] || kill -KILL "$pid"; done; :'
+        )], check=False)  # fmt: skip
 
     def exec(
         self,
