@@ -163,8 +163,12 @@ class GuestAgent:
         return self
 
     def stop(self) -> None:
+        """Stop, and return only once the thread has: an agent still running would go
+        on writing its nodes' keys onto hosts the next test has taken."""
         self._stop.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=120)
+        if self._thread.is_alive():
+            raise FleetError("the guest agent did not stop within 120 s")
 
     def forget(self) -> None:
         """Apply everything again at the next pass (after a host was rebooted or
@@ -176,6 +180,8 @@ class GuestAgent:
             try:
                 for name in renew_released(self.fleet, self.store):
                     self._applied.pop(name, None)
+                if self._stop.is_set():
+                    break
                 apply_once(self.fleet, self.store.read(), skip=self._applied)
             except Exception:  # keep polling, as the real agent does
                 log.exception("guest agent pass failed")

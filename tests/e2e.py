@@ -252,7 +252,13 @@ def celery_worker_process(transactional_db, smtp_settings, settings):
 def stop(proc: subprocess.Popen, grace: float = 1.0) -> None:
     """Ends a worker or beat a test started, and what it started: TERM, then KILL after
     ``grace`` (on the embedded broker a worker's warm shutdown waits for its next poll,
-    about 4 s, and nothing of it is needed once its test is over)."""
+    about 4 s, and nothing of it is needed once its test is over).
+
+    Only while the process is not reaped: until then its number (and its group's) is
+    still its own; after, the system may have given it to another process, another
+    test's worker or beat, which a signal to it would kill."""
+    if proc.returncode is not None:
+        return  # reaped already (a test waited for it)
     with contextlib.suppress(ProcessLookupError):  # a test may have killed it
         os.killpg(proc.pid, signal.SIGTERM)
     try:
