@@ -218,6 +218,24 @@ def _login_with_config_of_now(pod_):
     return login
 
 
+def _what_the_worker_holds(pod_, host) -> str:
+    """For a login that should have worked and did not: the person's account and keys
+    file on the worker, the lab key the portal logs in with there, and what its sshd
+    logged last (which keys logged in as the portal's account, and when it refused)."""
+    from tpus.services.labkeys import lab_key
+
+    user = pod_.milo.unix_account.username
+    held = pod_.fleet.exec(host.name, ["/bin/sh", "-c", (
+        f"ls -l /etc/ssh/tpu-portal-keys; grep '^{user}:' /etc/passwd /etc/shadow; "
+        "ssh-keygen -lf /home/tpu-portal/.ssh/authorized_keys"
+    )], check=False)  # fmt: skip
+    return (
+        f"{host.name} ({host.ip}) refused {user}; the lab's key is "
+        f"{lab_key(pod_.lab).fingerprint}\n{held.stdout.decode(errors='replace')}"
+        f"{held.stderr.decode(errors='replace')}\nsshd:\n{pod_.fleet.log(host.name)[-4000:]}"
+    )
+
+
 @pytest.mark.parametrize("death", ["kill -9 of the Celery worker", "PostgreSQL restart"])
 def test_a_revoke_refuses_the_person_on_every_worker_within_5_s_whatever_died_before(
     pod,  # noqa: F811
@@ -264,8 +282,8 @@ def test_a_revoke_refuses_the_person_on_every_worker_within_5_s_whatever_died_be
         vm = TpuVm.objects.get(pk=pod.vm.pk)
         assert vm.reconcile_claimed_until is not None  # the dead run's lease is still on
         login = _login_with_config_of_now(pod)
-        for alias in aliases:
-            assert login(alias).returncode == 0, alias
+        for alias, host in zip(aliases, pod.hosts, strict=True):
+            assert login(alias).returncode == 0, _what_the_worker_holds(pod, host)
 
         revoke_access(pod.admin, Grant.objects.get(pk=grant.pk))
         took = _seconds_until_refused(login, aliases, 30)
