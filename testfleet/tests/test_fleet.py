@@ -155,6 +155,42 @@ def test_a_host_taken_down_unreachable_fails_fast(fleet, fleet_host):
     assert connects(fleet_host.ip)
 
 
+def _session(fleet, host) -> subprocess.Popen:
+    """An SSH connection to ``host`` that stays open (a minute's ``sleep``)."""
+    known = fleet.state_dir / f"known_hosts-{host.name}"
+    known.write_text("".join(f"{host.ip} {key}\n" for key in fleet.host_keys(host.name)))
+    session = subprocess.Popen(
+        ["ssh", "-F", "/dev/null", "-i", str(fleet.admin_key_path), "-o", "BatchMode=yes",
+         "-o", "IdentitiesOnly=yes", "-o", f"UserKnownHostsFile={known}",
+         "-o", "StrictHostKeyChecking=yes", f"{fleet.admin_user}@{host.ip}",
+         "echo open; exec sleep 60"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert session.stdout.readline() == "open\n"
+    return session
+
+
+def test_healing_a_host_that_was_cut_off_ends_its_connections_and_only_then(fleet, fleet_hosts):
+    """What a client sent a cut-off host is sent again once it is back: healed between
+    tests, its connections end, so none of it arrives in the next test."""
+    cut, kept = fleet_hosts(2)
+    sessions = {cut.name: _session(fleet, cut), kept.name: _session(fleet, kept)}
+    try:
+        fleet.down(cut.name)
+        fleet.start(cut.name)
+        time.sleep(1)
+        assert sessions[cut.name].poll() is None  # back on the network, still open
+        fleet.heal(cut.name)
+        fleet.heal(kept.name)
+        assert sessions[cut.name].wait(timeout=10) == 255
+        assert sessions[kept.name].poll() is None  # never cut off: left alone
+        assert ssh(fleet, cut, "true").returncode == 0  # sshd still listens
+    finally:
+        for session in sessions.values():
+            session.kill()
+            session.wait()
+
+
 def test_teardown_leaves_no_namespace_link_mount_process_or_file(fleet):
     other = Fleet.open_free(first=fleet.slot + 1)
     try:
