@@ -6,7 +6,9 @@
   state dir; the slot's leftovers from a crashed run are removed first, and everything
   is removed at the end of the session.
 - ``fleet_host``: one healthy host (round robin), healed again after the test, so a
-  test may reboot, move, take down or rekey it.
+  test may reboot, move, take down or rekey it (a host it took down also has its SSH
+  connections ended then: nothing sent to it while it was cut off reaches a later
+  test).
 - ``fleet_hosts``: ``fleet_hosts(n)`` gives n distinct healthy hosts, healed after.
 - ``fleet_username``: a fresh unix user name for this test (hosts are shared between
   the tests of a session, so tests never reuse a name).
