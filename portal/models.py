@@ -13,11 +13,14 @@ class OutboxState(models.TextChoices):
     PENDING = "pending", "Pending"
     SENT = "sent", "Sent"
     FAILED = "failed", "Failed"
+    DROPPED = "dropped", "Not sent: no longer true"
 
 
 class OutboxMessage(models.Model):
     """One rendered email. ``pending`` until the SMTP server accepts it (``sent``) or
-    the portal gives up after PORTAL_MAIL_GIVE_UP_SECONDS (``failed``).
+    the portal gives up after PORTAL_MAIL_GIVE_UP_SECONDS (``failed``). A message stored
+    to be written at its first attempt (``render_with``) whose news is no longer true
+    by then is not sent (``dropped``).
 
     ``next_attempt_at`` is both the retry schedule and a lease: whoever claims the row
     moves it forward first (a conditional UPDATE), so a sender that dies mid-attempt
@@ -31,6 +34,11 @@ class OutboxMessage(models.Model):
     subject = models.CharField(max_length=998)
     body = models.TextField(blank=True)
     html_body = models.TextField(blank=True)
+    # A message written at its first attempt, from what is true then (``portal.mail.
+    # send_later``): the renderer's name and what it is given. Cleared once the text is
+    # stored, so every later attempt sends that same text.
+    render_with = models.CharField(max_length=100, blank=True)
+    render_args = models.JSONField(default=dict, blank=True)
     message_id = models.CharField(max_length=254, help_text="The same Message-ID on every attempt.")
     state = models.CharField(
         max_length=10, choices=OutboxState.choices, default=OutboxState.PENDING
@@ -69,6 +77,15 @@ class OutboxMessage(models.Model):
     def mark_failed(self, error: str) -> None:
         """Attempts failed for longer than the portal keeps trying."""
         self._finish(state=OutboxState.FAILED, last_error=error)
+
+    def write(self, subject: str, body: str) -> None:
+        """The text of a message written at its first attempt, kept for every later
+        one."""
+        self._finish(subject=subject, body=body, render_with="", render_args={})
+
+    def drop(self, why: str) -> None:
+        """A message written at its first attempt had nothing true left to say."""
+        self._finish(state=OutboxState.DROPPED, last_error=why, render_with="", render_args={})
 
     def _finish(self, **fields) -> None:
         # Only a pending row changes: a late result never reopens a finished one.

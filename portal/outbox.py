@@ -28,6 +28,7 @@ import random
 import smtplib
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from django.conf import settings
@@ -65,10 +66,14 @@ def enqueue(
     *,
     html_body: str = "",
     from_email: str = "",
+    render_with: str = "",
+    render_args: dict | None = None,
 ) -> OutboxMessage:
     """Store a message in the current transaction and try to send it once the
     transaction commits (at once outside a transaction). A transaction that rolls back
-    takes the message with it, unsent."""
+    takes the message with it, unsent. With ``render_with`` (a name given to
+    ``register_renderer``) the subject and body are written at the first attempt, from
+    ``render_args``: the change's transaction stores a row and renders nothing."""
     from email.utils import make_msgid
 
     now = timezone.now()
@@ -79,6 +84,8 @@ def enqueue(
         subject=subject,
         body=body,
         html_body=html_body,
+        render_with=render_with,
+        render_args=render_args or {},
         message_id=make_msgid(domain=str(DNS_NAME)),
         created_at=now,
         # The creator's own lease: the sweep leaves the row alone until the first
@@ -88,6 +95,32 @@ def enqueue(
     pk, lease = message.pk, message.next_attempt_at
     transaction.on_commit(lambda: _first_attempt_or_hold(pk, lease))
     return message
+
+
+# A renderer: what a message says, (subject, body), from its ``render_args``; None
+# when what it would say is no longer true (the message is then dropped, unsent).
+Renderer = Callable[[dict], "tuple[str, str] | None"]
+_renderers: dict[str, Renderer] = {}
+
+
+def register_renderer(name: str, render: Renderer) -> None:
+    """Make ``render`` the renderer of messages stored with ``render_with=name`` (at
+    start-up, by the app whose messages they are, in every process)."""
+    _renderers[name] = render
+
+
+def _render(message: OutboxMessage) -> bool:
+    """Write a message stored unrendered, from what is true now, and keep the text.
+    False when there is nothing true left to say: it is dropped."""
+    render = _renderers.get(message.render_with)
+    if render is None:
+        raise LookupError(f"no renderer is registered for {message.render_with!r}")
+    written = render(message.render_args)
+    if written is None:
+        message.drop(f"Not sent: what {message.kind} would say was no longer true.")
+        return False
+    message.write(*written)
+    return True
 
 
 _holding = threading.local()
@@ -189,7 +222,8 @@ def send_due(limit: int = SWEEP_LIMIT) -> int:
     """Send messages whose retry is due (or whose sender died), one claim at a time so
     each lease starts right before its own attempt; with nothing due, try one message
     still backing off (if the server is back, its success makes the rest due and this
-    sweep sends them). Returns how many were sent."""
+    sweep sends them). Returns how many were sent (or dropped: nothing true left to
+    say)."""
     sent = failures_in_a_row = 0
     probed = False
     for _ in range(limit):
@@ -210,9 +244,13 @@ def send_due(limit: int = SWEEP_LIMIT) -> int:
 
 
 def attempt(message: OutboxMessage) -> bool:
-    """Hand a claimed message to the SMTP server and record what happened."""
+    """Hand a claimed message to the SMTP server (written first, if it was stored
+    unrendered) and record what happened. True when it is settled: sent, or dropped
+    with nothing true left to say."""
     global _first_attempts_paused_until
     try:
+        if message.render_with and not _render(message):
+            return True
         _as_email(message).send()
     except Exception as exc:
         # smtplib reports a silent server as "disconnected", caused by the timeout.

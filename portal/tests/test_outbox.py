@@ -276,3 +276,95 @@ def test_after_a_timed_out_attempt_new_messages_wait_for_the_sweep_instead_of_th
     assert sorted(m.to[0] for m in mail.outbox) == ["ada@uni.example", "milo@uni.example"]
     sweep()
     assert len(mail.outbox) == 2
+
+
+# A message written at its first attempt: this test module's renderer says what the
+# "facts" dict holds then, and nothing once the fact is gone.
+_FACTS: dict[str, str] = {}
+
+
+def _render_fact(args: dict) -> tuple[str, str] | None:
+    fact = _FACTS.get(args["fact"])
+    return None if fact is None else (f"About {args['fact']}", f"It is {fact}.")
+
+
+@pytest.fixture
+def facts():
+    outbox.register_renderer("portal.tests.fact", _render_fact)
+    _FACTS.clear()
+    yield _FACTS
+    _FACTS.clear()
+
+
+def _tell(fact: str) -> OutboxMessage:
+    return outbox.enqueue(
+        "fact", ["milo@uni.example"], "", "",
+        render_with="portal.tests.fact", render_args={"fact": fact},
+    )  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_message_stored_unrendered_is_written_at_its_first_attempt_from_what_is_true_then(facts):
+    with transaction.atomic():
+        facts["the sky"] = "blue"
+        _tell("the sky")
+        row = OutboxMessage.objects.get()
+        assert (row.subject, row.body, row.render_with) == ("", "", "portal.tests.fact")
+        facts["the sky"] = "grey"  # changed before the commit: the email says grey
+    [sent] = mail.outbox
+    assert (sent.subject, sent.body) == ("About the sky", "It is grey.")
+    row = OutboxMessage.objects.get()
+    assert row.state == OutboxState.SENT and row.render_with == "" and row.render_args == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_message_written_at_a_refused_attempt_is_retried_with_that_same_text(settings, facts):
+    _smtp_down(settings)
+    facts["the sky"] = "blue"
+    _tell("the sky")
+    row = OutboxMessage.objects.get()
+    assert row.state == OutboxState.PENDING and row.attempts == 1
+    assert (row.subject, row.body, row.render_with) == ("About the sky", "It is blue.", "")
+    facts["the sky"] = "grey"  # a retry sends what the first attempt wrote, not this
+    settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+    _age(31)
+    sweep()
+    [sent] = mail.outbox
+    assert (sent.subject, sent.body) == ("About the sky", "It is blue.")
+    assert sent.extra_headers["Message-ID"] == row.message_id
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_message_with_nothing_true_left_to_say_at_its_first_attempt_is_dropped_unsent(facts):
+    with transaction.atomic():
+        facts["the sky"] = "blue"
+        _tell("the sky")
+        del facts["the sky"]
+    assert not mail.outbox
+    row = OutboxMessage.objects.get()
+    assert row.state == OutboxState.DROPPED and "no longer true" in row.last_error
+    _age(outbox.LEASE.total_seconds() + 3600)
+    assert outbox.send_due() == 0 and not mail.outbox
+    assert outbox.backlog() == {"waiting": 0, "failed": 0}
+
+
+def test_a_message_stored_unrendered_by_a_process_that_died_is_written_by_the_sweep(db, facts):
+    facts["the sky"] = "blue"
+    _tell("the sky")  # no commit hook runs here: as if the process died after its commit
+    assert not mail.outbox and OutboxMessage.objects.get().body == ""
+    _age(outbox.LEASE.total_seconds() + 1)
+    assert outbox.send_due() == 1
+    [sent] = mail.outbox
+    assert sent.body == "It is blue."
+
+
+def test_a_message_whose_renderer_is_unknown_is_kept_and_retried_not_lost(db):
+    outbox.enqueue(
+        "fact", ["milo@uni.example"], "", "", render_with="portal.tests.nobody", render_args={}
+    )
+    _age(outbox.LEASE.total_seconds() + 1)
+    assert outbox.send_due() == 0 and not mail.outbox
+    row = OutboxMessage.objects.get()
+    assert row.state == OutboxState.PENDING and row.backing_off
+    assert "no renderer is registered for 'portal.tests.nobody'" in row.last_error
+    assert row.render_with == "portal.tests.nobody"  # still to be written
