@@ -26,6 +26,7 @@ from accounts.unix import mark_names_provisioned
 from portal import audit, outbox
 from portal.metrics import histograms
 from portal.metrics.histograms import RECONCILE_DURATION, REVOKE_DURATION
+from tpus import queue
 from tpus.models import (
     AuditAction,
     ConnectionState,
@@ -81,6 +82,8 @@ KEY_RETRY_SECONDS = 0.1
 @dataclass
 class ReconcileReport:
     vm_id: int
+    # Asked by the caller: the pool jobs its settle places on the VM start in the run.
+    start_placed_jobs: bool = False
     version: int = 0
     busy: bool = False
     ok: list[int] = field(default_factory=list)  # worker indexes
@@ -89,9 +92,11 @@ class ReconcileReport:
     changed: int = 0
     # Workers refused the lab's key while the VM is still taking it: looked at again soon.
     waiting_for_key: bool = False
-    # Pool jobs were placed on the VM as their owners' grants came in force: the caller
-    # starts them (``job_engine.advance``); no pass was queued for them.
+    # Pool jobs were placed on the VM as their owners' grants came in force; no pass was
+    # queued for them: the run started them (``start_placed_jobs``) or its caller does.
     jobs_placed: bool = False
+    # How long the run spent starting them (not counted in the reconcile's duration).
+    jobs_start_seconds: float = 0.0
     # A worker refused the lab's key in the last run, which began at ``run_started``.
     refused: bool = False
     run_started: dt.datetime | None = None
@@ -292,12 +297,13 @@ def unreachable_retry_delay(retries: int) -> float:
     return base / 2 + random.uniform(0, base / 2)  # noqa: S311 (jitter, not secrecy)
 
 
-def reconcile_vm(vm_id: int) -> ReconcileReport:
+def reconcile_vm(vm_id: int, *, start_placed_jobs: bool = False) -> ReconcileReport:
     """Apply the VM's desired state to every worker, then settle its grants. Runs
     again if the desired state changed while it ran. A run that finds the VM claimed
     leaves it to the holder (which runs again for the change), unless a revoke is
-    waiting that the holder does not carry: then it takes the VM over."""
-    report = ReconcileReport(vm_id)
+    waiting that the holder does not carry: then it takes the VM over. With
+    ``start_placed_jobs``, pool jobs its settle places here start within the run."""
+    report = ReconcileReport(vm_id, start_placed_jobs=start_placed_jobs)
     token = secrets.token_hex(16)
     if not (_claim(vm_id, token) or _take_over(vm_id, token)):
         report.busy = True
@@ -318,19 +324,18 @@ def reconcile_vm(vm_id: int) -> ReconcileReport:
         outcome = _outcome(report)
     finally:
         _release(vm_id, token)
-        histograms.observe(RECONCILE_DURATION, time.monotonic() - started, outcome=outcome)
+        took = time.monotonic() - started - report.jobs_start_seconds
+        histograms.observe(RECONCILE_DURATION, took, outcome=outcome)
     return report
 
 
 def reconcile_and_start(vm_id: int) -> ReconcileReport:
-    """``reconcile_vm``, then the start of the pool jobs its settle placed on the VM as
-    their owners' accounts came (``jobs_placed``), in this process: over the logins the
-    reconcile has just made, with no pass to queue. The emails of both go out after."""
+    """``reconcile_vm``, starting the pool jobs its settle places on the VM as their
+    owners' accounts come (``jobs_placed``) in this process: over the logins the run
+    has just made, with no pass to queue, before the run records the rest of what it
+    saw. The emails of both go out after."""
     with outbox.first_attempts_held():
-        report = reconcile_vm(vm_id)
-        if report.jobs_placed:
-            job_engine.advance(vm_id)
-    return report
+        return reconcile_vm(vm_id, start_placed_jobs=True)
 
 
 def _key_taken_since(report: ReconcileReport) -> bool:
@@ -478,7 +483,12 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             retryable=error.retryable,
             mendable=error.kind not in NOT_MENDED_ON_THE_HOST,
         )
-    report.jobs_placed |= settle_grants(vm_id, starts_jobs=True)
+    if settle_grants(vm_id, starts_jobs=True):
+        report.jobs_placed = True
+        if report.start_placed_jobs:
+            began = time.monotonic()
+            _start_placed_jobs(vm_id)
+            report.jobs_start_seconds += time.monotonic() - began
     disk_mounts.after_run(vm_id, report.ok, looked_at=looked_at)
     if len(report.ok) == len(workers) and workers:
         # Every worker took the lab's key: a VM still connecting is connected now.
@@ -496,6 +506,17 @@ def _run_once(vm_id: int, report: ReconcileReport, token: str) -> None:
             "failed": report.failed,
         },
     )
+
+
+def _start_placed_jobs(vm_id: int) -> None:
+    """The pass that starts the jobs just placed here, in this run (its person waits
+    for nothing else the run does). Should it fail, the VM's own pass is queued to
+    start them, and the run goes on to record what it saw."""
+    try:
+        job_engine.advance(vm_id)
+    except Exception:
+        log.exception("starting the jobs placed on VM %s in its reconcile failed", vm_id)
+        queue.advance_jobs(vm_id)
 
 
 def _still_connecting(vm_id: int) -> bool:

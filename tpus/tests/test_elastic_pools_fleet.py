@@ -15,7 +15,7 @@ from accounts.unix import choose_username
 from portal import outbox
 from testfleet.guestagent import offer_hosts
 from tests.requirements import need
-from tpus.models import Grant, Job, LabAllowance, VmConnection, VmRequest
+from tpus.models import AuditAction, AuditEvent, Grant, Job, LabAllowance, VmConnection, VmRequest
 from tpus.services import connect, elastic_admin, job_engine, vm_request_work
 from tpus.services.jobs import JobSpec, Kind, submit_pool_job
 from tpus.services.kind_grants import grant_kind
@@ -93,6 +93,9 @@ def test_a_job_waiting_on_an_empty_elastic_pool_runs_on_the_vm_the_pool_made(
         job.refresh_from_db()
         assert job.vm_id == vm.pk and job.placed_at >= grant.activated_at
         assert job.state == "running", job.reason
+        # Started before the run recorded the rest of what it saw (its audit row last).
+        ran = AuditEvent.objects.filter(action=AuditAction.VM_RECONCILED, data__vm=vm.pk)
+        assert job.started_at <= ran.latest("created_at").created_at
         assert queued_tasks.take(ADVANCE) == []  # no pass of its own was needed
         assert sent == [("access_active", "running")]
         _wait_for(lambda: logins(fleet, host) > before, 5, "sshd's log line")
