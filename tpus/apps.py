@@ -13,11 +13,15 @@ class TpusConfig(AppConfig):
         from django.contrib.auth import get_user_model
         from django.db.models.signals import pre_delete
 
+        from portal import mail
         from tpus import (
             checks,  # noqa: F401  (registers the system checks)
             tasks,  # noqa: F401
         )
-        from tpus.services import elastic_pass, jobs, snapshots
+        from tpus.services import elastic_pass, emails, jobs, snapshots
+
+        # Emails written at their first attempt, from what is true then.
+        mail.register("access_active", emails.access_active_context)
 
         # A pool job no free VM took grows its kind's elastic pool in its submit.
         jobs.no_vm_took.connect(elastic_pass.no_vm_took, dispatch_uid="tpus.elastic.no_vm_took")

@@ -66,28 +66,52 @@ def send_invite_email(invite_id: int, raw_token: str) -> None:
     )
 
 
+def send_access_active(grant: Grant) -> None:
+    """The "You can now use …" email, with the VM's workers, ssh config lines and known_hosts:
+    stored with the grant's change and written at its first attempt (right after the
+    commit), so the change commits without the reads the text needs
+    (``access_active_context``). ``grant``: with its user."""
+    mail.send_later("access_active", [grant.user.email], {"grant": grant.pk})
+
+
+def access_active_context(args: dict) -> dict | None:
+    """The context of the "You can now use …" email of ``args["grant"]``, or None when
+    the grant is no longer in force (the email is then not sent)."""
+    grant = (
+        Grant.objects.select_related("user__unix_account", "vm__lab")
+        # The list, the config lines and known_hosts all read the VM's workers: once.
+        .prefetch_related("vm__workers")
+        .filter(pk=args["grant"], state="active")
+        .first()
+    )
+    if grant is None:
+        return None
+    among = sshconfig.naming_peers(grant.user)
+    return {
+        "grant": grant,
+        "vm": grant.vm,
+        "lab": grant.vm.lab,
+        "workers": sorted(grant.vm.workers.all(), key=lambda w: w.index),
+        # The same lines as the downloaded config and known_hosts, for this VM.
+        "snippet": sshconfig.snippet_for(grant.user, [grant.vm], among=among),
+        "known_hosts": sshconfig.render_known_hosts([grant.vm], among=among),
+        "host": sshconfig.host_name_for(grant.user, grant.vm, among=among),
+        "config_path": sshconfig.CONFIG_PATH,
+        "known_hosts_path": sshconfig.KNOWN_HOSTS_PATH,
+    }
+
+
 def send_grant_email(grant_id: int, kind: str) -> None:
     """``active`` and ``revoked`` and ``expiring`` go to the person; ``failed`` to the
     lab's admins."""
-    grants = Grant.objects.select_related("user__unix_account", "vm__lab").filter(pk=grant_id)
-    if kind == "active":
-        # The list, the config lines and known_hosts all read the VM's workers: once.
-        grants = grants.prefetch_related("vm__workers")
-    grant = grants.first()
+    grants = Grant.objects.select_related("user__unix_account", "vm__lab")
+    grant = grants.filter(pk=grant_id).first()
     if grant is None:
         return
     lab = grant.vm.lab
     context = {"grant": grant, "vm": grant.vm, "lab": lab}
     if kind == "active" and grant.state == "active":
-        context["workers"] = sorted(grant.vm.workers.all(), key=lambda w: w.index)
-        among = sshconfig.naming_peers(grant.user)
-        # The same lines as the downloaded config and known_hosts, for this VM.
-        context["snippet"] = sshconfig.snippet_for(grant.user, [grant.vm], among=among)
-        context["known_hosts"] = sshconfig.render_known_hosts([grant.vm], among=among)
-        context["host"] = sshconfig.host_name_for(grant.user, grant.vm, among=among)
-        context["config_path"] = sshconfig.CONFIG_PATH
-        context["known_hosts_path"] = sshconfig.KNOWN_HOSTS_PATH
-        mail.send("access_active", [grant.user.email], context)
+        send_access_active(grant)
     elif kind == "revoked" and grant.state == "revoked":
         mail.send("access_revoked", [grant.user.email], context)
     elif kind == "expiring" and grant.is_wanted:

@@ -750,7 +750,7 @@ def _activate(grant: Grant, now) -> bool:
                 summary=grant.vm.name,
                 data={"grant": grant.pk},
             )
-            emails.send_grant_email(grant.pk, "active")
+            emails.send_access_active(grant)
             return True
     return False
 

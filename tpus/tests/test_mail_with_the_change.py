@@ -17,9 +17,10 @@ from django.db.models import F
 
 from accounts.unix import choose_username
 from portal.models import OutboxMessage, OutboxState
+from portal.outbox import LEASE
 from portal.tasks import send_mail as outbox_sweep
 from tpus.models import Grant, IpChangeNotice
-from tpus.services import inventory, sync
+from tpus.services import inventory, reconcile, sync
 from tpus.tasks import reconcile_sweep
 from tpus.tests.jobs_support import make_vm
 
@@ -120,3 +121,32 @@ def test_the_ip_change_emails_are_in_the_outbox_with_the_new_address_even_if_not
     outbox_sweep()
     assert sorted(m.to[0] for m in mail.outbox) == sorted(people)
     assert all("35.9.9.9" in m.subject for m in mail.outbox)
+
+
+def test_the_access_email_is_written_when_it_goes_out_and_not_sent_for_a_grant_revoked_before(
+    db, settings, make_lab, make_user, add_member
+):
+    lab = make_lab("Vision", slug="vision")
+    milo, nina = make_user("milo@vision.example"), make_user("nina@vision.example")
+    for person, name in ((milo, "milo"), (nina, "nina")):
+        add_member(lab, person)
+        choose_username(person, name)
+    vm = make_vm(lab, workers=0)
+    kept = Grant.objects.create(user=milo, vm=vm, state="pending")
+    gone = Grant.objects.create(user=nina, vm=vm, state="pending")
+    reconcile.settle_grants(vm.pk)  # (no commit hook runs here: no attempt yet)
+    assert set(Grant.objects.values_list("state", flat=True)) == {"active"}
+    # The change committed with two rows and no text: the reads for it come later.
+    stored = OutboxMessage.objects.order_by("to")
+    assert [(m.kind, m.subject, m.body, m.render_with) for m in stored] == [
+        ("access_active", "", "", "access_active")
+    ] * 2
+    Grant.objects.filter(pk=gone.pk).update(state="revoked")
+    _later(LEASE.total_seconds() + 1)
+    outbox_sweep()
+    [sent] = mail.outbox
+    assert sent.to == [milo.email] and sent.subject.endswith("You can now use tpu5 (Vision)")
+    assert "Your unix username on it is milo." in sent.body
+    states = dict(OutboxMessage.objects.values_list("to", "state"))
+    assert states == {milo.email: OutboxState.SENT, nina.email: OutboxState.DROPPED}
+    assert Grant.objects.get(pk=kept.pk).state == "active"
