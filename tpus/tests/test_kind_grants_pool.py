@@ -5,7 +5,7 @@ active), whatever the kind grant says."""
 from __future__ import annotations
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.test.utils import CaptureQueriesContext
 
 from portal import outbox
@@ -181,3 +181,20 @@ def test_a_pass_that_places_on_its_own_vm_queues_no_second_pass(scene, passes):
     assert {p.vm_id for p in placed} == {vm.pk, other.pk}
     # The pass placing starts its own job; the other VM's pass is queued.
     assert passes == [other.pk]
+
+
+def test_a_placed_job_whose_start_in_the_reconcile_fails_is_left_to_its_vms_own_pass(
+    scene, passes, monkeypatch, caplog
+):
+    """The run that placed the job starts it; should that start fail (the database
+    went away mid-pass, say), the VM's own pass is queued for it and the run goes on
+    to record what it saw."""
+    vm, _, job = _pool_vm_grant_and_waiting_job(scene, "k-f")
+
+    def broken(vm_id):
+        raise DatabaseError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(reconcile.job_engine, "advance", broken)
+    reconcile._start_placed_jobs(vm.pk)
+    assert passes == [vm.pk]
+    assert f"starting the jobs placed on VM {vm.pk} in its reconcile failed" in caplog.text
