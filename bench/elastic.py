@@ -6,6 +6,7 @@ pool made deleted once idle past its limit, within one pool pass:
 
     sudo-capable root shell, from the repository root (PostgreSQL and Redis running):
     .venv/bin/python -m bench.elastic [--reps 2] [--every 5] [--follow 2] [--poll 5]
+                                      [--timeline] [--no-warmup]
 
 What runs: a fleet of real sshd hosts offered to the Cloud TPU emulator as the machines
 new nodes are made of, Google's guest agent in a thread of this process (each node's
@@ -26,6 +27,10 @@ b. the parts, once each in the same repetition: an admin's queued request with
    running (start). Their sum is what (a) is held to.
 c. shrink: every job ended, the pool's VM idle; the delay from its idle limit to its
    deletion being sent, against the pool's pass interval.
+
+One repetition is run first and not counted (``--no-warmup`` counts it): the journey
+comes first in each, so the first one alone would carry the worker processes' first
+imports and connections, which its parts then find made.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class ElasticBench:
 
         # Per repetition two v4-8 (the pool's, the admin's), and machines to spare
         # while deleted ones are made new.
-        hosts = 2 * self.args.reps + 2
+        hosts = 2 * (self.args.reps + int(self.args.warmup)) + 2
         print(f"starting a fleet of {hosts} sshd hosts …", flush=True)
         self.fleet = Fleet.open_free()
         self.fleet.teardown()
@@ -289,7 +294,8 @@ class ElasticBench:
 
     def run(self) -> None:
         totals, sums, shrinks, rows_a, rows_b = [], [], [], [], []
-        for rep in range(1, self.args.reps + 1):
+        first = 0 if self.args.warmup else 1
+        for rep in range(first, self.args.reps + 1):
             total, parts_a, job = self.elastic()
             self._end(job)
             parts_b = self.parts()
@@ -297,6 +303,10 @@ class ElasticBench:
             deleted = {job.vm.name, self._delete_admin_vm(parts_b.pop("vm"))}
             self._quiet(deleted)
             base = sum(parts_b.values())
+            if rep == 0:
+                print(f"  warm-up (not counted): elastic {total:.2f} s, sum of parts "
+                      f"{base:.2f} s", flush=True)  # fmt: skip
+                continue
             totals.append(total)
             sums.append(base)
             shrinks.append(delay)
@@ -350,6 +360,14 @@ def main(argv=None) -> int:
     parser.add_argument("--poll", type=int, default=5, help="PORTAL_JOB_POLL_SECONDS")
     parser.add_argument(
         "--timeline", action="store_true", help="print each repetition's rows and tasks in time"
+    )
+    parser.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="count the first repetition too (by default one is run first and not counted: "
+        "the journey, always first, would otherwise carry the worker's first imports, "
+        "database and broker connections, which its parts then find made)",
     )
     args = parser.parse_args(argv)
     args.reps = max(1, min(args.reps, 10))
