@@ -61,6 +61,7 @@ def _install_probes() -> None:
     with _patched:
         if _done:
             return
+        from portal import outbox
         from tpus.cloud import client
         from tpus.remote import Held, ssh
         from tpus.services import emails, inventory, job_engine, reconcile, scheduler
@@ -75,6 +76,8 @@ def _install_probes() -> None:
         _timed(reconcile, "_activate", "activate", lambda grant, *_: {"grant": grant.pk})
         _timed(scheduler, "place", "place", lambda lab_id, *_: {"lab": lab_id})
         _timed(emails, "send_grant_email", "grant_email", lambda grant_id, *_: {"grant": grant_id})
+        # An email written at its first attempt ("You can now use"): after the commit.
+        _timed(outbox, "_render", "email_written", lambda message: {"email": message.kind})
         _timed(job_engine, "_begin", "job_begin", lambda job, *_: {"job": job.pk})
         # A job's start: every worker's pre-flight (until the last answered), then the
         # word to start and the start answers (``bench/jobstart.py``).
