@@ -2,7 +2,9 @@
 // server fills the list (htmx); this makes it usable from the keyboard: the arrow
 // keys move through the matches, Enter puts the chosen one in the field, Escape
 // closes the list. The field holds what is submitted, so typing a full username or
-// VM name and pressing Enter works without the list, and the server checks it.
+// VM name and pressing Enter works without the list, and the server checks it. A list
+// that arrives after a match was chosen (its search was still on its way) does not
+// open again over the choice: only typing does.
 (function () {
   "use strict";
 
@@ -31,9 +33,17 @@
 
   function choose(input, list, option) {
     input.value = option.dataset.value;
+    input.dataset.chosen = input.value;
+    // A search still on its way is for what was typed before the choice.
+    if (window.htmx) window.htmx.trigger(input, "htmx:abort");
     setOpen(input, list, false);
     input.focus();
   }
+
+  document.addEventListener("input", function (event) {
+    var input = event.target;
+    if (input.matches && input.matches('input[role="combobox"]')) delete input.dataset.chosen;
+  });
 
   document.addEventListener("keydown", function (event) {
     var input = event.target;
@@ -71,6 +81,11 @@
     if (!list || list.getAttribute("role") !== "listbox") return;
     var input = document.querySelector('input[aria-controls="' + list.id + '"]');
     if (!input) return;
-    setOpen(input, list, list.children.length > 0 && document.activeElement === input);
+    var chosen = input.dataset.chosen !== undefined && input.dataset.chosen === input.value;
+    setOpen(
+      input,
+      list,
+      !chosen && list.children.length > 0 && document.activeElement === input
+    );
   });
 })();

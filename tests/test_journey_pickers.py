@@ -68,3 +68,50 @@ def test_an_admin_gives_access_with_the_picker_using_only_the_keyboard(
     assert grant.user == milo and grant.state == "pending"
     assert reconciles == [vm.pk]
     expect(page.locator(f"#grant-{grant.pk} .badge")).to_have_text("Pending")
+
+
+def test_a_list_that_arrives_after_the_choice_does_not_open_over_it(
+    page, live_server, make_lab, make_user, add_member
+):
+    """The admin chose milo while the search for what they had typed was still on its
+    way (a loaded server): its list arrives after the choice and stays closed, so the
+    next Enter submits milo instead of landing on a list that opened again."""
+    lab = make_lab("Vision Lab", slug="vision")
+    add_member(lab, make_user("boss@vision.example", password=PASSWORD), role="admin")
+    vm = TpuVm.objects.create(lab=lab, name="tpu5", zone="us-central1-f", source="manual")
+    Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10", host_keys=[ED25519])
+    _member(lab, make_user, add_member, "mila@uni.example", "mila", 30_001)
+    _member(lab, make_user, add_member, "milo@uni.example", "milo", 30_002)
+
+    page.goto("/accounts/login/")
+    page.fill("input[name=login]", "boss@vision.example")
+    page.fill("input[name=password]", PASSWORD)
+    page.keyboard.press("Enter")
+    page.wait_for_url(lambda url: "/accounts/login/" not in url)
+    page.goto(f"/labs/{lab.slug}/vms/{vm.pk}/access/")
+
+    field = page.get_by_role("combobox", name="Member")
+    listbox = page.locator("#grant-user-options")
+    field.focus()
+    page.keyboard.type("mil")
+    expect(listbox.locator("[role=option]")).to_have_count(2)
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("Enter")  # milo
+    expect(field).to_have_value("milo")
+    expect(listbox).to_be_hidden()
+    # The list for "mil" arrives now, as a late answer to the search would.
+    with page.expect_response(lambda r: "mil" in r.url and r.ok):
+        page.evaluate(
+            """([url, target]) => htmx.ajax("GET", url, {target: target, swap: "innerHTML",
+                                                         values: {user: "mil"}})""",
+            [f"/labs/{lab.slug}/people/search/", "#grant-user-options"],
+        )
+    expect(listbox.locator("[role=option]")).to_have_count(2)  # it was swapped in
+    expect(listbox).to_be_hidden()
+    expect(field).to_have_attribute("aria-expanded", "false")
+    # Typing again is a new search: its list opens.
+    page.keyboard.press("Backspace")
+    page.keyboard.press("Backspace")  # "mi"
+    expect(listbox).to_be_visible()
+    expect(field).to_have_attribute("aria-expanded", "true")
