@@ -81,7 +81,7 @@
     if (!list || list.getAttribute("role") !== "listbox") return;
     var input = document.querySelector('input[aria-controls="' + list.id + '"]');
     if (!input) return;
-    var chosen = input.dataset.chosen !== undefined && input.dataset.chosen === input.value;
+    var chosen = input.dataset.chosen === input.value;
     setOpen(
       input,
       list,

@@ -25,20 +25,15 @@ def _member(lab, make_user, add_member, email, username, uid):
     return user
 
 
-def test_an_admin_gives_access_with_the_picker_using_only_the_keyboard(
-    page, live_server, make_lab, make_user, add_member, monkeypatch
-):
-    reconciles = []
-    monkeypatch.setattr(queue, "reconcile_vm", reconciles.append)
+def _on_the_access_page_of_tpu5(page, make_lab, make_user, add_member):
+    """Vision Lab's admin, signed in, on tpu5's Access page; mila and milo are members
+    with usernames. Returns tpu5 and milo."""
     lab = make_lab("Vision Lab", slug="vision")
     add_member(lab, make_user("boss@vision.example", password=PASSWORD), role="admin")
     vm = TpuVm.objects.create(lab=lab, name="tpu5", zone="us-central1-f", source="manual")
     Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10", host_keys=[ED25519])
     _member(lab, make_user, add_member, "mila@uni.example", "mila", 30_001)
     milo = _member(lab, make_user, add_member, "milo@uni.example", "milo", 30_002)
-    # Someone of another lab with a matching name never shows up.
-    other = make_lab("Other Lab", slug="other")
-    _member(other, make_user, add_member, "miles@other.example", "miles", 30_003)
 
     page.goto("/accounts/login/")
     page.fill("input[name=login]", "boss@vision.example")
@@ -46,6 +41,18 @@ def test_an_admin_gives_access_with_the_picker_using_only_the_keyboard(
     page.keyboard.press("Enter")
     page.wait_for_url(lambda url: "/accounts/login/" not in url)
     page.goto(f"/labs/{lab.slug}/vms/{vm.pk}/access/")
+    return vm, milo
+
+
+def test_an_admin_gives_access_with_the_picker_using_only_the_keyboard(
+    page, live_server, make_lab, make_user, add_member, monkeypatch
+):
+    reconciles = []
+    monkeypatch.setattr(queue, "reconcile_vm", reconciles.append)
+    # Someone of another lab with a matching name never shows up.
+    other = make_lab("Other Lab", slug="other")
+    _member(other, make_user, add_member, "miles@other.example", "miles", 30_003)
+    vm, milo = _on_the_access_page_of_tpu5(page, make_lab, make_user, add_member)
 
     field = page.get_by_role("combobox", name="Member")
     field.focus()
@@ -76,19 +83,7 @@ def test_a_list_that_arrives_after_the_choice_does_not_open_over_it(
     """The admin chose milo while the search for what they had typed was still on its
     way (a loaded server): its list arrives after the choice and stays closed, so the
     next Enter submits milo instead of landing on a list that opened again."""
-    lab = make_lab("Vision Lab", slug="vision")
-    add_member(lab, make_user("boss@vision.example", password=PASSWORD), role="admin")
-    vm = TpuVm.objects.create(lab=lab, name="tpu5", zone="us-central1-f", source="manual")
-    Worker.objects.create(vm=vm, index=0, external_ip="192.0.2.10", host_keys=[ED25519])
-    _member(lab, make_user, add_member, "mila@uni.example", "mila", 30_001)
-    _member(lab, make_user, add_member, "milo@uni.example", "milo", 30_002)
-
-    page.goto("/accounts/login/")
-    page.fill("input[name=login]", "boss@vision.example")
-    page.fill("input[name=password]", PASSWORD)
-    page.keyboard.press("Enter")
-    page.wait_for_url(lambda url: "/accounts/login/" not in url)
-    page.goto(f"/labs/{lab.slug}/vms/{vm.pk}/access/")
+    vm, _ = _on_the_access_page_of_tpu5(page, make_lab, make_user, add_member)
 
     field = page.get_by_role("combobox", name="Member")
     listbox = page.locator("#grant-user-options")
@@ -105,7 +100,7 @@ def test_a_list_that_arrives_after_the_choice_does_not_open_over_it(
         page.evaluate(
             """([url, target]) => htmx.ajax("GET", url, {target: target, swap: "innerHTML",
                                                          values: {user: "mil"}})""",
-            [f"/labs/{lab.slug}/people/search/", "#grant-user-options"],
+            [f"/labs/{vm.lab.slug}/people/search/", "#grant-user-options"],
         )
     expect(listbox.locator("[role=option]")).to_have_count(2)  # it was swapped in
     expect(listbox).to_be_hidden()
